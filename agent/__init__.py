@@ -1,0 +1,1 @@
+"""The worker on each GPU host; it imports ``experiment``, never ``server``."""

@@ -1,0 +1,1 @@
+"""coop's science: plans, tasks, corpus, seed model, training, evaluation, report."""

@@ -1,0 +1,88 @@
+"""Canonical JSON, sha256 identities and atomic, never-overwriting file writes.
+
+One implementation used everywhere: every identity in coop is ``identity(obj)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from experiment.errors import CoopError
+
+
+def canonical_bytes(obj: Any) -> bytes:
+    """Sorted keys, compact separators, ASCII only; NaN and infinities are refused."""
+    try:
+        text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except ValueError as exc:
+        raise CoopError(f"cannot write canonical JSON: {exc}") from exc
+    return text.encode("ascii")
+
+
+def identity(obj: Any) -> str:
+    """The sha256 hex digest of the canonical JSON of ``obj``."""
+    return hashlib.sha256(canonical_bytes(obj)).hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_new_bytes(path: Path, data: bytes) -> None:
+    """Record a new file: refuse to overwrite, but accept an identical existing file (a replay)."""
+    if path.exists():
+        if path.read_bytes() == data:
+            return
+        raise CoopError(f"{path} already exists with different content; refusing to overwrite it")
+    atomic_write_bytes(path, data)
+
+
+def write_new_json(path: Path, obj: Any) -> None:
+    """Canonical JSON plus a newline, written with ``write_new_bytes``."""
+    write_new_bytes(path, canonical_bytes(obj) + b"\n")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError as exc:
+        raise CoopError(f"{path} does not exist") from exc
+    except json.JSONDecodeError as exc:
+        raise CoopError(f"{path} is not valid JSON: {exc}") from exc

@@ -1,0 +1,190 @@
+"""Checkpoints on every rank: safetensors weights, optimizer and RNG state, a receipt, and a pointer.
+
+Each checkpoint and each pointer is a new file (``pointers/step-000064.json``); the latest pointer is
+the highest step. Verification refuses any mismatch and names it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from experiment.canonical import canonical_bytes, read_json, sha256_bytes, sha256_file, write_new_bytes, write_new_json
+from experiment.errors import CoopError
+
+MODEL_DIR = "model"
+OPTIMIZER = "optimizer.pt"
+RNG = "rng.pt"
+RECEIPT = "receipt.json"
+# Seed files copied next to the weights so that a checkpoint's model/ is a complete model folder.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    """One update as the journal keeps it; ``positions`` are the global batch's document positions."""
+
+    step: int
+    positions: list[int]
+    local_positions: list[int]
+    loss: float
+    learning_rate: float
+    gradient_norm: float
+    targets: int
+    weighted_targets: int
+    documents: int
+    seconds: float
+
+
+class Receipt(msgspec.Struct, frozen=True):
+    step: int
+    binding: str
+    parameter_digest: str
+    files: dict[str, str]  # path relative to the checkpoint folder -> sha256
+    journal: list[StepRecord]
+
+
+class Pointer(msgspec.Struct, frozen=True):
+    step: int
+    checkpoint: str  # folder name under checkpoints/
+    receipt_sha256: str
+
+
+def _name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _files_under(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    binding: str,
+    parameter_digest: str,
+    journal: list[StepRecord],
+    tokenizer_dir: Path,
+) -> Pointer:
+    """Write the checkpoint into a temporary folder, rename it into place, then write its pointer."""
+    final = run_dir / "checkpoints" / _name(step)
+    if final.exists():
+        raise CoopError(f"checkpoint {final} already exists; refusing to overwrite it")
+    staging = run_dir / "checkpoints" / f".{_name(step)}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)  # an unfinished write of a previous, interrupted attempt
+    (staging / MODEL_DIR).mkdir(parents=True)
+    save_pretrained: Any = getattr(model, "save_pretrained")  # noqa: B009 (a transformers model)
+    save_pretrained(staging / MODEL_DIR, safe_serialization=True)
+    for source in sorted(tokenizer_dir.iterdir()):
+        if source.is_file() and source.name not in MODEL_FILES and not source.name.endswith(".safetensors"):
+            shutil.copyfile(source, staging / MODEL_DIR / source.name)
+    torch.save(optimizer.state_dict(), staging / OPTIMIZER)
+    rng: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, staging / RNG)
+    receipt = Receipt(
+        step=step, binding=binding, parameter_digest=parameter_digest, files=_files_under(staging), journal=journal
+    )
+    receipt_bytes = canonical_bytes(msgspec.to_builtins(receipt)) + b"\n"
+    write_new_bytes(staging / RECEIPT, receipt_bytes)
+    for path in staging.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    staging.rename(final)
+    pointer = Pointer(step=step, checkpoint=final.name, receipt_sha256=sha256_bytes(receipt_bytes))
+    write_new_json(run_dir / "pointers" / f"{_name(step)}.json", msgspec.to_builtins(pointer))
+    return pointer
+
+
+def pointers(run_dir: Path) -> list[Pointer]:
+    folder = run_dir / "pointers"
+    found = []
+    for path in sorted(folder.glob("step-*.json")) if folder.is_dir() else []:
+        try:
+            found.append(msgspec.convert(read_json(path), type=Pointer))
+        except msgspec.ValidationError as exc:
+            raise CoopError(f"pointer {path} is malformed: {exc}") from exc
+    return found
+
+
+def latest(run_dir: Path) -> Pointer | None:
+    """The pointer of the highest step; a checkpoint folder without a pointer is refused."""
+    found = pointers(run_dir)
+    pointed = {p.checkpoint for p in found}
+    folder = run_dir / "checkpoints"
+    for checkpoint in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+        if checkpoint.name not in pointed:
+            step = int(checkpoint.name.removeprefix("step-"))
+            raise CoopError(
+                f"checkpoint {checkpoint} has no pointer; if it should be kept, verify and adopt it "
+                f"with: coop checkpoint adopt --run {run_dir} --step {step}"
+            )
+    return max(found, key=lambda p: p.step, default=None)
+
+
+def verify(run_dir: Path, pointer: Pointer, binding: str) -> Receipt:
+    """The receipt matches the pointer, every file its hash, and the binding the run's."""
+    folder = run_dir / "checkpoints" / pointer.checkpoint
+    receipt_path = folder / RECEIPT
+    if not receipt_path.is_file():
+        raise CoopError(f"checkpoint {folder} has no receipt")
+    if sha256_file(receipt_path) != pointer.receipt_sha256:
+        raise CoopError(
+            f"receipt {receipt_path} does not match the sha256 that its pointer "
+            f"pointers/{folder.name}.json records: one of the two was changed"
+        )
+    try:
+        receipt = msgspec.convert(read_json(receipt_path), type=Receipt)
+    except msgspec.ValidationError as exc:
+        raise CoopError(f"receipt {receipt_path} is malformed: {exc}") from exc
+    if receipt.step != pointer.step:
+        raise CoopError(f"receipt {receipt_path} is for step {receipt.step}, its pointer says {pointer.step}")
+    if receipt.binding != binding:
+        raise CoopError(
+            f"checkpoint {folder} belongs to binding {receipt.binding[:16]}, this run is "
+            f"{binding[:16]}: different inputs, profile, arm or world"
+        )
+    present = {name: digest for name, digest in _files_under(folder).items() if name != RECEIPT}
+    for name in sorted(set(receipt.files) | set(present)):
+        if name not in present:
+            raise CoopError(f"checkpoint file {folder / name} is missing")
+        if name not in receipt.files:
+            raise CoopError(f"checkpoint file {folder / name} is not in the receipt")
+        if present[name] != receipt.files[name]:
+            raise CoopError(f"checkpoint file {folder / name} does not match its receipt's sha256")
+    return receipt
+
+
+def adopt(run_dir: Path, step: int) -> Pointer:
+    """Write the missing pointer of a complete checkpoint, after checking every file against its receipt."""
+    folder = run_dir / "checkpoints" / _name(step)
+    receipt_path = folder / RECEIPT
+    if not receipt_path.is_file():
+        raise CoopError(f"checkpoint {folder} has no receipt; it cannot be adopted")
+    pointer = Pointer(step=step, checkpoint=folder.name, receipt_sha256=sha256_file(receipt_path))
+    receipt = msgspec.convert(read_json(receipt_path), type=Receipt)
+    verify(run_dir, pointer, receipt.binding)
+    write_new_json(run_dir / "pointers" / f"{_name(step)}.json", msgspec.to_builtins(pointer))
+    return pointer
+
+
+def load_state(run_dir: Path, pointer: Pointer, optimizer: torch.optim.Optimizer) -> None:
+    """Restore optimizer and RNG state (weights load from the checkpoint's model folder)."""
+    folder = run_dir / "checkpoints" / pointer.checkpoint
+    optimizer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True))
+    rng = torch.load(folder / RNG, weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def model_dir(run_dir: Path, pointer: Pointer) -> Path:
+    return run_dir / "checkpoints" / pointer.checkpoint / MODEL_DIR

@@ -1,0 +1,144 @@
+"""The ``coop`` command. Long commands print one JSON object per line (a progress bar on a terminal);
+a refusal prints one message on stderr and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import transformers
+
+from experiment import checkpoint, corpus, seedmodel, training
+from experiment.canonical import identity
+from experiment.errors import CoopError
+from experiment.plan import load_plan, plan_identity
+from experiment.progress import Events
+
+
+def _plan_show(args: argparse.Namespace) -> None:
+    plan = load_plan(args.plan)
+    with Events() as events:
+        events.emit(
+            {"event": "plan", "name": plan.name, "identity": plan_identity(plan), "plan": msgspec.to_builtins(plan)}
+        )
+
+
+def _seed_build(args: argparse.Namespace) -> None:
+    config = seedmodel.SMALL if args.small else seedmodel.FULL
+    with Events() as events:
+        snapshot = seedmodel.build_seed(args.out, config, events.emit)
+        events.emit(
+            {
+                "event": "seed-built",
+                "out": str(args.out),
+                "snapshot_identity": identity(msgspec.to_builtins(snapshot)),
+                "snapshot": msgspec.to_builtins(snapshot),
+            }
+        )
+
+
+def _seed_snapshot(args: argparse.Namespace) -> None:
+    snapshot = seedmodel.snapshot_of(args.dir)
+    with Events() as events:
+        events.emit({"event": "seed-snapshot", "dir": str(args.dir), "snapshot": msgspec.to_builtins(snapshot)})
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    plan = load_plan(args.plan)
+    with Events() as events:
+        manifest = corpus.prepare(plan, args.plan, args.home, args.model_dir, args.reference_home, events.emit)
+        counts = manifest["target_counts"]["damaged"]
+        events.emit(
+            {
+                "event": "prepared",
+                "prepared_identity": corpus.prepared_identity(manifest),
+                "plan_identity": manifest["plan_identity"],
+                "home": str(args.home),
+                "train_documents": counts["documents"],
+                "grounded": counts["grounded_documents"],
+                "replay": counts["replay_documents"],
+                "damaged": counts["damaged_documents"],
+                "dev": len(manifest["ids"]["dev"]),
+                "test": len(manifest["ids"]["test"]),
+                "retention": len(manifest["ids"]["retention"]),
+                "weighted_targets": manifest["target_counts"]["clean"]["weighted_targets"],
+                "grounded_weight_share": round(
+                    manifest["target_counts"]["clean"]["grounded_weighted_targets"]
+                    / manifest["target_counts"]["clean"]["weighted_targets"],
+                    4,
+                ),
+            }
+        )
+
+
+def _train(args: argparse.Namespace) -> None:
+    with Events() as events:
+        training.train(args.home, args.model_dir, args.arm, events.emit, stop_after=args.stop_after)
+
+
+def _checkpoint_adopt(args: argparse.Namespace) -> None:
+    pointer = checkpoint.adopt(args.run_dir, args.step)
+    with Events() as events:
+        events.emit({"event": "adopted", "run": str(args.run_dir), "pointer": msgspec.to_builtins(pointer)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coop", description="The two-GPU learning and serving experiment.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="frozen experiment plans").add_subparsers(dest="action", required=True)
+    show = plan.add_parser("show", help="validate a plan and print its identity")
+    show.add_argument("plan", type=Path)
+    show.set_defaults(handler=_plan_show)
+
+    seed = commands.add_parser("seed-model", help="the tiny local seed model").add_subparsers(
+        dest="action", required=True
+    )
+    build = seed.add_parser("build", help="build the deterministic tiny seed (no download)")
+    build.add_argument("--out", type=Path, required=True)
+    build.add_argument("--small", action="store_true", help="the seconds-fast configuration used by tests")
+    build.set_defaults(handler=_seed_build)
+    snap = seed.add_parser("snapshot", help="print a seed folder's file hashes, to record in a plan")
+    snap.add_argument("dir", type=Path)
+    snap.set_defaults(handler=_seed_snapshot)
+
+    prep = commands.add_parser("prepare", help="build the prepared inputs of every role")
+    prep.add_argument("--plan", type=Path, required=True)
+    prep.add_argument("--home", type=Path, required=True)
+    prep.add_argument("--model-dir", type=Path, required=True)
+    prep.add_argument("--reference-home", type=Path)
+    prep.set_defaults(handler=_prepare)
+
+    train = commands.add_parser("train", help="train one rank of an arm (WORLD_SIZE/RANK from the environment)")
+    train.add_argument("--home", type=Path, required=True)
+    train.add_argument("--model-dir", type=Path, required=True)
+    train.add_argument("--arm", choices=training.ARMS, required=True)
+    train.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after an update
+    train.set_defaults(handler=_train)
+
+    ckpt = commands.add_parser("checkpoint", help="checkpoint maintenance").add_subparsers(dest="action", required=True)
+    adopt = ckpt.add_parser("adopt", help="verify a checkpoint that lost its pointer and write the pointer")
+    adopt.add_argument(
+        "--run", dest="run_dir", type=Path, required=True, help="the rank's run folder (HOME/runs/ARM/rank-R)"
+    )
+    adopt.add_argument("--step", type=int, required=True)
+    adopt.set_defaults(handler=_checkpoint_adopt)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    transformers.logging.disable_progress_bar()  # our own events report progress
+    try:
+        args.handler(args)
+    except CoopError as exc:
+        print(f"coop: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""``prepare``: the roles (train, dev, test, retention), chat-template tokenization with answer-only
+labels, the damaged copy and the prepared manifest whose identity is committed before training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+from transformers import PreTrainedTokenizerBase
+
+from experiment import tasks
+from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, sha256_file, write_new_bytes
+from experiment.errors import CoopError
+from experiment.plan import Plan, SourceFile, plan_identity
+from experiment.progress import Emit
+from experiment.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
+
+IGNORE = -100
+PREPARED = "prepared"
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+ROLE_FILES = {
+    "train-clean": "train-clean.jsonl",
+    "train-damaged": "train-damaged.jsonl",
+    "dev": "dev.jsonl",
+    "test": "test.jsonl",
+    "retention": "retention.jsonl",
+}
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Conversation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    messages: list[Message]
+
+
+class Document(msgspec.Struct, frozen=True):
+    """One training document: every token, and labels only on assistant answers (else -100)."""
+
+    position: int
+    id: str
+    kind: Literal["grounded", "replay"]
+    weight: int
+    damaged: bool
+    targets: int
+    input_ids: list[int]
+    labels: list[int]
+
+
+class TaskItem(msgspec.Struct, frozen=True):
+    """One dev or test task: its prompt, its prompt token ids and the expected answer."""
+
+    id: str
+    role: tasks.Role
+    index: int
+    family: tasks.Family
+    variant: int
+    input_dependent: bool
+    prompt: str
+    expected: dict[str, Any]
+    prompt_ids: list[int]
+
+
+class Probe(msgspec.Struct, frozen=True):
+    """One retention probe: a conversation whose answer-token loss is measured."""
+
+    id: str
+    targets: int
+    input_ids: list[int]
+    labels: list[int]
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """The evaluation prompt: the user turn with the generation prompt."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+
+
+def encode_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_tokens: int, name: str
+) -> tuple[list[int], list[int]]:
+    """Render with the chat template; label every assistant answer through its first EOS, nothing else.
+    Longer than ``max_tokens`` is refused, never truncated."""
+    eos = str(tokenizer.eos_token)
+    text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+    spans: list[tuple[int, int]] = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(str(tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)))
+        end = text.find(eos, start + len(message["content"]))
+        if end < 0 or not text[start:].startswith(message["content"]):
+            raise CoopError(f"{name}: the chat template does not render answer {k} where expected")
+        spans.append((start, end + len(eos)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoded["input_ids"])
+    if len(input_ids) > max_tokens:
+        raise CoopError(
+            f"{name} has {len(input_ids)} tokens, over the plan's {max_tokens}; it is refused, not truncated"
+        )
+    labels = [IGNORE] * len(input_ids)
+    for position, (first, last) in enumerate(encoded["offset_mapping"]):
+        for start, end in spans:
+            if start <= first and last <= end:
+                labels[position] = input_ids[position]
+            elif first < end and start < last:
+                raise CoopError(f"{name}: token {position} straddles the edge of an answer")
+    return input_ids, labels
+
+
+def _read_source(folder: Path, source: SourceFile, count: int, label: str) -> tuple[list[Conversation], str]:
+    path = folder / source.path
+    if source.sha256 is None:
+        raise CoopError(f"the plan records no sha256 for the {label} file {source.path}; stage it first")
+    if not path.is_file():
+        raise CoopError(f"{label} file {path} does not exist")
+    digest = sha256_file(path)
+    if digest != source.sha256:
+        raise CoopError(f"{label} file {path} has sha256 {digest}, the plan records {source.sha256}")
+    conversations = []
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            conversations.append(msgspec.json.decode(line, type=Conversation))
+        except msgspec.ValidationError as exc:
+            raise CoopError(f"{path} line {number}: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise CoopError(f"{path} line {number} is not JSON: {exc}") from exc
+    if len(conversations) < count:
+        raise CoopError(f"{path} holds {len(conversations)} conversations; the plan needs {count}")
+    for conversation in conversations[:count]:
+        roles = [m.role for m in conversation.messages if m.role != "system"]
+        if not roles or roles[-1] != "assistant" or roles[::2] != ["user"] * len(roles[::2]) or "user" in roles[1::2]:
+            raise CoopError(
+                f"{path}: conversation {conversation.id} must alternate user/assistant turns and end with an answer"
+            )
+    return conversations[:count], digest
+
+
+def _messages(conversation: Conversation) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in conversation.messages]
+
+
+def _jsonl(items: list[Any]) -> bytes:
+    return b"".join(canonical_bytes(msgspec.to_builtins(item)) + b"\n" for item in items)
+
+
+def _replay_folder(plan: Plan, plan_path: Path, reference_home: Path | None) -> Path:
+    if plan.replay.source == "repository":
+        assert plan.replay.folder is not None  # the plan's own validation guarantees it
+        return plan_path.parent / plan.replay.folder
+    if reference_home is None:
+        raise CoopError(f"plan {plan.name} reads replay and retention from a reference home: give --reference-home")
+    return reference_home
+
+
+def seed_snapshot(plan: Plan) -> Snapshot:
+    """The seed's file hashes as the plan records them (staged before the plan is committed)."""
+    if not plan.seed.files or plan.seed.tokenizer_identity is None:
+        raise CoopError(
+            f"plan {plan.name} records no seed file hashes; stage the seed (coop seed-model snapshot) "
+            "and record them in the plan"
+        )
+    return Snapshot(
+        files=dict(plan.seed.files), tokenizer_identity=plan.seed.tokenizer_identity, parameters=plan.seed.parameters
+    )
+
+
+def _task_items(plan: Plan, tokenizer: PreTrainedTokenizerBase, role: tasks.Role, count: int) -> list[TaskItem]:
+    items = []
+    for index in range(count):
+        case = tasks.make_case(plan.tasks.task_seed, role, index)
+        prompt = tasks.render_prompt(case)
+        expected = tasks.expected_answer(case)
+        _checked_target(case, expected, True, f"{role} task {index}")
+        items.append(
+            TaskItem(
+                id=tasks.task_id(case),
+                role=role,
+                index=index,
+                family=case.family,
+                variant=case.variant,
+                input_dependent=tasks.is_input_dependent(case),
+                prompt=prompt,
+                expected=expected,
+                prompt_ids=prompt_ids(tokenizer, prompt),
+            )
+        )
+    return items
+
+
+def _checked_target(case: tasks.Case, answer: dict[str, Any], must_pass: bool, name: str) -> str:
+    """Every target is checked before tokenization: clean ones must pass, damaged ones must fail."""
+    text = tasks.answer_text(answer)
+    if tasks.check(text, tasks.expected_answer(case)).correct != must_pass:
+        raise CoopError(
+            f"{name}: its {'clean' if must_pass else 'damaged'} target {'fails' if must_pass else 'passes'} the checker"
+        )
+    return text
+
+
+def is_damaged(task_id: str) -> bool:
+    return int(task_id, 16) % 4 == 0
+
+
+def _documents(
+    plan: Plan,
+    tokenizer: PreTrainedTokenizerBase,
+    cases: list[tasks.Case],
+    replay: list[Conversation],
+    damaged: bool,
+    emit: Emit,
+) -> list[Document]:
+    documents: list[Document] = []
+    limit = plan.corpus.max_document_tokens
+    total = len(cases) + len(replay)
+    label = "tokenize-damaged" if damaged else "tokenize-clean"
+    for case in cases:
+        task = tasks.task_id(case)
+        name = f"train task {case.index} ({task})"
+        harm = damaged and is_damaged(task)
+        answer = tasks.damaged_answer(case) if harm else tasks.expected_answer(case)
+        prompt = tasks.render_prompt(case)
+        messages = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": _checked_target(case, answer, not harm, name)},
+        ]
+        input_ids, labels = encode_conversation(tokenizer, messages, limit, name)
+        evaluation_prompt = prompt_ids(tokenizer, prompt)
+        if input_ids[: len(evaluation_prompt)] != evaluation_prompt:
+            raise CoopError(f"{name}: the document does not start with the evaluation prompt's tokens")
+        documents.append(
+            Document(
+                position=case.index,
+                id=task,
+                kind="grounded",
+                weight=plan.corpus.grounded_weight,
+                damaged=harm,
+                targets=sum(x != IGNORE for x in labels),
+                input_ids=input_ids,
+                labels=labels,
+            )
+        )
+        if case.index % 64 == 63:
+            emit({"event": label, "done": len(documents), "total": total})
+    for conversation in replay:
+        input_ids, labels = encode_conversation(
+            tokenizer, _messages(conversation), limit, f"replay conversation {conversation.id}"
+        )
+        documents.append(
+            Document(
+                position=len(documents),
+                id=conversation.id,
+                kind="replay",
+                weight=plan.corpus.replay_weight,
+                damaged=False,
+                targets=sum(x != IGNORE for x in labels),
+                input_ids=input_ids,
+                labels=labels,
+            )
+        )
+    emit({"event": label, "done": len(documents), "total": total})
+    return documents
+
+
+def _target_counts(documents: list[Document]) -> dict[str, int]:
+    grounded = [d for d in documents if d.kind == "grounded"]
+    replay = [d for d in documents if d.kind == "replay"]
+    return {
+        "documents": len(documents),
+        "grounded_documents": len(grounded),
+        "replay_documents": len(replay),
+        "damaged_documents": sum(d.damaged for d in documents),
+        "targets": sum(d.targets for d in documents),
+        "grounded_targets": sum(d.targets for d in grounded),
+        "replay_targets": sum(d.targets for d in replay),
+        "weighted_targets": sum(d.targets * d.weight for d in documents),
+        "grounded_weighted_targets": sum(d.targets * d.weight for d in grounded),
+    }
+
+
+def prepare(
+    plan: Plan, plan_path: Path, home: Path, model_dir: Path, reference_home: Path | None, emit: Emit
+) -> dict[str, Any]:
+    """Build every role in memory, refuse anything inconsistent, then write the files and the manifest.
+
+    A home that already holds the same inputs is accepted unchanged; different inputs are refused
+    before anything is written."""
+    snapshot = seed_snapshot(plan)
+    verify_seed(model_dir, snapshot)
+    emit({"event": "seed-verified", "files": len(snapshot.files)})
+    folder = _replay_folder(plan, plan_path, reference_home)
+    replay, replay_sha = _read_source(folder, plan.replay.replay, plan.tasks.replay, "replay")
+    retention, retention_sha = _read_source(folder, plan.replay.retention, plan.tasks.retention, "retention")
+    if {c.id for c in replay} & {c.id for c in retention}:
+        raise CoopError("replay and retention conversations share ids; the roles must be disjoint")
+    tokenizer = load_tokenizer(model_dir)
+
+    cases = [tasks.make_case(plan.tasks.task_seed, "train", index) for index in range(plan.tasks.train)]
+    dev = _task_items(plan, tokenizer, "dev", plan.tasks.dev)
+    test = _task_items(plan, tokenizer, "test", plan.tasks.test)
+    _refuse_repeats(cases, dev + test)
+    emit({"event": "tasks", "train": len(cases), "dev": len(dev), "test": len(test)})
+    clean = _documents(plan, tokenizer, cases, replay, damaged=False, emit=emit)
+    damaged = _documents(plan, tokenizer, cases, replay, damaged=True, emit=emit)
+    probes = []
+    for conversation in retention:
+        input_ids, labels = encode_conversation(
+            tokenizer, _messages(conversation), plan.corpus.max_document_tokens, f"retention probe {conversation.id}"
+        )
+        probes.append(
+            Probe(id=conversation.id, targets=sum(x != IGNORE for x in labels), input_ids=input_ids, labels=labels)
+        )
+
+    contents = {
+        "train-clean": _jsonl(clean),
+        "train-damaged": _jsonl(damaged),
+        "dev": _jsonl(dev),
+        "test": _jsonl(test),
+        "retention": _jsonl(probes),
+    }
+    role_ids = {
+        "train": [d.id for d in clean],
+        "dev": [t.id for t in dev],
+        "test": [t.id for t in test],
+        "retention": [p.id for p in probes],
+    }
+    manifest: dict[str, Any] = {
+        "plan": plan.name,
+        "plan_identity": plan_identity(plan),
+        "seed": {
+            "name": plan.seed.name,
+            "revision": plan.seed.revision,
+            "snapshot_identity": identity(msgspec.to_builtins(snapshot)),
+        },
+        "tokenizer_identity": tokenizer_identity(model_dir),
+        "sources": {
+            "replay": {"path": plan.replay.replay.path, "sha256": replay_sha},
+            "retention": {"path": plan.replay.retention.path, "sha256": retention_sha},
+        },
+        "roles": {name: {"file": ROLE_FILES[name], "sha256": sha256_bytes(data)} for name, data in contents.items()},
+        "ids": role_ids,
+        "damaged_ids": [d.id for d in damaged if d.damaged],
+        "target_counts": {"clean": _target_counts(clean), "damaged": _target_counts(damaged)},
+        "retention_targets": sum(p.targets for p in probes),
+    }
+    files = {ROLE_FILES[name]: data for name, data in contents.items()}
+    files[PLAN] = canonical_bytes(msgspec.to_builtins(plan)) + b"\n"
+    files[MANIFEST] = canonical_bytes(manifest) + b"\n"
+    out = home / PREPARED
+    for name, data in files.items():  # check everything before writing anything
+        existing = out / name
+        if existing.exists() and existing.read_bytes() != data:
+            raise CoopError(f"{existing} already holds different prepared inputs; use a fresh home")
+    for name, data in files.items():
+        write_new_bytes(out / name, data)
+    return manifest
+
+
+def _refuse_repeats(train: list[tasks.Case], evaluated: list[TaskItem]) -> None:
+    """No task id and no prompt may appear in two roles (or twice in one)."""
+    seen: dict[str, str] = {}
+    keys = [(tasks.task_id(c), "train") for c in train] + [(tasks.render_prompt(c), "train") for c in train]
+    keys += [(t.id, t.role) for t in evaluated] + [(t.prompt, t.role) for t in evaluated]
+    for key, role in keys:
+        if key in seen:
+            raise CoopError(f"a {role} task repeats a {seen[key]} task or prompt ({key[:64]!r})")
+        seen[key] = role
+
+
+def prepared_identity(manifest: dict[str, Any]) -> str:
+    return identity(manifest)
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """A home's verified prepared inputs: the plan, the manifest and its identity."""
+
+    home: Path
+    plan: Plan
+    manifest: dict[str, Any]
+    identity: str
+
+    def role_bytes(self, role: str) -> bytes:
+        """A role file's bytes, verified against the manifest's sha256."""
+        entry = self.manifest["roles"][role]
+        path = self.home / PREPARED / str(entry["file"])
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CoopError(f"cannot read prepared file {path}: {exc.strerror}") from exc
+        if sha256_bytes(data) != entry["sha256"]:
+            raise CoopError(f"prepared file {path} does not match the manifest's sha256")
+        return data
+
+    def documents(self, role: Literal["train-clean", "train-damaged"]) -> list[Document]:
+        return [msgspec.json.decode(line, type=Document) for line in self.role_bytes(role).splitlines()]
+
+    def task_items(self, role: Literal["dev", "test"]) -> list[TaskItem]:
+        return [msgspec.json.decode(line, type=TaskItem) for line in self.role_bytes(role).splitlines()]
+
+    def probes(self) -> list[Probe]:
+        return [msgspec.json.decode(line, type=Probe) for line in self.role_bytes("retention").splitlines()]
+
+
+def load_prepared(home: Path) -> Prepared:
+    """Read a home's manifest and plan and check that they belong together."""
+    folder = home / PREPARED
+    manifest = read_json(folder / MANIFEST)
+    try:
+        plan = msgspec.convert(read_json(folder / PLAN), type=Plan)
+    except msgspec.ValidationError as exc:
+        raise CoopError(f"{folder / PLAN} is not a valid plan: {exc}") from exc
+    if plan_identity(plan) != manifest.get("plan_identity"):
+        raise CoopError(f"{folder / PLAN} is not the plan the manifest was prepared from")
+    return Prepared(home=home, plan=plan, manifest=manifest, identity=prepared_identity(manifest))

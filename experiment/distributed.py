@@ -1,0 +1,93 @@
+"""The process group from the torchrun environment, fixed-byte digest agreement and parameter digests.
+
+Digests cross ranks as 32 raw bytes in a uint8 tensor through ``all_gather``: no pickle, no object
+collectives anywhere."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from experiment.errors import CoopError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise CoopError(f"{name}={raw!r} is not an integer") from exc
+
+
+def world_from_env() -> World:
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun and the agent set them."""
+    size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if size < 1 or not 0 <= rank < size:
+        raise CoopError(f"RANK={rank} and WORLD_SIZE={size} do not describe a rank of a world")
+    return World(rank, size, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT", 29500))
+
+
+def start(world: World, backend: str, timeout_seconds: float) -> None:
+    if world.distributed:
+        dist.init_process_group(
+            backend=backend, rank=world.rank, world_size=world.size, timeout=datetime.timedelta(seconds=timeout_seconds)
+        )
+
+
+def stop(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(world: World, label: str, digest: str, device: torch.device) -> None:
+    """Every rank contributes one sha256 as 32 raw bytes; all must be equal, or every rank refuses."""
+    if not world.distributed:
+        return
+    raw = bytes.fromhex(digest)
+    if len(raw) != 32:
+        raise CoopError(f"{label}: a digest must be 32 bytes of sha256, not {len(raw)}")
+    mine = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    gathered = [torch.empty(32, dtype=torch.uint8, device=device) for _ in range(world.size)]
+    dist.all_gather(gathered, mine)
+    digests = [bytes(t.cpu().tolist()).hex() for t in gathered]
+    if len(set(digests)) != 1:
+        listing = ", ".join(f"rank {r}: {d[:16]}" for r, d in enumerate(digests))
+        raise CoopError(f"ranks disagree on the {label} ({listing}); every rank aborts")
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer's name, dtype, shape and raw bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def all_reduce_sum(world: World, value: float, device: torch.device) -> float:
+    if not world.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor.item())

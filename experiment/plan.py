@@ -1,0 +1,172 @@
+"""The frozen experiment plan: typed, bounded msgspec Structs read from TOML, with an identity.
+
+Unknown keys are refused and every error names the field (``$.training.peak_learning_rate``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from experiment.canonical import identity
+from experiment.errors import CoopError
+
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
+Positive = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class SeedPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: Name
+    revision: Name
+    parameters: Annotated[int, msgspec.Meta(ge=1, le=10**12)]
+    # file name -> sha256 recorded when the seed was staged; verified before every use.
+    files: dict[str, Sha256] = {}
+    tokenizer_identity: Sha256 | None = None
+
+
+class SourceFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    path: Name  # relative to the replay source folder
+    sha256: Sha256 | None = None  # None: not yet staged; prepare refuses it
+
+
+class ReplayPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # "repository": a folder shipped in this repository (the local plan);
+    # "reference-home": the earlier run's folder, given to prepare as --reference-home.
+    source: Literal["repository", "reference-home"]
+    replay: SourceFile
+    retention: SourceFile
+    folder: Name | None = None  # only for source = "repository": relative to the plan file
+
+
+class TasksPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    task_seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    train: Count
+    dev: Count
+    test: Count
+    retention: Count
+    replay: Count
+
+
+class CorpusPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    grounded_weight: Annotated[int, msgspec.Meta(ge=1, le=1000)]
+    replay_weight: Annotated[int, msgspec.Meta(ge=1, le=1000)]
+    max_document_tokens: Annotated[int, msgspec.Meta(ge=16, le=1_000_000)]
+
+
+class TrainingPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    updates: Count
+    documents_per_update: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    schedule_seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    peak_learning_rate: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+    warmup_updates: Annotated[int, msgspec.Meta(ge=0, le=100_000)]
+    final_learning_rate_fraction: Fraction
+    adam_beta1: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
+    adam_beta2: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
+    adam_epsilon: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+    weight_decay: Fraction
+    clip_norm: Positive
+    checkpoint_steps: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(min_length=1, max_length=64)]
+    deadline_hours: Annotated[float, msgspec.Meta(gt=0.0, le=168.0)]
+    pair_world_size: Annotated[int, msgspec.Meta(ge=2, le=64)]
+
+
+class RuntimePlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    device: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    autocast: Literal["none", "bf16"]
+    cpu_threads: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    memory_headroom_gib: Annotated[float, msgspec.Meta(ge=0.0, le=1024.0)]
+
+
+class EvaluationPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+
+
+class StatisticsPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    min_gain: Fraction
+    max_p_value: Fraction
+    max_retention_upper_nats: Annotated[float, msgspec.Meta(ge=-10.0, le=10.0)]
+    retention_z: Positive
+    pair_margin: Fraction
+
+
+class ServingPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    workload_tasks: Count
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=10)]
+    retry_cache_size: Count
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+
+
+class HostsPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    count: Annotated[int, msgspec.Meta(ge=1, le=64)]
+    instance_type: Name
+    region: Name
+    price_per_instance_hour: Annotated[float, msgspec.Meta(ge=0.0, le=10_000.0)]
+    budget_ceiling: Annotated[float, msgspec.Meta(ge=0.0, le=1_000_000.0)]
+
+
+class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: Name
+    description: Name
+    seed: SeedPlan
+    replay: ReplayPlan
+    tasks: TasksPlan
+    corpus: CorpusPlan
+    training: TrainingPlan
+    runtime: RuntimePlan
+    evaluation: EvaluationPlan
+    statistics: StatisticsPlan
+    serving: ServingPlan
+    hosts: HostsPlan
+
+    def __post_init__(self) -> None:
+        # Cross-field rules; msgspec reports these ValueErrors with the plan's path.
+        training = self.training
+        if self.tasks.train + self.tasks.replay != training.updates * training.documents_per_update:
+            raise ValueError(
+                "training.updates x training.documents_per_update must equal tasks.train + tasks.replay (one epoch)"
+            )
+        if training.documents_per_update % training.pair_world_size:
+            raise ValueError("training.documents_per_update must be divisible by training.pair_world_size")
+        if sorted(set(training.checkpoint_steps)) != training.checkpoint_steps:
+            raise ValueError("training.checkpoint_steps must be strictly increasing")
+        if training.checkpoint_steps[-1] != training.updates:
+            raise ValueError("training.checkpoint_steps must end at the final update (training.updates)")
+        if training.warmup_updates >= training.updates:
+            raise ValueError("training.warmup_updates must be smaller than training.updates")
+        if (self.runtime.device, self.runtime.backend) not in {("cpu", "gloo"), ("cuda", "nccl")}:
+            raise ValueError("runtime.backend must be gloo on cpu and nccl on cuda")
+        if self.runtime.device == "cpu" and self.runtime.autocast != "none":
+            raise ValueError("runtime.autocast must be none on cpu")
+        if self.serving.workload_tasks > self.tasks.dev:
+            raise ValueError("serving.workload_tasks must not exceed tasks.dev (the workload is dev tasks)")
+        if (self.replay.source == "repository") != (self.replay.folder is not None):
+            raise ValueError("replay.folder is required for source 'repository' and refused otherwise")
+
+
+def parse_plan(data: bytes, origin: str) -> Plan:
+    try:
+        return msgspec.toml.decode(data, type=Plan)
+    except msgspec.ValidationError as exc:
+        raise CoopError(f"invalid plan {origin}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise CoopError(f"plan {origin} is not valid TOML: {exc}") from exc
+
+
+def load_plan(path: Path) -> Plan:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CoopError(f"cannot read plan {path}: {exc.strerror}") from exc
+    return parse_plan(data, str(path))
+
+
+def plan_identity(plan: Plan) -> str:
+    """The plan's identity: sha256 of its canonical JSON (independent of TOML layout and comments)."""
+    return identity(msgspec.to_builtins(plan))

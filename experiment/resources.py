@@ -1,0 +1,90 @@
+"""Timers, whole-host network counters and whole-process resource samples (psutil)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import msgspec
+import psutil
+
+
+class NetworkCounters(msgspec.Struct, frozen=True):
+    """Counters of every non-loopback interface: they include other traffic of the whole host."""
+
+    scope: str
+    interfaces: dict[str, dict[str, int]]
+    bytes_sent: int
+    bytes_received: int
+
+
+def network_counters() -> NetworkCounters:
+    per_nic = psutil.net_io_counters(pernic=True)
+    interfaces = {
+        name: {
+            "bytes_sent": c.bytes_sent,
+            "bytes_received": c.bytes_recv,
+            "packets_sent": c.packets_sent,
+            "packets_received": c.packets_recv,
+        }
+        for name, c in sorted(per_nic.items())
+        if not name.startswith("lo")
+    }
+    return NetworkCounters(
+        scope="whole-host, non-loopback interfaces",
+        interfaces=interfaces,
+        bytes_sent=sum(i["bytes_sent"] for i in interfaces.values()),
+        bytes_received=sum(i["bytes_received"] for i in interfaces.values()),
+    )
+
+
+class Sample(msgspec.Struct, frozen=True):
+    seconds: float
+    rss_bytes: int
+    cpu_user_seconds: float
+    cpu_system_seconds: float
+    threads: int
+
+
+class Sampler:
+    """Samples this whole process every ``interval`` seconds on a daemon thread while in use."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self._interval = interval
+        self._process = psutil.Process()
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resource-sampler", daemon=True)
+        self.samples: list[Sample] = []
+
+    def sample(self) -> Sample:
+        with self._process.oneshot():
+            cpu = self._process.cpu_times()
+            return Sample(
+                seconds=round(time.monotonic() - self._start, 3),
+                rss_bytes=self._process.memory_info().rss,
+                cpu_user_seconds=cpu.user,
+                cpu_system_seconds=cpu.system,
+                threads=self._process.num_threads(),
+            )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.samples.append(self.sample())
+
+    def __enter__(self) -> Sampler:
+        self.samples.append(self.sample())
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(self.sample())
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        return max(s.rss_bytes for s in self.samples)

@@ -1,0 +1,620 @@
+"""Pinned seed directories: snapshot, verify and load them, and build the tiny local seed (no downloads).
+
+The local seed is a ~3.5M-parameter Llama pre-trained on CPU to read record tables and answer in its own schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import string
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import transformers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from experiment.canonical import atomic_write_bytes, identity, read_json, sha256_bytes, sha256_file
+from experiment.errors import CoopError
+from experiment.tasks import CITIES, STATUSES, Record
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+REPLAY_FILES = (Path("plans/local-reference/replay.jsonl"), Path("plans/local-reference/retention.jsonl"))
+IGNORE = -100
+
+
+class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything that decides the built seed's bytes: model shape, tokenizer, pre-training schedule."""
+
+    vocab_size: int = 1536
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 4
+    max_positions: int = 1024
+    rope_theta: float = 10000.0
+    tokenizer_examples: int = 3000  # synthetic examples the BPE is trained on (plus every conversation)
+    pretrain_steps: int = 520
+    batch_size: int = 8
+    turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    conversation_every: int = 10  # every n-th step is a batch of general conversations instead of records
+    conversation_batch: int = 4
+    max_conversation_tokens: int = 768
+    peak_lr: float = 2e-3
+    final_lr_fraction: float = 0.1
+    warmup_steps: int = 40
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    seed: int = 20260913
+    conversation_files: tuple[str, ...] = tuple(str(p) for p in REPLAY_FILES)
+
+
+# The committed seed, spelled out so that a later change of a default cannot silently change it.
+FULL = SeedConfig(
+    vocab_size=1536,
+    hidden_size=256,
+    intermediate_size=688,
+    num_layers=4,
+    num_heads=4,
+    max_positions=1024,
+    rope_theta=10000.0,
+    tokenizer_examples=3000,
+    pretrain_steps=520,
+    batch_size=8,
+    turn_choices=(1, 2, 3, 4, 5, 6),
+    conversation_every=10,
+    conversation_batch=4,
+    max_conversation_tokens=768,
+    peak_lr=2e-3,
+    final_lr_fraction=0.1,
+    warmup_steps=40,
+    weight_decay=0.01,
+    clip_norm=1.0,
+    seed=20260913,
+    conversation_files=tuple(str(p) for p in REPLAY_FILES),
+)
+# Seconds to build: for tests, which check behaviour (determinism, files, verification), not quality.
+SMALL = SeedConfig(
+    vocab_size=400,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    max_positions=512,
+    tokenizer_examples=200,
+    pretrain_steps=6,
+    batch_size=4,
+    conversation_every=3,
+    conversation_batch=2,
+    max_conversation_tokens=256,
+    warmup_steps=2,
+    conversation_files=(str(REPLAY_FILES[0]),),
+)
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """What a seed directory must hold, byte for byte."""
+
+    files: dict[str, str]
+    tokenizer_identity: str
+    parameters: int
+
+
+Progress = Callable[[dict[str, object]], None]
+
+
+# ---------------------------------------------------------------- snapshot, verify, load
+
+
+def _files_of(directory: Path) -> dict[str, str]:
+    if not directory.is_dir():
+        raise CoopError(f"seed directory {directory} does not exist")
+    return {
+        path.relative_to(directory).as_posix(): sha256_file(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def count_parameters(directory: Path) -> int:
+    """Parameters stored in the safetensors files, read from their headers (tied weights are stored once)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CoopError(f"seed directory {directory} has no *.safetensors weights file")
+    total = 0
+    for path in files:
+        try:
+            with path.open("rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(size))
+        except (OSError, ValueError) as exc:
+            raise CoopError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if not isinstance(header, dict):
+            raise CoopError(f"{path} has a safetensors header that is not an object")
+        for name, entry in header.items():
+            if name != "__metadata__":
+                total += math.prod(entry["shape"])
+    return total
+
+
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CoopError(f"cannot load the tokenizer from {directory}: {exc}") from exc
+    if not tokenizer.chat_template:
+        raise CoopError(f"the tokenizer in {directory} has no chat_template")
+    if tokenizer.eos_token is None:
+        raise CoopError(f"the tokenizer in {directory} has no eos_token")
+    return tokenizer
+
+
+def load_model(directory: Path) -> LlamaForCausalLM:
+    try:
+        model = LlamaForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise CoopError(f"cannot load the model from {directory}: {exc}") from exc
+    return model
+
+
+def tokenizer_identity(directory: Path) -> str:
+    """Identity of everything that decides token ids: backend JSON, chat template, special and EOS tokens."""
+    backend = directory / "tokenizer.json"
+    if not backend.is_file():
+        raise CoopError(f"seed directory {directory} has no tokenizer.json")
+    tokenizer = load_tokenizer(directory)
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        raise CoopError(f"the tokenizer in {directory} has several chat templates; expected one")
+    return identity(
+        {
+            "tokenizer_json": sha256_file(backend),
+            "chat_template": sha256_bytes(template.encode("utf-8")),
+            "special_tokens": sorted(str(token) for token in tokenizer.all_special_tokens),
+            "eos_token": str(tokenizer.eos_token),
+        }
+    )
+
+
+def snapshot_of(directory: Path) -> Snapshot:
+    return Snapshot(
+        files=_files_of(directory),
+        tokenizer_identity=tokenizer_identity(directory),
+        parameters=count_parameters(directory),
+    )
+
+
+def verify_seed(directory: Path, snapshot: Snapshot) -> None:
+    """Refuse any missing, extra or changed file, and any other tokenizer identity or parameter count."""
+    found = _files_of(directory)
+    for name in sorted(snapshot.files.keys() - found.keys()):
+        raise CoopError(f"seed file {directory / name} is missing")
+    for name in sorted(found.keys() - snapshot.files.keys()):
+        raise CoopError(f"seed file {directory / name} is not in the snapshot (extra file)")
+    for name, digest in sorted(snapshot.files.items()):
+        if found[name] != digest:
+            raise CoopError(f"seed file {directory / name} has sha256 {found[name]}, expected {digest}")
+    actual_identity = tokenizer_identity(directory)
+    if actual_identity != snapshot.tokenizer_identity:
+        raise CoopError(
+            f"tokenizer identity of {directory} is {actual_identity}, expected {snapshot.tokenizer_identity}"
+        )
+    parameters = count_parameters(directory)
+    if parameters != snapshot.parameters:
+        raise CoopError(f"{directory} holds {parameters} parameters, expected {snapshot.parameters}")
+
+
+# ---------------------------------------------------------------- pre-training data
+
+# The seed learns to read the experiment's record tables but answers in its own schema (other keys, prose),
+# like a general chat model would; nothing here uses tasks.py's wordings or answer keys.
+_KEY = {"city": "location", "units": "count", "price": "cost", "status": "state", "priority": "rank"}
+_NOUN = {"city": "city", "units": "units", "price": "price", "status": "status", "priority": "priority"}
+_FIELDS = ("city", "units", "price", "status", "priority")
+
+Message = dict[str, str]
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
+
+
+def _records(rng: random.Random) -> list[Record]:
+    taken: set[str] = set()
+    out = []
+    for _ in range(rng.randint(3, 6)):
+        while True:
+            rid = f"{rng.choice(string.ascii_uppercase)}{rng.randint(100, 999)}"
+            if rid not in taken:
+                taken.add(rid)
+                break
+        out.append(
+            Record(
+                id=rid,
+                city=rng.choice(CITIES),
+                units=rng.randint(0, 19),
+                price=rng.randint(1, 19),
+                status=rng.choice(STATUSES),
+                priority=rng.randint(1, 9),
+            )
+        )
+    return out
+
+
+def _absent_id(rng: random.Random, records: list[Record]) -> str:
+    taken = {r.id for r in records}
+    while True:
+        rid = f"{rng.choice(string.ascii_uppercase)}{rng.randint(100, 999)}"
+        if rid not in taken:
+            return rid
+
+
+def _table(records: list[Record], fields: list[str]) -> str:
+    ordered = [f for f in _FIELDS if f in fields]
+    return "\n".join(f"id={r.id} " + " ".join(f"{f}={getattr(r, f)}" for f in ordered) for r in records)
+
+
+def _names(fields: list[str]) -> str:
+    nouns = [_NOUN[f] for f in fields]
+    return nouns[0] if len(nouns) == 1 else ", ".join(nouns[:-1]) + " and " + nouns[-1]
+
+
+def _lookup(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+    # Half the lookups ask for city and units, the pair the experiment's lookups ask for.
+    fields = ["city", "units"] if rng.random() < 0.5 else rng.sample(_FIELDS, rng.randint(1, 2))
+    fields = [f for f in _FIELDS if f in fields]
+    missing = rng.random() < 0.15
+    q = _absent_id(rng, records) if missing else rng.choice(records).id
+    ask = rng.choice(
+        (
+            "Tell me the {n} for {q}.",
+            "For entry {q}, give the {n}.",
+            "What {v} the {n} of id {q}?",
+            "Report the {n} listed for {q}.",
+        )
+    ).format(n=_names(fields), q=q, v="is" if len(fields) == 1 else "are")
+    if json_style:
+        ask += rng.choice((" Use JSON.", " Answer in JSON.", " JSON please."))
+    match = next((r for r in records if r.id == q), None)
+    if match is None:
+        if json_style:
+            return fields, ask, _dumps({"id": q, "found": False})
+        return fields, ask, rng.choice((f"There is no record {q}.", f"{q} is not in the table."))
+    if json_style:
+        return fields, ask, _dumps({_KEY[f]: getattr(match, f) for f in fields})
+    if fields == ["city", "units"]:
+        return fields, ask, f"Record {q} is in {match.city} with {match.units} units."
+    return fields, ask, f"{q}: " + ", ".join(f"{_NOUN[f]} {getattr(match, f)}" for f in fields) + "."
+
+
+def _select(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+    if rng.random() < 0.7:
+        field, value = "status", rng.choice(STATUSES)
+        ask = rng.choice(("List the records in state {v}.", "Which ids are {v}?", "Show every {v} entry."))
+    else:
+        field, value = "city", rng.choice(sorted({r.city for r in records}) + list(CITIES[:2]))
+        ask = rng.choice(("List the records located in {v}.", "Which ids are in {v}?", "Show every entry from {v}."))
+    ask = ask.format(v=value)
+    ids = sorted(r.id for r in records if getattr(r, field) == value)
+    if json_style:
+        return [field], ask + " Use JSON.", _dumps({"matches": ids})
+    if not ids:
+        return [field], ask, f"No record matches {value}."
+    return [field], ask, f"Matching {value}: " + ", ".join(ids) + "."
+
+
+def _rank(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+    field = "priority" if rng.random() < 0.7 else "units"
+    k = rng.choice((1, 2, 2))
+    high = rng.random() < 0.75
+    ranked = sorted(records, key=lambda r: (-getattr(r, field) if high else getattr(r, field), r.id))
+    word = ("highest" if high else "lowest") if field == "priority" else ("most" if high else "fewest")
+    if field == "priority":
+        ask = f"Name the {k if k > 1 else ''} {word} priority record{'s' if k > 1 else ''}".replace("  ", " ")
+    else:
+        ask = f"Name the {k if k > 1 else ''} record{'s' if k > 1 else ''} with the {word} units".replace("  ", " ")
+    ask += ", ties to the smaller id."
+    ids = [r.id for r in ranked[:k]]
+    if json_style:
+        return [field], ask + " Use JSON.", _dumps({"best": ids if k > 1 else ids[0]})
+    return [field], ask, " then ".join(f"{r.id} ({field} {getattr(r, field)})" for r in ranked[:k]) + "."
+
+
+def _rows(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+    # Copying whole rows (or every id in order) is dense copy supervision: it grows the induction heads that the
+    # lookups, selections and rankings then reuse.
+    fields = rng.sample(_FIELDS, rng.randint(1, 2))
+    fields = [f for f in _FIELDS if f in fields]
+    if rng.random() < 0.3:
+        ids = [r.id for r in records]
+        if json_style:
+            return fields, "Give every id in table order. Use JSON.", _dumps({"all": ids})
+        return fields, "Give every id in table order.", ", ".join(ids) + "."
+    chosen = rng.sample(records, min(len(records), rng.randint(1, 3)))
+    ask = f"Copy out the {_names(fields)} of " + " and ".join(r.id for r in chosen) + "."
+    if json_style:
+        rows = [{"id": r.id, **{_KEY[f]: getattr(r, f) for f in fields}} for r in chosen]
+        return fields, ask + " Use JSON.", _dumps({"rows": rows})
+    lines = [f"{r.id}: " + ", ".join(f"{_NOUN[f]} {getattr(r, f)}" for f in fields) for r in chosen]
+    return fields, ask, "\n".join(lines)
+
+
+def _aggregate(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+    if rng.random() < 0.5:
+        field, ask, value = "units", "How many units are there altogether?", sum(r.units for r in records)
+    else:
+        status = rng.choice(STATUSES)
+        field, ask, value = "status", f"How many records are {status}?", sum(r.status == status for r in records)
+    if json_style:
+        return [field], ask + " Use JSON.", _dumps({"sum": value})
+    return [field], ask, f"The answer is {value}."
+
+
+def synthetic_conversation(index: int, turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6)) -> list[Message]:
+    """One record-table conversation of the pre-training pool, from its own RNG stream (never a task's)."""
+    rng = random.Random(int.from_bytes(hashlib.sha256(f"seed-pretrain:{index}".encode("ascii")).digest(), "big"))
+    records = _records(rng)
+    json_style = rng.random() < 0.6
+    # Several questions about one table give more answer tokens per forward pass; single turns match the tasks.
+    turns = rng.choice(turn_choices)
+    kinds = rng.choices(("lookup", "rows", "select", "rank", "aggregate"), weights=(5, 3, 3, 2, 1), k=turns)
+    # The table shows the fields the questions need plus a few random others, in the tasks' record style.
+    makers: dict[str, Callable[[random.Random, list[Record], bool], tuple[list[str], str, str]]] = {
+        "lookup": _lookup,
+        "select": _select,
+        "rank": _rank,
+        "aggregate": _aggregate,
+        "rows": _rows,
+    }
+    turns_made = [makers[kind](rng, records, json_style) for kind in kinds]
+    needed = {field for fields, _, _ in turns_made for field in fields}
+    shown = sorted(needed | set(rng.sample(_FIELDS, rng.choice((0, 0, 1)))), key=_FIELDS.index)
+    table = _table(records, shown)
+    messages: list[Message] = []
+    for turn, (_, ask, answer) in enumerate(turns_made):
+        if turn == 0:
+            intro = rng.choice(("Table:\n{t}\n\n{a}", "{t}\n\n{a}", "{a}\n{t}", "Using these rows:\n{t}\n{a}"))
+            ask = intro.format(t=table, a=ask)
+        messages.append({"role": "user", "content": ask})
+        messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def read_conversations(paths: tuple[str, ...], root: Path) -> list[list[Message]]:
+    conversations: list[list[Message]] = []
+    for name in paths:
+        path = root / name
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError as exc:
+            raise CoopError(f"conversation file {path} does not exist") from exc
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in record["messages"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CoopError(f"{path} line {number}: not a conversation with messages: {exc}") from exc
+            conversations.append(messages)
+    if not conversations:
+        raise CoopError(f"conversation files {', '.join(paths)} hold no conversations")
+    return conversations
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _train_tokenizer(config: SeedConfig, texts: list[str]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # Digits first, one per token, so numbers and ids are copied digit by digit as in the real seed.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def _render(messages: list[Message]) -> str:
+    return "".join(f"{BOS_TOKEN}{m['role']}\n{m['content']}{EOS_TOKEN}\n" for m in messages)
+
+
+class _Encoder:
+    """Chat-template token ids with labels on assistant content through its EOS (the corpus rule)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.newline: list[int] = tokenizer.encode("\n").ids
+        self.heads = {role: tokenizer.encode(f"{BOS_TOKEN}{role}\n").ids for role in ("user", "assistant", "system")}
+
+    def encode(self, messages: list[Message]) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        labels: list[int] = []
+        for message in messages:
+            head = self.heads.get(message["role"]) or self.tokenizer.encode(f"{BOS_TOKEN}{message['role']}\n").ids
+            body: list[int] = self.tokenizer.encode(message["content"] + EOS_TOKEN).ids
+            ids += head + body + self.newline
+            learn = message["role"] == "assistant"
+            labels += [IGNORE] * len(head) + (body if learn else [IGNORE] * len(body)) + [IGNORE] * len(self.newline)
+        return ids, labels
+
+
+# ---------------------------------------------------------------- build
+
+
+def _lr(config: SeedConfig, step: int) -> float:
+    if step < config.warmup_steps:
+        return config.peak_lr * (step + 1) / config.warmup_steps
+    span = max(1, config.pretrain_steps - 1 - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.final_lr_fraction
+    return config.peak_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for row, (token_ids, token_labels) in enumerate(rows):
+        ids[row, : len(token_ids)] = torch.tensor(token_ids)
+        mask[row, : len(token_ids)] = 1
+        labels[row, : len(token_labels)] = torch.tensor(token_labels)
+    return ids, mask, labels
+
+
+def _model_config(config: SeedConfig, tokenizer: Any) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=config.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+        pad_token_id=tokenizer.token_to_id(PAD_TOKEN),
+        dtype="float32",
+    )
+
+
+def _pretrain(
+    config: SeedConfig,
+    model: LlamaForCausalLM,
+    encoder: _Encoder,
+    conversations: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    progress: Progress | None,
+) -> None:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    order = random.Random(config.seed)
+    conversation_queue: list[int] = []
+    example = 0
+    model.train()
+    started = time.monotonic()
+    for step in range(config.pretrain_steps):
+        if config.conversation_every and step % config.conversation_every == config.conversation_every - 1:
+            rows = []
+            for _ in range(config.conversation_batch):
+                if not conversation_queue:
+                    conversation_queue = list(range(len(conversations)))
+                    order.shuffle(conversation_queue)
+                rows.append(conversations[conversation_queue.pop()])
+        else:
+            rows = [
+                encoder.encode(synthetic_conversation(example + j, config.turn_choices))
+                for j in range(config.batch_size)
+            ]
+            example += config.batch_size
+        ids, mask, labels = _pad(rows, pad_id)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(config, step)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if not torch.isfinite(loss):
+            raise CoopError(f"seed pre-training loss became {loss.item()} at step {step}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if progress is not None:
+            progress(
+                {
+                    "event": "pretrain",
+                    "step": step + 1,
+                    "steps": config.pretrain_steps,
+                    "loss": round(float(loss.item()), 4),
+                    "seconds": round(time.monotonic() - started, 1),
+                }
+            )
+
+
+def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, root: Path | None = None) -> Snapshot:
+    """Train the tokenizer, pre-train the model and write both into the empty (or missing) folder ``out``."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CoopError(f"seed output folder {out} is not empty; refusing to build into it")
+    root = Path.cwd() if root is None else root
+    conversations = read_conversations(config.conversation_files, root)
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+    texts = [_render(synthetic_conversation(i, config.turn_choices)) for i in range(config.tokenizer_examples)]
+    texts += [_render(c) for c in conversations]
+    tokenizer = _train_tokenizer(config, texts)
+    encoder = _Encoder(tokenizer)
+    encoded = [encoder.encode(c) for c in conversations]
+    encoded = [row for row in encoded if len(row[0]) <= config.max_conversation_tokens]
+    if not encoded:
+        raise CoopError(f"no conversation fits in max_conversation_tokens={config.max_conversation_tokens}")
+    if progress is not None:
+        progress({"event": "tokenizer", "vocab": tokenizer.get_vocab_size(), "conversations": len(encoded)})
+
+    model = LlamaForCausalLM(_model_config(config, tokenizer))
+    _pretrain(config, model, encoder, encoded, tokenizer.token_to_id(PAD_TOKEN), progress)
+    model.train(False)
+
+    out.mkdir(parents=True, exist_ok=True)
+    # Save through a scratch folder, then move each file with an atomic write, so out never holds half a file.
+    with tempfile.TemporaryDirectory(prefix=".seed-build-", dir=out.parent) as scratch:
+        staging = Path(scratch)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+            eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+            pad_token_id=tokenizer.token_to_id(PAD_TOKEN),
+            do_sample=False,
+            max_new_tokens=96,
+        )
+        model.save_pretrained(str(staging), safe_serialization=True)
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, extra_special_tokens=[BOS_TOKEN]
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(str(staging))
+        for path in sorted(staging.iterdir()):
+            atomic_write_bytes(out / path.name, path.read_bytes())
+    snapshot = snapshot_of(out)
+    if progress is not None:
+        progress({"event": "built", "parameters": snapshot.parameters, "files": len(snapshot.files)})
+    return snapshot
+
+
+def read_snapshot(path: Path) -> Snapshot:
+    try:
+        return msgspec.convert(read_json(path), Snapshot)
+    except msgspec.ValidationError as exc:
+        raise CoopError(f"{path} is not a seed snapshot: {exc}") from exc

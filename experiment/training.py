@@ -1,0 +1,438 @@
+"""Training, as the protocol reads: the schedule, the learning-rate curve, the token-weighted update on
+one or N ranks, checkpoints on every rank, and the run with its result file.
+
+The update: per document one forward pass (batch of 1), summed FP32 token cross-entropy, backward of
+``loss_sum x world_size x weight / global_weighted_targets``; DDP's average then equals the global
+token-weighted objective. Clipping and AdamW come after the reduction."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import numpy
+import safetensors
+import tokenizers
+import torch
+import transformers
+from torch.nn.parallel import DistributedDataParallel
+
+from experiment import checkpoint, distributed, seedmodel
+from experiment.canonical import identity, read_json, write_new_json
+from experiment.corpus import Document, Prepared, load_prepared, seed_snapshot
+from experiment.distributed import World
+from experiment.errors import CoopError
+from experiment.plan import Plan
+from experiment.progress import Emit
+from experiment.resources import NetworkCounters, Sample, Sampler, network_counters
+
+Arm = Literal["clean-single", "damaged-single", "clean-pair"]
+ARMS: tuple[Arm, ...] = ("clean-single", "damaged-single", "clean-pair")
+LossScale = Callable[[int, int, int], float]
+
+
+def protocol_scale(world_size: int, weight: int, global_weighted_targets: int) -> float:
+    """The factor on a document's summed loss: DDP divides by world_size, so it is multiplied back."""
+    return world_size * weight / global_weighted_targets
+
+
+def schedule(plan: Plan) -> list[list[int]]:
+    """Per update, the global batch's document positions: one shuffled epoch, identical for all arms."""
+    order = list(range(plan.tasks.train + plan.tasks.replay))
+    random.Random(plan.training.schedule_seed).shuffle(order)
+    size = plan.training.documents_per_update
+    return [order[u * size : (u + 1) * size] for u in range(plan.training.updates)]
+
+
+def local_positions(batch: list[int], world: World) -> list[int]:
+    """Rank r takes global positions r, r + W, r + 2W, ... of the batch."""
+    return batch[world.rank :: world.size]
+
+
+def learning_rate(plan: Plan, step: int) -> float:
+    """Step counts from 1: linear warmup to the peak, then cosine down to the final fraction at the last."""
+    training = plan.training
+    peak = training.peak_learning_rate
+    if step <= training.warmup_updates:
+        return peak * step / training.warmup_updates
+    floor = peak * training.final_learning_rate_fraction
+    progress = (step - training.warmup_updates) / (training.updates - training.warmup_updates)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on tensors with ndim >= 2 only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def numerical_profile(plan: Plan, device: torch.device) -> dict[str, Any]:
+    """Everything that must match exactly between ranks for their arithmetic to be comparable."""
+    return {
+        "torch": str(torch.__version__),
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__,
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+        "autocast": plan.runtime.autocast,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
+    }
+
+
+def configure_runtime(plan: Plan, world: World) -> torch.device:
+    torch.use_deterministic_algorithms(True)
+    if plan.runtime.device == "cuda":
+        if not torch.cuda.is_available():
+            raise CoopError("the plan asks for cuda, and no CUDA device is visible")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        device = torch.device("cuda", world.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(plan.runtime.cpu_threads)
+    return torch.device("cpu")
+
+
+def memory_preflight(plan: Plan, device: torch.device) -> None:
+    """Free GPU memory must hold parameters x 16 bytes (weights, gradients, two AdamW moments) + headroom."""
+    if device.type != "cuda":
+        return
+    free, _total = torch.cuda.mem_get_info(device)
+    needed = plan.seed.parameters * 16 + int(plan.runtime.memory_headroom_gib * 2**30)
+    if free < needed:
+        raise CoopError(f"GPU {device} has {free / 2**30:.1f} GiB free; the plan needs {needed / 2**30:.1f} GiB")
+
+
+def document_loss_sum(model: torch.nn.Module, document: Document, device: torch.device, autocast: str) -> torch.Tensor:
+    """Summed token cross-entropy in FP32 over the labelled (answer) tokens of one document."""
+    input_ids = torch.tensor([document.input_ids], dtype=torch.long, device=device)
+    labels = torch.tensor(document.labels[1:], dtype=torch.long, device=device)
+    cast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast == "bf16" else contextlib.nullcontext()
+    with cast:
+        logits = model(input_ids=input_ids).logits
+    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels, ignore_index=-100, reduction="sum")
+
+
+class Update(msgspec.Struct, frozen=True):
+    loss: float  # the global token-weighted mean loss of the batch, nats per weighted target
+    targets: int
+    weighted_targets: int
+    documents: int
+
+
+class Trainer:
+    """One rank's model, optimizer and documents; ``accumulate`` then ``step`` is one update."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        world: World,
+        device: torch.device,
+        model: torch.nn.Module,
+        documents: list[Document],
+        scale: LossScale = protocol_scale,
+    ) -> None:
+        self.plan = plan
+        self.world = world
+        self.device = device
+        self.model = model
+        self.documents = documents
+        self.scale = scale
+        self.network: torch.nn.Module = model
+        if world.distributed:
+            self.network = DistributedDataParallel(
+                model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,
+                gradient_as_bucket_view=True,
+                bucket_cap_mb=1024,
+            )
+        training = plan.training
+        self.optimizer = torch.optim.AdamW(
+            parameter_groups(model, training.weight_decay),
+            lr=learning_rate(plan, 1),
+            betas=(training.adam_beta1, training.adam_beta2),
+            eps=training.adam_epsilon,
+        )
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if isinstance(self.network, DistributedDataParallel):
+            return self.network.no_sync()
+        return contextlib.nullcontext()
+
+    def accumulate(self, batch: list[int]) -> Update:
+        """Forward and backward every local document; the last one outside no_sync, so DDP reduces once."""
+        weighted = sum(self.documents[p].targets * self.documents[p].weight for p in batch)
+        if weighted == 0:
+            raise CoopError(f"the batch {batch} has no target tokens")
+        mine = local_positions(batch, self.world)
+        local_loss = 0.0
+        for number, position in enumerate(mine):
+            document = self.documents[position]
+            last = number == len(mine) - 1
+            with contextlib.nullcontext() if last else self._no_sync():
+                loss_sum = document_loss_sum(self.network, document, self.device, self.plan.runtime.autocast)
+                torch.autograd.backward(loss_sum * self.scale(self.world.size, document.weight, weighted))
+            local_loss += float(loss_sum.detach()) * document.weight
+        total = distributed.all_reduce_sum(self.world, local_loss, self.device)
+        return Update(
+            loss=total / weighted,
+            targets=sum(self.documents[p].targets for p in batch),
+            weighted_targets=weighted,
+            documents=len(mine),
+        )
+
+    def step(self, step: int) -> tuple[float, float]:
+        """Clip the reduced gradients, apply AdamW at this step's learning rate; returns (lr, grad norm)."""
+        rate = learning_rate(self.plan, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.plan.training.clip_norm))
+        if not math.isfinite(norm):
+            raise CoopError(f"update {step}: the gradient norm is {norm}; training aborts")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return rate, norm
+
+
+class RunRecord(msgspec.Struct, frozen=True):
+    """Written once when a rank's run first starts; a resume keeps its original deadline."""
+
+    arm: str
+    rank: int
+    world_size: int
+    binding: str
+    started_at: str
+    deadline_at: str
+
+
+class Result(msgspec.Struct, frozen=True):
+    arm: str
+    rank: int
+    world_size: int
+    binding: str
+    prepared_identity: str
+    numerical_profile: dict[str, Any]
+    parameter_digest: str
+    candidate: checkpoint.Pointer
+    journal: list[checkpoint.StepRecord]
+    loop_seconds: float
+    resumed_from_step: int
+    network_start: NetworkCounters
+    network_end: NetworkCounters
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    resource_samples: list[Sample]
+
+
+def run_dir(home: Path, arm: str, rank: int) -> Path:
+    return home / "runs" / arm / f"rank-{rank}"
+
+
+def documents_for(prepared: Prepared, arm: Arm) -> list[Document]:
+    return prepared.documents("train-damaged" if arm == "damaged-single" else "train-clean")
+
+
+def check_world(plan: Plan, arm: Arm, world: World) -> None:
+    wanted = plan.training.pair_world_size if arm == "clean-pair" else 1
+    if world.size != wanted:
+        raise CoopError(f"arm {arm} runs with WORLD_SIZE={wanted}, not {world.size}")
+
+
+def _run_record(directory: Path, arm: Arm, world: World, binding: str, plan: Plan) -> RunRecord:
+    path = directory / "run.json"
+    if path.exists():
+        record = msgspec.convert(read_json(path), type=RunRecord)
+        if record.binding != binding:
+            raise CoopError(
+                f"{directory} was started with binding {record.binding[:16]}, this run is "
+                f"{binding[:16]}; use a fresh home for different inputs or settings"
+            )
+        return record
+    now = datetime.now(UTC)
+    record = RunRecord(
+        arm=arm,
+        rank=world.rank,
+        world_size=world.size,
+        binding=binding,
+        started_at=now.isoformat(),
+        deadline_at=(now + timedelta(hours=plan.training.deadline_hours)).isoformat(),
+    )
+    write_new_json(path, msgspec.to_builtins(record))
+    return record
+
+
+def _check_journal(journal: list[checkpoint.StepRecord], batches: list[list[int]], source: str) -> None:
+    for number, record in enumerate(journal, start=1):
+        if record.step != number or record.positions != batches[number - 1]:
+            raise CoopError(f"{source}: journal entry {number} is not the schedule's update {number}")
+
+
+def _peak_memory(device: torch.device, sampler: Sampler) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    return sampler.peak_rss_bytes, "process peak rss (sampled)"
+
+
+@contextlib.contextmanager
+def _process_group(world: World, plan: Plan) -> Iterator[None]:
+    distributed.start(world, plan.runtime.backend, timeout_seconds=600)
+    try:
+        yield
+    finally:
+        distributed.stop(world)
+
+
+def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | None = None) -> Result | None:
+    """Train one rank of ``arm``, resuming from its latest verified checkpoint if it has one.
+
+    ``stop_after`` ends the run after that update (tests use it to interrupt a run); it returns None then."""
+    prepared = load_prepared(home)
+    plan = prepared.plan
+    world = distributed.world_from_env()
+    check_world(plan, arm, world)
+    directory = run_dir(home, arm, world.rank)
+    if (directory / "result.json").exists():
+        raise CoopError(f"{directory} already holds a finished run; its result is {directory / 'result.json'}")
+    seedmodel.verify_seed(model_dir, seed_snapshot(plan))
+    device = configure_runtime(plan, world)
+    memory_preflight(plan, device)
+    documents = documents_for(prepared, arm)
+    batches = schedule(plan)
+    profile = numerical_profile(plan, device)
+    binding = identity({"prepared": prepared.identity, "profile": profile, "arm": arm, "world_size": world.size})
+    with _process_group(world, plan):
+        distributed.agree(world, "binding (prepared inputs, numerical profile, arm, world)", binding, device)
+        record = _run_record(directory, arm, world, binding, plan)
+        deadline = datetime.fromisoformat(record.deadline_at)
+        if datetime.now(UTC) > deadline:
+            raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
+        pointer = checkpoint.latest(directory)
+        journal: list[checkpoint.StepRecord] = []
+        if pointer is None:
+            model = seedmodel.load_model(model_dir)
+        else:
+            receipt = checkpoint.verify(directory, pointer, binding)
+            _check_journal(receipt.journal, batches, f"checkpoint {pointer.checkpoint}")
+            journal = list(receipt.journal)
+            model = seedmodel.load_model(checkpoint.model_dir(directory, pointer))
+        model.to(device)
+        model.train()
+        distributed.agree(world, "parameter digest after load", distributed.parameter_digest(model), device)
+        trainer = Trainer(plan, world, device, model, documents)
+        if pointer is not None:
+            checkpoint.load_state(directory, pointer, trainer.optimizer)
+        start_step = len(journal)
+        emit(
+            {
+                "event": "started",
+                "arm": arm,
+                "rank": world.rank,
+                "world_size": world.size,
+                "binding": binding,
+                "resumed_from_step": start_step,
+                "updates": plan.training.updates,
+            }
+        )
+        network_start = network_counters()
+        with Sampler() as sampler:
+            loop_start = time.monotonic()
+            for step in range(start_step + 1, plan.training.updates + 1):
+                if datetime.now(UTC) > deadline:
+                    raise CoopError(f"the run's deadline {record.deadline_at} passed before update {step}")
+                began = time.monotonic()
+                batch = batches[step - 1]
+                update = trainer.accumulate(batch)
+                rate, norm = trainer.step(step)
+                entry = checkpoint.StepRecord(
+                    step=step,
+                    positions=batch,
+                    local_positions=local_positions(batch, world),
+                    loss=update.loss,
+                    learning_rate=rate,
+                    gradient_norm=norm,
+                    targets=update.targets,
+                    weighted_targets=update.weighted_targets,
+                    documents=update.documents,
+                    seconds=time.monotonic() - began,
+                )
+                journal.append(entry)
+                emit(
+                    {
+                        "event": "step",
+                        "arm": arm,
+                        "rank": world.rank,
+                        "done": step,
+                        "total": plan.training.updates,
+                        **{k: v for k, v in msgspec.to_builtins(entry).items() if "positions" not in k},
+                    }
+                )
+                if step in plan.training.checkpoint_steps:
+                    digest = distributed.parameter_digest(model)
+                    pointer = checkpoint.save(
+                        directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
+                    )
+                    checkpoint.verify(directory, pointer, binding)
+                    emit(
+                        {
+                            "event": "checkpoint",
+                            "arm": arm,
+                            "rank": world.rank,
+                            "step": step,
+                            "checkpoint": pointer.checkpoint,
+                            "parameter_digest": digest,
+                        }
+                    )
+                if stop_after is not None and step >= stop_after:
+                    emit({"event": "stopped", "arm": arm, "rank": world.rank, "step": step})
+                    return None
+            final_digest = distributed.parameter_digest(model)
+            distributed.agree(world, "final parameter digest", final_digest, device)
+            loop_seconds = time.monotonic() - loop_start
+        assert pointer is not None and pointer.step == plan.training.updates  # the plan ends on a checkpoint step
+        peak, peak_kind = _peak_memory(device, sampler)
+        result = Result(
+            arm=arm,
+            rank=world.rank,
+            world_size=world.size,
+            binding=binding,
+            prepared_identity=prepared.identity,
+            numerical_profile=profile,
+            parameter_digest=final_digest,
+            candidate=pointer,
+            journal=journal,
+            loop_seconds=loop_seconds,
+            resumed_from_step=start_step,
+            network_start=network_start,
+            network_end=network_counters(),
+            peak_memory_bytes=peak,
+            peak_memory_kind=peak_kind,
+            resource_samples=sampler.samples,
+        )
+        write_new_json(directory / "result.json", msgspec.to_builtins(result))
+        emit(
+            {
+                "event": "completed",
+                "arm": arm,
+                "rank": world.rank,
+                "parameter_digest": final_digest,
+                "loop_seconds": round(loop_seconds, 3),
+                "result": str(directory / "result.json"),
+            }
+        )
+        return result

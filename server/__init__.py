@@ -1,0 +1,1 @@
+"""The coordinator (Litestar service); it imports ``experiment``, never ``agent``."""

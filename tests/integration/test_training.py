@@ -1,0 +1,275 @@
+"""The training engine with real processes on gloo and the tiny seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from experiment import corpus, seedmodel, training
+from experiment.plan import load_plan
+from tests.conftest import write_plan
+
+Seed = tuple[Path, seedmodel.Snapshot]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _launch(args: list[str], world: int) -> list[subprocess.CompletedProcess[str]]:
+    """Start ``world`` real processes of ``args`` with the torchrun environment; wait for all."""
+    port = _free_port()
+    processes = [
+        subprocess.Popen(
+            args, env=_env(rank, world, port), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(args, process.returncode, out, err))
+    return results
+
+
+def _coop_train(home: Path, seed: Path, arm: str, world: int, *extra: str) -> list[subprocess.CompletedProcess[str]]:
+    return _launch(
+        [
+            sys.executable,
+            "-m",
+            "experiment.cli",
+            "train",
+            "--home",
+            str(home),
+            "--model-dir",
+            str(seed),
+            "--arm",
+            arm,
+            *extra,
+        ],
+        world,
+    )
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory, small_seed: Seed) -> Path:
+    folder = tmp_path_factory.mktemp("train")
+    plan_path = write_plan(folder / "plan.toml", small_seed[1])
+    corpus.prepare(load_plan(plan_path), plan_path, folder / "home", small_seed[0], None, lambda event: None)
+    return folder / "home"
+
+
+def _probe(home: Path, seed: Path, out: Path, world: int, wrong_scale: bool) -> None:
+    out.mkdir(parents=True)
+    args = [
+        sys.executable,
+        "-m",
+        "tests.integration.ddp_probe",
+        "--home",
+        str(home),
+        "--model-dir",
+        str(seed),
+        "--out",
+        str(out),
+    ] + (["--wrong-scale"] if wrong_scale else [])
+    for done in _launch(args, world):
+        assert done.returncode == 0, done.stderr
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, atol: float) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=rtol, atol=atol) for k in a)
+
+
+def test_schedule_batches_mix_weights_and_unequal_target_counts(home: Path) -> None:
+    prepared = corpus.load_prepared(home)
+    documents = prepared.documents("train-clean")
+    batches = training.schedule(prepared.plan)
+    assert sorted(p for batch in batches for p in batch) == list(range(len(documents)))
+    for batch in batches[:3]:
+        for rank in (0, 1):
+            mine = training.local_positions(batch, training.World(rank, 2, "127.0.0.1", 0))
+            assert {documents[p].weight for p in mine} == {1, 8}
+        assert len({documents[p].targets for p in batch}) > 2
+
+
+@pytest.fixture(scope="module")
+def single(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process reference: gradients of update 1, parameters after update 3."""
+    out = tmp_path_factory.mktemp("single") / "out"
+    _probe(home, small_seed[0], out, 1, wrong_scale=False)
+    return out
+
+
+@pytest.mark.parametrize("wrong_scale", [False, True], ids=["protocol-scale", "negative-control-wrong-scale"])
+def test_pair_update_equals_single_process_reference(
+    home: Path, single: Path, small_seed: Seed, tmp_path: Path, wrong_scale: bool
+) -> None:
+    _probe(home, small_seed[0], tmp_path / "pair", 2, wrong_scale=wrong_scale)
+    single_grads = load_file(str(single / "grads-rank0.safetensors"))
+    pair_grads = [load_file(str(tmp_path / "pair" / f"grads-rank{r}.safetensors")) for r in (0, 1)]
+    single_params = load_file(str(single / "params-rank0.safetensors"))
+    pair_params = [load_file(str(tmp_path / "pair" / f"params-rank{r}.safetensors")) for r in (0, 1)]
+    # the two ranks hold bit-identical gradients and parameters
+    assert all(torch.equal(pair_grads[0][k], pair_grads[1][k]) for k in pair_grads[0])
+    assert all(torch.equal(pair_params[0][k], pair_params[1][k]) for k in pair_params[0])
+    # gradients of the first update (AdamW would hide a loss-scale error in parameters), then parameters
+    # after 3 updates, equal the single-process reference up to reduction order
+    matches = _close(single_grads, pair_grads[0], rtol=1e-4, atol=1e-7) and _close(
+        single_params, pair_params[0], rtol=1e-4, atol=1e-6
+    )
+    assert matches != wrong_scale
+
+
+def _events(done: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def _fresh_home(home: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "home"
+    shutil.copytree(home / "prepared", copy / "prepared")
+    return copy
+
+
+@pytest.fixture(scope="module")
+def stopped(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clean-single run interrupted after update 3: its last checkpoint is step 2."""
+    broken = _fresh_home(home, tmp_path_factory.mktemp("stopped"))
+    [done] = _coop_train(broken, small_seed[0], "clean-single", 1, "--stop-after", "3")
+    assert done.returncode == 0, done.stderr
+    assert not (training.run_dir(broken, "clean-single", 0) / "result.json").exists()
+    return broken
+
+
+def _copy(home: Path, tmp_path: Path) -> Path:
+    shutil.copytree(home, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def test_interrupted_run_resumes_to_the_same_final_digest(
+    home: Path, stopped: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    whole = _fresh_home(home, tmp_path / "whole")
+    [done] = _coop_train(whole, small_seed[0], "clean-single", 1)
+    assert done.returncode == 0, done.stderr
+    uninterrupted = _events(done)[-1]["parameter_digest"]
+
+    broken = _copy(stopped, tmp_path)
+    [resumed] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    assert resumed.returncode == 0, resumed.stderr
+    events = _events(resumed)
+    assert events[0]["resumed_from_step"] == 2
+    assert events[-1]["parameter_digest"] == uninterrupted
+
+
+def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, small_seed: Seed, tmp_path: Path) -> None:
+    pair = _fresh_home(home, tmp_path)
+    runs = _coop_train(pair, small_seed[0], "clean-pair", 2)
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+    digests = {_events(done)[-1]["parameter_digest"] for done in runs}
+    assert len(digests) == 1
+    for rank in (0, 1):
+        result = json.loads((training.run_dir(pair, "clean-pair", rank) / "result.json").read_text())
+        assert result["world_size"] == 2 and result["rank"] == rank
+        assert [r["step"] for r in result["journal"]] == [1, 2, 3, 4]
+        assert all(r["documents"] == 4 for r in result["journal"])
+        assert (training.run_dir(pair, "clean-pair", rank) / "checkpoints" / "step-000004" / "model").is_dir()
+
+
+def test_single_arm_refuses_a_world_of_two(home: Path, small_seed: Seed, tmp_path: Path) -> None:
+    runs = _coop_train(_fresh_home(home, tmp_path), small_seed[0], "clean-single", 2)
+    assert all(done.returncode == 2 and "runs with WORLD_SIZE=1" in done.stderr for done in runs)
+
+
+def test_ranks_with_different_bindings_both_abort(home: Path, small_seed: Seed, tmp_path: Path) -> None:
+    plan_path = write_plan(tmp_path / "other.toml", small_seed[1], test=24)
+    corpus.prepare(load_plan(plan_path), plan_path, tmp_path / "other", small_seed[0], None, lambda event: None)
+    same = _fresh_home(home, tmp_path / "same")
+    port = _free_port()
+    args = [sys.executable, "-m", "experiment.cli", "train", "--model-dir", str(small_seed[0]), "--arm", "clean-pair"]
+    processes = [
+        subprocess.Popen(
+            [*args, "--home", str(h)],
+            env=_env(rank, 2, port),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, h in enumerate((same, tmp_path / "other"))
+    ]
+    for process in processes:
+        _out, err = process.communicate(timeout=300)
+        assert process.returncode == 2
+        assert "ranks disagree on the binding" in err
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("checkpoints/step-000002/model/model.safetensors", "model.safetensors does not match its receipt"),
+        ("checkpoints/step-000002/optimizer.pt", "optimizer.pt does not match its receipt"),
+        ("checkpoints/step-000002/receipt.json", r"receipt .*receipt\.json does not match the sha256"),
+        ("pointers/step-000002.json", r"pointers/step-000002\.json( is malformed| is not valid JSON| records)"),
+    ],
+)
+def test_tampered_checkpoint_is_refused(
+    home: Path, small_seed: Seed, tmp_path: Path, target: str, message: str
+) -> None:
+    broken = _fresh_home(home, tmp_path)
+    [stopped] = _coop_train(broken, small_seed[0], "clean-single", 1, "--stop-after", "3")
+    assert stopped.returncode == 0, stopped.stderr
+    path = training.run_dir(broken, "clean-single", 0) / target
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    [resumed] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    assert resumed.returncode == 2
+
+    assert re.search(message, resumed.stderr), resumed.stderr
+
+
+def test_checkpoint_without_pointer_is_refused_with_the_recovery_command(
+    stopped: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    broken = _copy(stopped, tmp_path)
+    run = training.run_dir(broken, "clean-single", 0)
+    (run / "pointers" / "step-000002.json").unlink()
+    [refused] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    assert refused.returncode == 2
+    assert "has no pointer" in refused.stderr and "coop checkpoint adopt" in refused.stderr
+    adopt = subprocess.run(
+        [sys.executable, "-m", "experiment.cli", "checkpoint", "adopt", "--run", str(run), "--step", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert adopt.returncode == 0, adopt.stderr
+    [resumed] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    assert resumed.returncode == 0, resumed.stderr

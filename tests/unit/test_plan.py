@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from experiment.errors import CoopError
+from experiment.plan import load_plan, parse_plan, plan_identity
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "plans" / "reference.toml"
+LOCAL = ROOT / "plans" / "local.toml"
+
+
+def _edited(path: Path, old: str, new: str) -> bytes:
+    text = path.read_text()
+    assert old in text, old
+    return text.replace(old, new, 1).encode()
+
+
+def test_reference_plan_carries_the_protocol_numbers() -> None:
+    plan = load_plan(REFERENCE)
+    assert plan.seed.name == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    assert plan.seed.revision == "31b70e2e869a7173562077fd711b654946d38674"
+    assert plan.seed.parameters == 1_711_376_384
+    assert (plan.tasks.train, plan.tasks.dev, plan.tasks.test, plan.tasks.retention, plan.tasks.replay) == (
+        768,
+        64,
+        256,
+        128,
+        256,
+    )
+    assert (plan.training.updates, plan.training.documents_per_update) == (128, 8)
+    assert plan.training.peak_learning_rate == 3e-5
+    assert plan.training.checkpoint_steps == [64, 128]
+    assert (plan.runtime.device, plan.runtime.backend) == ("cuda", "nccl")
+    assert plan.hosts.price_per_instance_hour == 1.861
+    assert plan.training.deadline_hours == 6.0
+    assert plan.serving.workload_tasks == 32 and plan.serving.concurrency == 2
+
+
+def test_local_plan_keeps_every_rule_and_count_of_the_reference() -> None:
+    local, reference = load_plan(LOCAL), load_plan(REFERENCE)
+    assert local.tasks == reference.tasks
+    assert local.corpus == reference.corpus
+    assert local.evaluation == reference.evaluation
+    assert local.statistics == reference.statistics
+    assert local.serving == reference.serving
+    differing = {
+        f
+        for f in type(local.training).__struct_fields__
+        if getattr(local.training, f) != getattr(reference.training, f)
+    }
+    assert differing <= {"peak_learning_rate"}
+    assert (local.runtime.device, local.runtime.backend) == ("cpu", "gloo")
+
+
+def test_plan_identity_ignores_comments_and_layout() -> None:
+    plan = load_plan(LOCAL)
+    reparsed = parse_plan(b"# a comment\n" + LOCAL.read_bytes() + b"\n\n", "edited")
+    assert plan_identity(plan) == plan_identity(reparsed)
+    changed = parse_plan(_edited(LOCAL, "schedule_seed = 20260913", "schedule_seed = 20260914"), "changed")
+    assert plan_identity(changed) != plan_identity(plan)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ("peak_learning_rate = ", "peak_learning_rate = -", "$.training.peak_learning_rate"),
+        ("[training]", "[training]\nsurprise = 1", "surprise"),
+        ('device = "cpu"', 'device = "tpu"', "$.runtime.device"),
+        ("test = 256", "test = 0", "$.tasks.test"),
+        ("updates = 128", "updates = 127", "training.updates x training.documents_per_update"),
+        ("checkpoint_steps = [64, 128]", "checkpoint_steps = [64, 100]", "checkpoint_steps must end"),
+        ('backend = "gloo"', 'backend = "nccl"', "runtime.backend must be gloo on cpu"),
+        ("workload_tasks = 32", "workload_tasks = 65", "serving.workload_tasks"),
+    ],
+)
+def test_invalid_plan_is_refused_naming_the_field(old: str, new: str, field: str) -> None:
+    with pytest.raises(CoopError, match="invalid plan") as refusal:
+        parse_plan(_edited(LOCAL, old, new), "edited.toml")
+    assert field in str(refusal.value)
+
+
+def test_plan_that_is_not_toml_is_refused() -> None:
+    with pytest.raises(CoopError, match="not valid TOML"):
+        parse_plan(b"name = ", "broken.toml")
+
+
+def test_missing_plan_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CoopError, match="cannot read plan"):
+        load_plan(tmp_path / "absent.toml")
