@@ -162,7 +162,7 @@ def finetune(model: Any, docs: list[tuple[list[int], list[int], float]], peak: f
             target = torch.tensor(labels[1:])
             loss_sum = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
             (loss_sum * weight / weighted).backward()
-            total += float(loss_sum) * weight / weighted
+            total += float(loss_sum.detach()) * weight / weighted
         for group in optimizer.param_groups:
             group["lr"] = lr_at(peak, update)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -225,6 +225,7 @@ def main() -> None:
         arm["examples"] = [r["text"] for r in rows[:8]]
         result[f"lr={peak:g}"] = arm
         emit({"event": "arm", "lr": peak, **arm})
+        args.out.write_text(json.dumps(result, indent=1))  # after every arm, so a cut-short run keeps its results
     args.out.write_text(json.dumps(result, indent=1))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import transformers
 
-from experiment import checkpoint, corpus, seedmodel, training
+from experiment import bundle, checkpoint, corpus, evaluation, report, seedmodel, selection, training
 from experiment.canonical import identity
 from experiment.errors import CoopError
 from experiment.plan import load_plan, plan_identity
@@ -79,6 +79,50 @@ def _train(args: argparse.Namespace) -> None:
         training.train(args.home, args.model_dir, args.arm, events.emit, stop_after=args.stop_after)
 
 
+def _evaluate(args: argparse.Namespace) -> None:
+    with Events() as events:
+        evaluation.evaluate(
+            args.home, args.model_dir, args.arm, args.role, args.selection, events.emit, stop_after=args.stop_after
+        )
+
+
+def _select(args: argparse.Namespace) -> None:
+    chosen, path = selection.select(corpus.load_prepared(args.home))
+    with Events() as events:
+        events.emit(
+            {
+                "event": "selected",
+                "selection": str(path),
+                "identity": selection.selection_identity(chosen),
+                "arms": {arm: c.model_identity for arm, c in chosen.arms.items()},
+            }
+        )
+
+
+def _bundle(args: argparse.Namespace) -> None:
+    written = bundle.export_bundle(args.home, args.model_dir, args.out)
+    with Events() as events:
+        events.emit({"event": "bundled", "out": str(args.out), "files": len(written)})
+
+
+def _report(args: argparse.Namespace) -> None:
+    result = report.write_report(args.home, args.output)
+    verdict = result["primary"]["verdict"]
+    with Events() as events:
+        events.emit(
+            {
+                "event": "reported",
+                "report": str(args.output),
+                "html": str(args.output.with_suffix(".html")),
+                "primary_passed": verdict["passed"],
+                "conditions": {
+                    c["name"]: {"value": c["value"], "threshold": c["threshold"], "passed": c["passed"]}
+                    for c in verdict["conditions"]
+                },
+            }
+        )
+
+
 def _checkpoint_adopt(args: argparse.Namespace) -> None:
     pointer = checkpoint.adopt(args.run_dir, args.step)
     with Events() as events:
@@ -118,6 +162,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--arm", choices=training.ARMS, required=True)
     train.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after an update
     train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser("evaluate", help="greedy answers to every dev or test task, and retention")
+    evaluate.add_argument("--home", type=Path, required=True)
+    evaluate.add_argument("--model-dir", type=Path, required=True, help="the seed folder (tokenizer, seed arm)")
+    evaluate.add_argument("--arm", choices=evaluation.EVAL_ARMS, required=True)
+    evaluate.add_argument("--role", choices=("dev", "test"), required=True)
+    evaluate.add_argument("--selection", type=Path, help="the committed selection; required for --role test")
+    evaluate.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N answers
+    evaluate.set_defaults(handler=_evaluate)
+
+    choose = commands.add_parser("select", help="select every arm's verified final checkpoint (never a score)")
+    choose.add_argument("--home", type=Path, required=True)
+    choose.set_defaults(handler=_select)
+
+    pack = commands.add_parser("bundle", help="export a home's evidence (no weights) for coop report")
+    pack.add_argument("--home", type=Path, required=True)
+    pack.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tokenizer files go along)")
+    pack.add_argument("--out", type=Path, required=True)
+    pack.set_defaults(handler=_bundle)
+
+    recompute = commands.add_parser("report", help="recompute every check and comparison from an evidence bundle")
+    recompute.add_argument("--home", type=Path, required=True, help="the evidence bundle")
+    recompute.add_argument("--output", type=Path, required=True, help="report JSON; the HTML page goes beside it")
+    recompute.set_defaults(handler=_report)
 
     ckpt = commands.add_parser("checkpoint", help="checkpoint maintenance").add_subparsers(dest="action", required=True)
     adopt = ckpt.add_parser("adopt", help="verify a checkpoint that lost its pointer and write the pointer")

@@ -1,0 +1,281 @@
+"""Evaluation: greedy generation in left-padded batches, strict checks, retention losses, role gating.
+
+Answers are appended to a partial file as they are made; a restart must reproduce every answer already
+recorded, exactly, before it may add more. The summary file is written once, at the end."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from experiment import seedmodel, tasks
+from experiment.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
+from experiment.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
+from experiment.errors import CoopError
+from experiment.progress import Emit
+from experiment.selection import Candidate, candidate_for, read_selection, same_model, selection_identity
+
+EvalArm = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
+EVAL_ARMS: tuple[EvalArm, ...] = ("seed", "clean-single", "damaged-single", "clean-pair")
+Role = Literal["dev", "test"]
+BATCH_SIZE = 16
+
+
+class Generation(msgspec.Struct, frozen=True):
+    output_ids: list[int]  # the generated tokens, through the first EOS when there is one
+    ended_with_eos: bool
+    hit_token_limit: bool
+
+
+class Answer(msgspec.Struct, frozen=True):
+    id: str
+    index: int
+    family: str
+    variant: int
+    input_dependent: bool
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    seconds: float  # the batch's wall time shared equally among its answers
+    ended_with_eos: bool
+    hit_token_limit: bool
+    check: tasks.Check
+
+
+class RetentionScore(msgspec.Struct, frozen=True):
+    id: str
+    targets: int
+    mean_nats: float
+
+
+class Summary(msgspec.Struct, frozen=True):
+    arm: str
+    role: str
+    prepared_identity: str
+    candidate: Candidate
+    selection_identity: str | None
+    max_new_tokens: int
+    batch_size: int
+    answers: int
+    correct: int
+    answers_sha256: str
+    retention_sha256: str
+    retention_mean_nats: float
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module, prompts: Sequence[list[int]], eos_id: int, pad_id: int, max_new_tokens: int
+) -> list[Generation]:
+    """Greedy decoding of a batch of prompts, left-padded with an attention mask."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    device = next(model.parameters()).device
+    generate_fn: Any = getattr(model, "generate")  # noqa: B009 (a transformers model)
+    sequences = generate_fn(
+        input_ids=input_ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        num_beams=1,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    results = []
+    for row in sequences[:, width:].tolist():
+        if eos_id in row:
+            kept = row[: row.index(eos_id) + 1]
+            results.append(Generation(output_ids=kept, ended_with_eos=True, hit_token_limit=False))
+        else:
+            results.append(Generation(output_ids=row, ended_with_eos=False, hit_token_limit=len(row) >= max_new_tokens))
+    return results
+
+
+def answer_text(tokenizer: Any, generation: Generation) -> str:
+    """The text the checker sees: every generated token but the terminating EOS, special tokens included."""
+    ids = generation.output_ids[:-1] if generation.ended_with_eos else generation.output_ids
+    return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+
+@torch.no_grad()
+def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
+    """Mean nats per answer token of one retention probe."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([probe.input_ids], device=device)).logits[0, :-1].float()
+    labels = torch.tensor(probe.labels[1:], device=device)
+    total = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+    return RetentionScore(id=probe.id, targets=probe.targets, mean_nats=float(total) / probe.targets)
+
+
+def evaluation_dir(home: Path, role: str, arm: str) -> Path:
+    return home / "evaluations" / role / arm
+
+
+def _answers_of(items: list[TaskItem], generations: list[Generation], tokenizer: Any, seconds: float) -> list[Answer]:
+    answers = []
+    for item, generation in zip(items, generations, strict=True):
+        text = answer_text(tokenizer, generation)
+        answers.append(
+            Answer(
+                id=item.id,
+                index=item.index,
+                family=item.family,
+                variant=item.variant,
+                input_dependent=item.input_dependent,
+                prompt_ids=item.prompt_ids,
+                output_ids=generation.output_ids,
+                text=text,
+                seconds=seconds / len(items),
+                ended_with_eos=generation.ended_with_eos,
+                hit_token_limit=generation.hit_token_limit,
+                check=tasks.check(text, item.expected),
+            )
+        )
+    return answers
+
+
+def _same_answer(recorded: Answer, fresh: Answer) -> bool:
+    return msgspec.structs.replace(recorded, seconds=0.0) == msgspec.structs.replace(fresh, seconds=0.0)
+
+
+def _gate(prepared: Prepared, arm: EvalArm, role: Role, selection_path: Path | None) -> tuple[Candidate, str | None]:
+    """The model to evaluate; a test evaluation needs a selection committed for these inputs and this arm."""
+    if role == "dev":
+        return candidate_for(prepared, arm), None
+    if selection_path is None:
+        raise CoopError("a test evaluation needs --selection: run coop select first and commit its selection")
+    selection = read_selection(selection_path)
+    if selection.prepared_identity != prepared.identity:
+        raise CoopError(
+            f"selection {selection_path} is for prepared inputs {selection.prepared_identity[:16]}, "
+            f"this home holds {prepared.identity[:16]}"
+        )
+    selected = selection.arms.get(arm)
+    if selected is None:
+        raise CoopError(f"selection {selection_path} has no candidate for arm {arm}")
+    present = candidate_for(prepared, arm)
+    if not same_model(present, selected):
+        raise CoopError(f"arm {arm}'s candidate on this host is not the one selection {selection_path} names")
+    return present, selection_identity(selection)
+
+
+def evaluate(
+    home: Path,
+    model_dir: Path,
+    arm: EvalArm,
+    role: Role,
+    selection_path: Path | None,
+    emit: Emit,
+    stop_after: int | None = None,
+    batch_size: int = BATCH_SIZE,
+) -> Summary | None:
+    prepared = load_prepared(home)
+    plan = prepared.plan
+    candidate, selection_identity = _gate(prepared, arm, role, selection_path)
+    out = evaluation_dir(home, role, arm)
+    if (out / "evaluation.json").exists():
+        raise CoopError(f"{out} already holds a finished evaluation; it is never overwritten")
+    seedmodel.verify_seed(model_dir, seed_snapshot(plan))
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(plan.runtime.cpu_threads)
+    tokenizer = seedmodel.load_tokenizer(model_dir)
+    model = seedmodel.load_model(model_dir if candidate.path is None else home / candidate.path)
+    device = torch.device("cuda") if plan.runtime.device == "cuda" else torch.device("cpu")
+    model.to(device).eval()
+    eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    pad_id = int(tokenizer.pad_token_id)
+    items = prepared.task_items(role)
+    recorded_path = out / "answers.jsonl"
+    recorded = (
+        [msgspec.json.decode(line, type=Answer) for line in recorded_path.read_bytes().splitlines()]
+        if recorded_path.exists()
+        else []
+    )
+    emit({"event": "evaluation-started", "arm": arm, "role": role, "items": len(items), "recorded": len(recorded)})
+    out.mkdir(parents=True, exist_ok=True)
+    answers: list[Answer] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start : start + batch_size]
+        began = time.monotonic()
+        generations = generate(model, [i.prompt_ids for i in batch], eos_id, pad_id, plan.evaluation.max_new_tokens)
+        fresh = _answers_of(batch, generations, tokenizer, time.monotonic() - began)
+        for answer in fresh:
+            position = len(answers)
+            if position < len(recorded):
+                if not _same_answer(recorded[position], answer):
+                    raise CoopError(
+                        f"the restarted evaluation does not reproduce the recorded answer to task "
+                        f"{answer.id} ({recorded_path}, line {position + 1}); it refuses to continue"
+                    )
+                answers.append(recorded[position])
+                continue
+            with recorded_path.open("ab") as handle:
+                handle.write(canonical_bytes(msgspec.to_builtins(answer)) + b"\n")
+            answers.append(answer)
+        emit(
+            {
+                "event": "evaluate",
+                "arm": arm,
+                "role": role,
+                "done": len(answers),
+                "total": len(items),
+                "correct": sum(a.check.correct for a in answers),
+            }
+        )
+        if stop_after is not None and len(answers) >= stop_after:
+            return None
+    scores = [retention_score(model, probe) for probe in prepared.probes()]
+    retention = out / "retention.jsonl"
+    retention_bytes = b"".join(canonical_bytes(msgspec.to_builtins(s)) + b"\n" for s in scores)
+    write_new_bytes(retention, retention_bytes)
+    summary = Summary(
+        arm=arm,
+        role=role,
+        prepared_identity=prepared.identity,
+        candidate=candidate,
+        selection_identity=selection_identity,
+        max_new_tokens=plan.evaluation.max_new_tokens,
+        batch_size=batch_size,
+        answers=len(answers),
+        correct=sum(a.check.correct for a in answers),
+        answers_sha256=sha256_file(recorded_path),
+        retention_sha256=sha256_file(retention),
+        retention_mean_nats=sum(s.mean_nats for s in scores) / len(scores) if scores else 0.0,
+    )
+    write_new_json(out / "evaluation.json", msgspec.to_builtins(summary))
+    emit(
+        {
+            "event": "evaluated",
+            "arm": arm,
+            "role": role,
+            "answers": summary.answers,
+            "correct": summary.correct,
+            "accuracy": round(summary.correct / summary.answers, 4),
+            "retention_mean_nats": summary.retention_mean_nats,
+            "evaluation": str(out / "evaluation.json"),
+        }
+    )
+    return summary
+
+
+def read_answers(folder: Path) -> tuple[Summary, list[Answer], list[RetentionScore]]:
+    """A finished evaluation: its summary, answers and retention scores, each file checked by its hash."""
+    summary = msgspec.convert(read_json(folder / "evaluation.json"), type=Summary)
+    answers_path = folder / "answers.jsonl"
+    retention_path = folder / "retention.jsonl"
+    if sha256_file(answers_path) != summary.answers_sha256:
+        raise CoopError(f"{answers_path} does not match the sha256 in {folder / 'evaluation.json'}")
+    if sha256_file(retention_path) != summary.retention_sha256:
+        raise CoopError(f"{retention_path} does not match the sha256 in {folder / 'evaluation.json'}")
+    answers = [msgspec.json.decode(line, type=Answer) for line in answers_path.read_bytes().splitlines()]
+    scores = [msgspec.json.decode(line, type=RetentionScore) for line in retention_path.read_bytes().splitlines()]
+    return summary, answers, scores

@@ -1,0 +1,412 @@
+"""The report, recomputed from an evidence bundle. Every check that fails stops it, names the file and
+the field, and writes nothing. The coordinator runs the same code online."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import msgspec
+
+from experiment import figures, stats, tasks
+from experiment.bundle import SEED
+from experiment.canonical import canonical_bytes, sha256_file, write_new_bytes
+from experiment.checkpoint import StepRecord
+from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
+from experiment.errors import CoopError
+from experiment.evaluation import EVAL_ARMS, Answer, RetentionScore, Summary, evaluation_dir, read_answers
+from experiment.seedmodel import load_tokenizer
+from experiment.selection import SELECTION, TRAINED_ARMS, Selection, read_selection, same_model, selection_identity
+from experiment.training import schedule
+
+Tokenizer = Any
+
+
+def _require(condition: bool, where: Path | str, field: str, problem: str) -> None:
+    if not condition:
+        raise CoopError(f"{where}: {field}: {problem}")
+
+
+def _seed_tokenizer(bundle: Path, prepared: Prepared) -> Tokenizer:
+    """The seed's tokenizer files in the bundle, each checked against the plan's recorded hash."""
+    folder = bundle / SEED
+    _require(folder.is_dir(), folder, "seed", "the bundle has no seed tokenizer files")
+    for path in sorted(folder.iterdir()):
+        recorded = prepared.plan.seed.files.get(path.name)
+        _require(recorded is not None, path, "seed.files", "this file is not in the plan's seed snapshot")
+        _require(sha256_file(path) == recorded, path, "sha256", "differs from the plan's seed snapshot")
+    return load_tokenizer(folder)
+
+
+def _check_items(prepared: Prepared, tokenizer: Tokenizer, role: tasks.Role, items: list[TaskItem]) -> None:
+    """Regenerate every case from the plan's task seed and compare id, prompt, answer and prompt tokens."""
+    where = prepared.home / "prepared" / prepared.manifest["roles"][role]["file"]
+    _require(len(items) == getattr(prepared.plan.tasks, role), where, "count", "differs from the plan")
+    for position, item in enumerate(items):
+        case = tasks.make_case(prepared.plan.tasks.task_seed, role, position)
+        prompt = tasks.render_prompt(case)
+        label = f"line {position + 1}"
+        _require(item.index == position, where, f"{label}.index", f"is {item.index}, expected {position}")
+        _require(item.id == tasks.task_id(case), where, f"{label}.id", "is not the regenerated task's id")
+        _require(item.prompt == prompt, where, f"{label}.prompt", "is not the regenerated prompt")
+        _require(item.expected == tasks.expected_answer(case), where, f"{label}.expected", "is not the oracle's")
+        _require(
+            (item.family, item.variant) == (case.family, case.variant),
+            where,
+            f"{label}.family",
+            "family or variant differs",
+        )
+        _require(item.input_dependent == tasks.is_input_dependent(case), where, f"{label}.input_dependent", "differs")
+        _require(
+            item.prompt_ids == prompt_ids(tokenizer, prompt),
+            where,
+            f"{label}.prompt_ids",
+            "differ from the seed tokenizer's rendering",
+        )
+    _require(
+        [i.id for i in items] == prepared.manifest["ids"][role],
+        prepared.home / "prepared" / "manifest.json",
+        f"ids.{role}",
+        "differ from the role file",
+    )
+
+
+def _check_training_inputs(prepared: Prepared, clean: list[Document], damaged: list[Document]) -> None:
+    manifest_path = prepared.home / "prepared" / "manifest.json"
+    plan = prepared.plan
+    train_ids = [tasks.task_id(tasks.make_case(plan.tasks.task_seed, "train", i)) for i in range(plan.tasks.train)]
+    _require(
+        [d.id for d in clean] == prepared.manifest["ids"]["train"],
+        manifest_path,
+        "ids.train",
+        "differ from train-clean",
+    )
+    _require(
+        [d.id for d in clean[: plan.tasks.train]] == train_ids,
+        manifest_path,
+        "ids.train",
+        "grounded ids are not the regenerated train tasks",
+    )
+    _require(
+        [d.id for d in damaged] == [d.id for d in clean],
+        manifest_path,
+        "ids.train",
+        "the damaged copy has other ids or another order",
+    )
+    expected_damaged = [i for i in train_ids if is_damaged(i)]
+    _require(
+        prepared.manifest["damaged_ids"] == expected_damaged,
+        manifest_path,
+        "damaged_ids",
+        "are not the ids with int(id, 16) % 4 == 0",
+    )
+    _require(
+        [d.id for d in damaged if d.damaged] == expected_damaged,
+        manifest_path,
+        "damaged_ids",
+        "differ from the damaged documents' marks",
+    )
+    for clean_doc, damaged_doc in zip(clean, damaged, strict=True):
+        if not damaged_doc.damaged:
+            _require(
+                clean_doc == damaged_doc,
+                manifest_path,
+                f"train document {clean_doc.id}",
+                "an undamaged document differs between the copies",
+            )
+
+
+def _check_runs(prepared: Prepared, selection: Selection, documents: dict[str, list[Document]]) -> dict[str, Any]:
+    """Every rank's journal is the schedule; ranks agree; the final digests are the selected candidates."""
+    plan = prepared.plan
+    batches = schedule(plan)
+    summary: dict[str, Any] = {}
+    for arm in TRAINED_ARMS:
+        runs = sorted((prepared.home / "runs" / arm).glob("rank-*"))
+        world = plan.training.pair_world_size if arm == "clean-pair" else 1
+        _require(
+            len(runs) == world, prepared.home / "runs" / arm, "ranks", f"{len(runs)} result folders, expected {world}"
+        )
+        docs = documents["train-damaged" if arm == "damaged-single" else "train-clean"]
+        results = []
+        for run in runs:
+            path = run / "result.json"
+            _require(path.is_file(), path, "result", "is missing")
+            result = msgspec.json.decode(path.read_bytes())
+            rank = int(result["rank"])
+            _require(
+                run.name == f"rank-{rank}" and result["world_size"] == world,
+                path,
+                "rank",
+                "does not match its folder or the arm's world",
+            )
+            _require(
+                result["prepared_identity"] == prepared.identity,
+                path,
+                "prepared_identity",
+                "is not the bundle's prepared identity",
+            )
+            journal = msgspec.convert(result["journal"], type=list[StepRecord])
+            _require(len(journal) == plan.training.updates, path, "journal", "does not hold every update")
+            for record in journal:
+                batch = batches[record.step - 1] if 0 < record.step <= len(batches) else []
+                where = f"journal[{record.step}]"
+                _require(record.positions == batch, path, f"{where}.positions", "are not the schedule's")
+                _require(
+                    record.local_positions == batch[rank::world],
+                    path,
+                    f"{where}.local_positions",
+                    "are not this rank's share",
+                )
+                _require(
+                    record.weighted_targets == sum(docs[p].targets * docs[p].weight for p in batch),
+                    path,
+                    f"{where}.weighted_targets",
+                    "differ from the prepared documents",
+                )
+            _require(
+                [r.step for r in journal] == list(range(1, plan.training.updates + 1)),
+                path,
+                "journal",
+                "steps are not 1..updates",
+            )
+            selected = selection.arms[arm]
+            _require(
+                result["parameter_digest"] == selected.model_identity,
+                path,
+                "parameter_digest",
+                "is not the selected candidate's",
+            )
+            _require(result["binding"] == selected.binding, path, "binding", "is not the selected candidate's")
+            _require(
+                result["candidate"]["step"] == plan.training.updates, path, "candidate.step", "is not the final update"
+            )
+            results.append(result)
+        update_seconds = [r.seconds for r in msgspec.convert(results[0]["journal"], type=list[StepRecord])]
+        summary[arm] = {
+            "ranks": len(results),
+            "parameter_digest": results[0]["parameter_digest"],
+            "loop_seconds": [round(float(r["loop_seconds"]), 3) for r in results],
+            "median_update_seconds": statistics.median(update_seconds),
+            "update_seconds": update_seconds,
+            "losses": [r.loss for r in msgspec.convert(results[0]["journal"], type=list[StepRecord])],
+            "network_bytes_sent": [r["network_end"]["bytes_sent"] - r["network_start"]["bytes_sent"] for r in results],
+            "network_scope": results[0]["network_start"]["scope"],
+            "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
+            "peak_memory_kind": results[0]["peak_memory_kind"],
+            "numerical_profile": results[0]["numerical_profile"],
+        }
+    return summary
+
+
+def _check_answers(
+    path: Path,
+    summary: Summary,
+    answers: list[Answer],
+    items: list[TaskItem],
+    tokenizer: Tokenizer,
+    max_new_tokens: int,
+) -> None:
+    eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    _require([a.id for a in answers] == [i.id for i in items], path, "id", "answers are not the test tasks in order")
+    for number, (answer, item) in enumerate(zip(answers, items, strict=True), start=1):
+        where = f"line {number}"
+        _require(answer.prompt_ids == item.prompt_ids, path, f"{where}.prompt_ids", "are not the prepared prompt's")
+        _require(
+            (answer.index, answer.family, answer.variant, answer.input_dependent)
+            == (item.index, item.family, item.variant, item.input_dependent),
+            path,
+            f"{where}.index",
+            "index, family, variant or input_dependent differ from the prepared task",
+        )
+        ids = answer.output_ids
+        _require(len(ids) <= max_new_tokens, path, f"{where}.output_ids", "exceed the plan's max_new_tokens")
+        ends = bool(ids) and ids[-1] == eos_id and eos_id not in ids[:-1]
+        _require(answer.ended_with_eos == ends, path, f"{where}.ended_with_eos", "contradicts the output ids")
+        _require(
+            answer.hit_token_limit == (not ends and len(ids) == max_new_tokens),
+            path,
+            f"{where}.hit_token_limit",
+            "contradicts the output ids",
+        )
+        text = str(tokenizer.decode(ids[:-1] if ends else ids, skip_special_tokens=False))
+        _require(text == answer.text, path, f"{where}.text", "is not the seed tokenizer's decoding of output_ids")
+        _require(
+            tasks.check(answer.text, item.expected) == answer.check,
+            path,
+            f"{where}.check",
+            "is not the strict checker's outcome",
+        )
+    _require(
+        summary.correct == sum(a.check.correct for a in answers) and summary.answers == len(answers),
+        path.parent / "evaluation.json",
+        "correct",
+        "differs from the answers",
+    )
+
+
+def _evaluations(
+    prepared: Prepared, selection: Selection, tokenizer: Tokenizer, items: list[TaskItem]
+) -> dict[str, tuple[list[Answer], list[RetentionScore]]]:
+    chosen = selection_identity(selection)
+    found: dict[str, tuple[list[Answer], list[RetentionScore]]] = {}
+    retention_ids = prepared.manifest["ids"]["retention"]
+    for arm in EVAL_ARMS:
+        folder = evaluation_dir(prepared.home, "test", arm)
+        _require((folder / "evaluation.json").is_file(), folder, "evaluation.json", "the test evaluation is missing")
+        summary, answers, scores = read_answers(folder)
+        where = folder / "evaluation.json"
+        _require(summary.arm == arm and summary.role == "test", where, "arm", "is not this folder's arm and role")
+        _require(summary.prepared_identity == prepared.identity, where, "prepared_identity", "differs")
+        _require(summary.selection_identity == chosen, where, "selection_identity", "is not the bundle's selection")
+        _require(
+            same_model(summary.candidate, selection.arms[arm]), where, "candidate", "is not the selected candidate"
+        )
+        _require(
+            summary.max_new_tokens == prepared.plan.evaluation.max_new_tokens,
+            where,
+            "max_new_tokens",
+            "differs from the plan",
+        )
+        _check_answers(
+            folder / "answers.jsonl", summary, answers, items, tokenizer, prepared.plan.evaluation.max_new_tokens
+        )
+        _require(
+            [s.id for s in scores] == retention_ids, folder / "retention.jsonl", "id", "are not the retention probes"
+        )
+        _require(
+            all(math.isfinite(s.mean_nats) for s in scores), folder / "retention.jsonl", "mean_nats", "is not finite"
+        )
+        found[arm] = (answers, scores)
+    return found
+
+
+def _accuracy(answers: list[Answer]) -> dict[str, Any]:
+    correct: Callable[[Answer], bool] = lambda a: a.check.correct  # noqa: E731
+    dependent = [a for a in answers if a.input_dependent]
+    return {
+        "overall": stats.cell([a.check.correct for a in answers]),
+        "by_family": stats.breakdown(answers, key=lambda a: a.family, correct=correct),
+        "by_variant": stats.breakdown(answers, key=lambda a: f"wording {a.variant}", correct=correct),
+        "input_dependent": stats.cell([a.check.correct for a in dependent]),
+        "valid_json_object": sum(a.check.valid_json_object for a in answers),
+        "hit_token_limit": sum(a.hit_token_limit for a in answers),
+    }
+
+
+def compute(bundle: Path) -> dict[str, Any]:
+    """Every check, then every comparison; raises CoopError at the first inconsistency."""
+    prepared = load_prepared(bundle)
+    plan = prepared.plan
+    tokenizer = _seed_tokenizer(bundle, prepared)
+    dev, test = prepared.task_items("dev"), prepared.task_items("test")
+    _check_items(prepared, tokenizer, "dev", dev)
+    _check_items(prepared, tokenizer, "test", test)
+    documents = {"train-clean": prepared.documents("train-clean"), "train-damaged": prepared.documents("train-damaged")}
+    _check_training_inputs(prepared, documents["train-clean"], documents["train-damaged"])
+    selection_path = bundle / SELECTION
+    _require(selection_path.is_file(), selection_path, "selection", "is missing")
+    selection = read_selection(selection_path)
+    _require(selection.prepared_identity == prepared.identity, selection_path, "prepared_identity", "differs")
+    _require(set(selection.arms) == set(EVAL_ARMS), selection_path, "arms", "must name every arm")
+    training = _check_runs(prepared, selection, documents)
+    evaluations = _evaluations(prepared, selection, tokenizer, test)
+
+    outcomes = {arm: {a.id: a.check.correct for a in answers} for arm, (answers, _) in evaluations.items()}
+    losses = {arm: {s.id: s.mean_nats for s in scores} for arm, (_, scores) in evaluations.items()}
+    rules = plan.statistics
+    primary = stats.paired(outcomes["seed"], outcomes["clean-single"])
+    retention = stats.retention_bound(losses["seed"], losses["clean-single"], rules.retention_z)
+    accuracy = {arm: _accuracy(answers) for arm, (answers, _) in evaluations.items()}
+    pair_cell, single_cell = accuracy["clean-pair"]["overall"], accuracy["clean-single"]["overall"]
+    report: dict[str, Any] = {
+        "plan": plan.name,
+        "plan_identity": prepared.manifest["plan_identity"],
+        "prepared_identity": prepared.identity,
+        "selection_identity": selection_identity(selection),
+        "candidates": {arm: c.model_identity for arm, c in selection.arms.items()},
+        "primary": {
+            "comparison": "clean-single vs seed, exact test items",
+            "paired": primary,
+            "retention": retention,
+            "verdict": stats.primary_verdict(primary, retention, rules),
+        },
+        "descriptive": {
+            "damaged-single vs seed": stats.paired(outcomes["seed"], outcomes["damaged-single"]),
+            "clean-single vs damaged-single": stats.paired(outcomes["damaged-single"], outcomes["clean-single"]),
+            "clean-pair vs seed": stats.paired(outcomes["seed"], outcomes["clean-pair"]),
+            "clean-pair vs clean-single": stats.paired(outcomes["clean-single"], outcomes["clean-pair"]),
+            "clean-pair within margin of clean-single": {
+                "margin": rules.pair_margin,
+                "within": stats.within_margin(pair_cell, single_cell, rules.pair_margin),
+            },
+            "retention": {
+                arm: stats.retention_bound(losses["seed"], losses[arm], rules.retention_z) for arm in TRAINED_ARMS
+            },
+        },
+        "accuracy": accuracy,
+        "training": training,
+        "pair_over_single_median_update": training["clean-pair"]["median_update_seconds"]
+        / training["clean-single"]["median_update_seconds"],
+        "checks": [
+            "seed tokenizer files match the plan",
+            "dev and test tasks regenerated from the plan's seed",
+            "damaged ids recomputed",
+            "every rank's journal equals the schedule",
+            "ranks agree on final digests",
+            "candidates equal the selection",
+            "every answer re-checked and re-decoded",
+        ],
+    }
+    built: dict[str, Any] = msgspec.to_builtins(report)
+    return built
+
+
+def _figures(report: dict[str, Any]) -> dict[str, str]:
+    arms = list(report["accuracy"])
+    families = list(report["accuracy"]["seed"]["by_family"])
+    variants = list(report["accuracy"]["seed"]["by_variant"])
+    training = report["training"]
+    return {
+        "families": figures.grouped_bars(
+            "Test accuracy by family",
+            families,
+            {arm: [report["accuracy"][arm]["by_family"][f]["accuracy"] for f in families] for arm in arms},
+            "accuracy",
+        ),
+        "variants": figures.grouped_bars(
+            "Test accuracy by wording (2 and 3 held out of training)",
+            variants,
+            {arm: [report["accuracy"][arm]["by_variant"][v]["accuracy"] for v in variants] for arm in arms},
+            "accuracy",
+        ),
+        "losses": figures.lines(
+            "Training loss (token-weighted, nats)",
+            {arm: list(enumerate(training[arm]["losses"], start=1)) for arm in training},
+            "update",
+            "loss",
+        ),
+        "updates": figures.distributions(
+            "Update time", {arm: training[arm]["update_seconds"] for arm in training}, "seconds"
+        ),
+    }
+
+
+def render_html(report: dict[str, Any]) -> str:
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("experiment", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
+    )
+    return environment.get_template("report.html").render(report=report, figures=_figures(report))
+
+
+def write_report(bundle: Path, output: Path) -> dict[str, Any]:
+    """Compute (all checks first), then write the JSON report and the HTML page beside it."""
+    report = compute(bundle)
+    html = render_html(report)
+    write_new_bytes(output, canonical_bytes(report) + b"\n")
+    write_new_bytes(output.with_suffix(".html"), html.encode("utf-8"))
+    return report

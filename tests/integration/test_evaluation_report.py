@@ -1,0 +1,327 @@
+"""Evaluation, selection and the offline report, on a complete bundle made by the real commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from experiment import bundle, corpus, evaluation, report, seedmodel, selection, tasks
+from experiment.canonical import canonical_bytes, sha256_file
+from experiment.errors import CoopError
+from experiment.plan import load_plan
+from tests.conftest import write_plan
+
+Seed = tuple[Path, seedmodel.Snapshot]
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "seeds" / "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _train(home: Path, seed: Path, arm: str, world: int) -> None:
+    port = _free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "experiment.cli",
+        "train",
+        "--home",
+        str(home),
+        "--model-dir",
+        str(seed),
+        "--arm",
+        arm,
+    ]
+    processes = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        processes.append(
+            subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
+    for process in processes:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+
+
+def _quiet(event: dict[str, object]) -> None:
+    del event
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, small_seed: Seed) -> Path:
+    """A home with the three arms trained (the pair as two real processes) on the small plan."""
+    folder = tmp_path_factory.mktemp("trained")
+    plan_path = write_plan(folder / "plan.toml", small_seed[1])
+    home = folder / "home"
+    corpus.prepare(load_plan(plan_path), plan_path, home, small_seed[0], None, _quiet)
+    _train(home, small_seed[0], "clean-single", 1)
+    _train(home, small_seed[0], "damaged-single", 1)
+    _train(home, small_seed[0], "clean-pair", 2)
+    return home
+
+
+@pytest.fixture(scope="module")
+def evidence(trained: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The complete evidence bundle: selection, four test evaluations, exported."""
+    home = tmp_path_factory.mktemp("evaluated") / "home"
+    shutil.copytree(trained, home)
+    _chosen, path = selection.select(corpus.load_prepared(home))
+    for arm in evaluation.EVAL_ARMS:
+        evaluation.evaluate(home, small_seed[0], arm, "test", path, _quiet)
+    out = tmp_path_factory.mktemp("bundle") / "bundle"
+    bundle.export_bundle(home, small_seed[0], out)
+    return out
+
+
+def test_batched_generation_equals_one_prompt_at_a_time() -> None:
+    seed = TINY if TINY.is_dir() else None
+    if seed is None:
+        pytest.skip("the committed tiny seed is not present")
+    tokenizer = seedmodel.load_tokenizer(seed)
+    model = seedmodel.load_model(seed).eval()
+    prompts = [
+        corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(12)
+    ]
+    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    assert len({len(p) for p in prompts}) > 1  # the batch really is padded
+    batched = evaluation.generate(model, prompts, eos, pad, 96)
+    alone = [evaluation.generate(model, [p], eos, pad, 96)[0] for p in prompts]
+    assert batched == alone
+
+
+def test_test_evaluation_refused_before_selection(trained: Path, small_seed: Seed) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiment.cli",
+            "evaluate",
+            "--home",
+            str(trained),
+            "--model-dir",
+            str(small_seed[0]),
+            "--arm",
+            "clean-single",
+            "--role",
+            "test",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "needs --selection" in done.stderr
+    assert not (trained / "evaluations" / "test").exists()
+
+
+def test_selection_takes_only_final_verified_checkpoints(trained: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(trained, home)
+    chosen, _ = selection.select(corpus.load_prepared(home))
+    final = corpus.load_prepared(home).plan.training.updates
+    assert {c.step for arm, c in chosen.arms.items() if arm != "seed"} == {final}
+    weights = home / "runs" / "damaged-single" / "rank-0" / "checkpoints" / f"step-{final:06d}" / "model"
+    with (weights / "model.safetensors").open("r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        handle.write(b"\x00")
+    with pytest.raises(CoopError, match=r"model\.safetensors does not match"):
+        selection.candidate_for(corpus.load_prepared(home), "damaged-single")
+
+
+def test_interrupted_evaluation_restarts_only_by_reproducing_its_answers(
+    trained: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(trained, home)
+    assert (
+        evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet, stop_after=4, batch_size=4)
+        is None
+    )
+    answers = evaluation.evaluation_dir(home, "dev", "clean-single") / "answers.jsonl"
+    assert len(answers.read_bytes().splitlines()) == 4
+    spoiled = tmp_path / "spoiled"
+    shutil.copytree(home, spoiled)
+    summary = evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet, batch_size=4)
+    assert summary is not None and summary.answers == 8
+    with pytest.raises(CoopError, match="already holds a finished evaluation"):
+        evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet)
+
+    path = evaluation.evaluation_dir(spoiled, "dev", "clean-single") / "answers.jsonl"
+    lines = path.read_bytes().splitlines()
+    second = json.loads(lines[1])
+    second["output_ids"] = [*second["output_ids"], 0]
+    lines[1] = canonical_bytes(second)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(CoopError, match=f"does not reproduce the recorded answer to task {second['id']}"):
+        evaluation.evaluate(spoiled, small_seed[0], "clean-single", "dev", None, _quiet, batch_size=4)
+
+
+def test_report_recomputes_the_verdict_from_the_bundle(evidence: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiment.cli",
+            "report",
+            "--home",
+            str(evidence),
+            "--output",
+            str(tmp_path / "report.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    event = json.loads(done.stdout.splitlines()[-1])
+    assert set(event["conditions"]) == {
+        "gain >= min_gain",
+        "p_value <= max_p_value",
+        "retention upper bound <= max_retention_upper_nats",
+    }
+    written = json.loads((tmp_path / "report.json").read_text())
+    seed_correct = written["accuracy"]["seed"]["overall"]["correct"]
+    answers = evaluation.read_answers(evidence / "evaluations" / "test" / "seed")[1]
+    assert seed_correct == sum(a.check.correct for a in answers)
+    assert written["primary"]["verdict"]["passed"] == event["primary_passed"]
+    html = (tmp_path / "report.html").read_text()
+    assert "<svg" in html and "Primary contract" in html
+
+
+def _rehash_evaluation(folder: Path) -> None:
+    summary = json.loads((folder / "evaluation.json").read_text())
+    summary["answers_sha256"] = sha256_file(folder / "answers.jsonl")
+    (folder / "evaluation.json").write_bytes(canonical_bytes(summary) + b"\n")
+
+
+def _edit_jsonl(path: Path, line: int, change: Callable[[dict[str, object]], None]) -> None:
+    lines = path.read_bytes().splitlines()
+    record = json.loads(lines[line])
+    change(record)
+    lines[line] = canonical_bytes(record)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _edit_json(path: Path, change: Callable[[dict[str, object]], None]) -> None:
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_bytes(canonical_bytes(record) + b"\n")
+
+
+def _flip_check(bundle_dir: Path) -> None:
+    folder = bundle_dir / "evaluations" / "test" / "clean-single"
+    _edit_jsonl(
+        folder / "answers.jsonl",
+        3,
+        lambda r: r.update(check={"correct": True, "reason": "correct", "valid_json_object": True}),
+    )
+    _rehash_evaluation(folder)
+
+
+def _change_text(bundle_dir: Path) -> None:
+    folder = bundle_dir / "evaluations" / "test" / "seed"
+    _edit_jsonl(folder / "answers.jsonl", 0, lambda r: r.update(text=str(r["text"]) + " "))
+    _rehash_evaluation(folder)
+
+
+def _flip_answer_byte(bundle_dir: Path) -> None:
+    path = bundle_dir / "evaluations" / "test" / "clean-pair" / "answers.jsonl"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _swap_journal(bundle_dir: Path) -> None:
+    def swap(result: dict[str, object]) -> None:
+        journal = result["journal"]
+        assert isinstance(journal, list)
+        journal[0]["positions"] = list(reversed(journal[0]["positions"]))
+
+    _edit_json(bundle_dir / "runs" / "clean-single" / "rank-0" / "result.json", swap)
+
+
+def _rank_digest(bundle_dir: Path) -> None:
+    _edit_json(
+        bundle_dir / "runs" / "clean-pair" / "rank-1" / "result.json", lambda r: r.update(parameter_digest="0" * 64)
+    )
+
+
+def _damaged_ids(bundle_dir: Path) -> None:
+    _edit_json(bundle_dir / "prepared" / "manifest.json", lambda m: m.update(damaged_ids=list(m["damaged_ids"])[1:]))  # type: ignore[call-overload]
+
+
+def _regenerated_prompt(bundle_dir: Path) -> None:
+    path = bundle_dir / "prepared" / "test.jsonl"
+    _edit_jsonl(path, 5, lambda r: r.update(prompt=str(r["prompt"]) + " "))
+    _edit_json(bundle_dir / "prepared" / "manifest.json", lambda m: m["roles"]["test"].update(sha256=sha256_file(path)))  # type: ignore[index]
+
+
+def _seed_file(bundle_dir: Path) -> None:
+    with (bundle_dir / "seed" / "tokenizer_config.json").open("a") as handle:
+        handle.write("\n")
+
+
+def _selection_candidate(bundle_dir: Path) -> None:
+    _edit_json(bundle_dir / "selection.json", lambda s: s["arms"]["clean-single"].update(model_identity="f" * 64))  # type: ignore[index]
+
+
+def _evaluation_selection(bundle_dir: Path) -> None:
+    _edit_json(
+        bundle_dir / "evaluations" / "test" / "damaged-single" / "evaluation.json",
+        lambda s: s.update(selection_identity="e" * 64),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tamper", "names"),
+    [
+        (_flip_check, r"clean-single/answers\.jsonl: line 4\.check"),
+        (_change_text, r"seed/answers\.jsonl: line 1\.text"),
+        (_flip_answer_byte, r"clean-pair/answers\.jsonl does not match the sha256"),
+        (_swap_journal, r"clean-single/rank-0/result\.json: journal\[1\]\.positions"),
+        (_rank_digest, r"clean-pair/rank-1/result\.json: parameter_digest"),
+        (_damaged_ids, r"manifest\.json: damaged_ids"),
+        (_regenerated_prompt, r"test\.jsonl: line 6\.prompt"),
+        (_seed_file, r"seed/tokenizer_config\.json: sha256"),
+        (_selection_candidate, r"clean-single/rank-0/result\.json: parameter_digest"),
+        (_evaluation_selection, r"damaged-single/evaluation\.json: selection_identity"),
+    ],
+    ids=lambda value: getattr(value, "__name__", "")[1:] if callable(value) else "",
+)
+def test_report_refuses_tampered_evidence_naming_it(
+    evidence: Path, tmp_path: Path, tamper: Callable[[Path], None], names: str
+) -> None:
+    copy = tmp_path / "bundle"
+    shutil.copytree(evidence, copy)
+    tamper(copy)
+    with pytest.raises(CoopError, match=names):
+        report.write_report(copy, tmp_path / "out" / "report.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bundle_holds_no_weights(evidence: Path) -> None:
+    assert not list(evidence.rglob("*.safetensors")) and not list(evidence.rglob("*.pt"))
+    manifest = msgspec.json.decode((evidence / "prepared" / "manifest.json").read_bytes())
+    assert manifest["plan"] == "small"
