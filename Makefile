@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck unit seed clean
+.PHONY: setup run test lint typecheck unit clean
 
 setup: $(STAMP)
 
@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 lint: setup
-	$(BIN)/ruff check experiment server agent tests bench
-	$(BIN)/ruff format --check experiment server agent tests bench
+	$(BIN)/ruff check experiment server agent tests bench migrations
+	$(BIN)/ruff format --check experiment server agent tests bench migrations
 
 typecheck: setup
 	$(BIN)/mypy --strict experiment server agent
@@ -27,18 +27,9 @@ unit: setup
 
 test: lint typecheck unit
 
-# Today: prepare and train the three arms of the local plan in a fresh home under .coop/
-# (the singles in parallel, then the pair as two ranks through torchrun).
+# The science end to end on the local plan (the coordinator and agents come with their issues).
 run: setup
-	@home=.coop/home-$$(date -u +%Y%m%dT%H%M%SZ); set -e; \
-	$(BIN)/coop plan show plans/local.toml; \
-	$(BIN)/coop prepare --plan plans/local.toml --home $$home --model-dir seeds/tiny; \
-	$(BIN)/coop train --home $$home --model-dir seeds/tiny --arm clean-single > $$home.clean-single.log & a=$$!; \
-	$(BIN)/coop train --home $$home --model-dir seeds/tiny --arm damaged-single > $$home.damaged-single.log & b=$$!; \
-	wait $$a; wait $$b; tail -n 1 $$home.clean-single.log $$home.damaged-single.log; \
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 -m experiment.cli train --home $$home \
-		--model-dir seeds/tiny --arm clean-pair | tail -n 2; \
-	echo "results under $$home/runs"
+	scripts/local-run.sh
 
 clean:
 	rm -rf .coop

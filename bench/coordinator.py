@@ -1,0 +1,180 @@
+"""Coordinator throughput: claims per second and claim latency with concurrent agents, and events per second
+ingested in batches, against a real `coop-server serve` on SQLite and on Postgres. Prints one JSON object.
+
+    .venv/bin/python bench/coordinator.py [--jobs 256] [--agents 32] [--backends sqlite,postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from server import migrate  # noqa: E402
+from server.settings import sqlite_url  # noqa: E402
+from tests.integration.coordinator import support  # noqa: E402
+
+PLAN = (ROOT / "plans" / "local.toml").read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _server(url: str, home: Path) -> Iterator[str]:
+    port = _free_port()
+    env = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url, "COOP_LEASE_SECONDS": "600"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(f"{base}/schema/openapi.json", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _measure(
+    base: str, operator: str, tokens: list[str], jobs: int, batches: int, batch_size: int
+) -> dict[str, Any]:
+    agents = len(tokens)
+    limits = httpx.Limits(max_connections=agents * 2, max_keepalive_connections=agents * 2)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+        semaphore = asyncio.Semaphore(8)
+
+        async def create() -> None:
+            async with semaphore:
+                reply = await client.post(
+                    "/api/experiments", json={"plan_toml": PLAN}, headers=support.bearer(operator)
+                )
+                reply.raise_for_status()
+
+        await asyncio.gather(*(create() for _ in range(jobs)))  # one prepare job each
+        for i, token in enumerate(tokens):
+            reply = await client.post("/api/agents/register", json={"address": f"h{i}"}, headers=support.bearer(token))
+            reply.raise_for_status()
+
+        latencies: list[float] = []
+        assignments: list[tuple[str, dict[str, Any]]] = []
+
+        async def claimer(token: str) -> None:
+            while True:
+                started = time.perf_counter()
+                reply = await client.post("/api/agents/claim", json={}, headers=support.bearer(token))
+                latencies.append(time.perf_counter() - started)
+                reply.raise_for_status()
+                assignment = reply.json()["assignment"]
+                if assignment is None:
+                    return
+                assignments.append((token, assignment))
+
+        began = time.perf_counter()
+        await asyncio.gather(*(claimer(token) for token in tokens))
+        claim_seconds = time.perf_counter() - began
+        assert len({a["job_id"] for _, a in assignments}) == len(assignments) == jobs, "a job was claimed twice"
+
+        uploaders = assignments[:agents]
+
+        async def upload(token: str, job: dict[str, Any]) -> None:
+            for sequence in range(batches):
+                body = {
+                    "lease_token": job["lease_token"],
+                    "sequence": sequence,
+                    "events": [{"kind": "step", "body": {"step": i, "loss": 1.0 / (i + 1)}} for i in range(batch_size)],
+                }
+                headers = {
+                    **support.bearer(token),
+                    "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:{sequence}",
+                }
+                reply = await client.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
+                reply.raise_for_status()
+
+        began = time.perf_counter()
+        await asyncio.gather(*(upload(token, job) for token, job in uploaders))
+        event_seconds = time.perf_counter() - began
+    events = len(uploaders) * batches * batch_size
+    return {
+        "agents": agents,
+        "jobs": jobs,
+        "claims_per_second": round(jobs / claim_seconds, 1),
+        "claim_latency_p50_ms": round(1000 * statistics.median(latencies), 2),
+        "claim_latency_p99_ms": round(1000 * _percentile(latencies, 0.99), 2),
+        "claim_requests": len(latencies),
+        "events": events,
+        "event_batch_size": batch_size,
+        "events_per_second": round(events / event_seconds, 1),
+    }
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
+        home = Path(folder)
+        admin = support.postgres_admin_url()
+        if backend == "sqlite":
+            url = sqlite_url(home / "bench.sqlite3")
+        else:
+            created = support.create_postgres_database(admin)
+            if created is None:
+                return {"skipped": f"no Postgres server answers at {admin}"}
+            url = created
+        try:
+            migrate.upgrade(url)
+            operator = support.make_token(url, "operator", "bench-operator")
+            tokens = [support.make_token(url, "agent", f"bench-agent-{i:03d}") for i in range(args.agents)]
+            with _server(url, home) as base:
+                return asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size))
+        finally:
+            if backend == "postgres":
+                support.drop_postgres_database(admin, url)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=256)
+    parser.add_argument("--agents", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=10, help="event batches per uploading agent")
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--backends", default="sqlite,postgres")
+    args = parser.parse_args()
+    results = {backend: run_backend(backend, args) for backend in args.backends.split(",")}
+    print(json.dumps({"benchmark": "coordinator", "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""The coordinator's wire schema: every request and response body that agents, operators and the server
+exchange, as msgspec Structs so that both sides validate the same messages."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from experiment.ledger import Entry as LedgerEntry
+
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+
+ExperimentState = Literal[
+    "draft",
+    "committed",
+    "prepared",
+    "training",
+    "trained",
+    "selected",
+    "tested",
+    "serving",
+    "reported",
+    "failed",
+    "halted",
+]
+JobState = Literal["queued", "leased", "running", "succeeded", "failed", "lost", "cancelled"]
+JobKind = Literal["prepare", "train", "evaluate", "serve", "benchmark", "report"]
+ArmName = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
+Role = Literal["dev", "test"]
+TokenRole = Literal["operator", "agent"]
+Outcome = Literal["succeeded", "failed", "cancelled"]
+
+__all__ = ["LedgerEntry"]
+
+
+class Problem(msgspec.Struct, frozen=True):
+    """Every refusal: the HTTP status, a message a person can act on, and the rule broken (409s)."""
+
+    status_code: int
+    detail: str
+    rule: str | None = None
+    extra: dict[str, Any] | list[Any] | None = None
+
+
+# Experiments -----------------------------------------------------------------------------------
+
+
+class ExperimentCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    plan_toml: Annotated[str, msgspec.Meta(min_length=1, max_length=1_000_000)]
+    # Commit the plan at once (the usual case); False leaves the experiment in draft.
+    commit: bool = True
+
+
+class Experiment(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    name: str
+    state: ExperimentState
+    plan_identity: str
+    prepared_identity: str | None
+    selection_identity: str | None
+    created_at: datetime.datetime
+    updated_at: datetime.datetime
+
+
+class Arm(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    experiment_id: uuid.UUID
+    name: ArmName
+    world_size: int
+    serving_eligible: bool
+    final_step: int | None
+    model_identity: str | None
+    receipt_sha256: str | None
+
+
+class PreparedCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prepared_identity: Sha256
+
+
+class SelectedArm(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    step: Annotated[int, msgspec.Meta(ge=1)]
+    model_identity: Sha256
+
+
+class SelectionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per trained arm, the checkpoint chosen: it must be the arm's verified final checkpoint."""
+
+    arms: dict[str, SelectedArm]
+
+
+class ServingCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    arm: ArmName
+    model_identity: Sha256
+
+
+class ReportCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    report_identity: Sha256
+
+
+# Jobs and attempts -----------------------------------------------------------------------------
+
+
+class JobCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: JobKind
+    arm: ArmName | None = None
+    role: Role | None = None
+    spec: dict[str, Any] = {}
+
+
+class Job(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    experiment_id: uuid.UUID
+    kind: JobKind
+    arm: ArmName | None
+    role: Role | None
+    world_size: int
+    state: JobState
+    attempts_made: int
+    max_attempts: int
+    spec: dict[str, Any]
+    created_at: datetime.datetime
+
+
+class Attempt(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    job_id: uuid.UUID
+    number: int
+    rank: int
+    agent_id: uuid.UUID
+    state: JobState
+    lease_expires_at: datetime.datetime
+    master_addr: str | None
+    master_port: int | None
+    cancel_deadline: datetime.datetime | None
+    exit_code: int | None
+    reason: str | None
+    created_at: datetime.datetime
+
+
+class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    grace_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+
+
+# Agents ----------------------------------------------------------------------------------------
+
+
+class AgentRegister(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # The address other hosts reach this agent at (rank 0's becomes MASTER_ADDR of a gang).
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    labels: dict[str, str] = {}
+
+
+class Agent(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    name: str
+    address: str
+    labels: dict[str, str]
+    last_seen_at: datetime.datetime
+    created_at: datetime.datetime
+
+
+class Directive(msgspec.Struct, frozen=True):
+    """What an agent must do with one of its attempts: keep going, or stop within the grace period."""
+
+    attempt_id: uuid.UUID
+    action: Literal["continue", "stop"]
+    reason: str | None = None
+    deadline: datetime.datetime | None = None
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True):
+    lease_expires_at: datetime.datetime
+    heartbeat_seconds: float
+    directives: list[Directive]
+
+
+class ClaimRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    wait_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 0.0
+    kinds: list[JobKind] | None = None
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    job_id: uuid.UUID
+    attempt_id: uuid.UUID
+    experiment_id: uuid.UUID
+    kind: JobKind
+    arm: ArmName | None
+    role: Role | None
+    spec: dict[str, Any]
+    number: int
+    rank: int
+    world_size: int
+    master_addr: str | None
+    master_port: int | None
+    lease_token: str
+    lease_expires_at: datetime.datetime
+
+
+class ClaimReply(msgspec.Struct, frozen=True):
+    assignment: Assignment | None
+    heartbeat_seconds: float
+
+
+# Uploads ---------------------------------------------------------------------------------------
+
+
+class LeaseProof(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lease_token: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+
+
+class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
+    body: dict[str, Any] = {}
+    at: datetime.datetime | None = None
+
+
+class EventBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lease_token: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+    sequence: Annotated[int, msgspec.Meta(ge=0)]
+    events: Annotated[list[Event], msgspec.Meta(min_length=1, max_length=10_000)]
+
+
+class EventBatchReply(msgspec.Struct, frozen=True):
+    attempt_id: uuid.UUID
+    sequence: int
+    accepted: int
+
+
+class PrepareResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prepared_identity: Sha256
+
+
+class TrainResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    step: Annotated[int, msgspec.Meta(ge=1)]
+    model_identity: Sha256
+    receipt_sha256: Sha256
+    final: bool
+
+
+class AttemptResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lease_token: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+    outcome: Outcome
+    exit_code: int | None = None
+    reason: Text | None = None
+    # Checked against the job kind: PrepareResult for prepare, TrainResult for train, free otherwise.
+    result: dict[str, Any] = {}
+
+
+class RecordedEvent(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    experiment_id: uuid.UUID | None
+    job_id: uuid.UUID | None
+    attempt_id: uuid.UUID | None
+    sequence: int | None
+    kind: str
+    at: datetime.datetime
+    body: dict[str, Any]
+
+
+class HeartbeatRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # The attempts this agent is running; the reply says, for each, whether to go on.
+    attempt_ids: Annotated[list[uuid.UUID], msgspec.Meta(max_length=64)] = []

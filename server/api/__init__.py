@@ -1,0 +1,1 @@
+"""Thin Litestar controllers, one module per resource; logic lives in the services they call."""

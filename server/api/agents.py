@@ -1,0 +1,88 @@
+"""Agents: register, heartbeat (lease renewal and stop directives) and claim (long poll)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+
+from litestar import Controller, get, post
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import audit, models, queue, views
+from server.settings import Settings
+from server.tokens import Principal
+
+AGENT = {"role": "agent"}
+# How often a waiting claim looks for work again.
+POLL_SECONDS = 0.2
+
+
+class AgentController(Controller):
+    path = "/api/agents"
+    tags = ("agents",)
+
+    @get("/", operation_id="listAgents")
+    async def list_agents(self, db_session: AsyncSession) -> list[wire.Agent]:
+        rows = await db_session.scalars(select(models.Agent).order_by(models.Agent.id))
+        return [views.agent(row) for row in rows]
+
+    @post("/register", operation_id="registerAgent", opt=AGENT)
+    async def register(self, data: wire.AgentRegister, db_session: AsyncSession, principal: Principal) -> wire.Agent:
+        """One agent per agent token; registering again updates its address and labels."""
+        now = datetime.datetime.now(datetime.UTC)
+        agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
+        if agent is None:
+            agent = models.Agent(
+                name=principal.name,
+                token_id=principal.token_id,
+                address=data.address,
+                labels=data.labels,
+                last_seen_at=now,
+            )
+            db_session.add(agent)
+        else:
+            agent.address, agent.labels, agent.last_seen_at = data.address, data.labels, now
+        audit.record(db_session, principal, "agent.register", f"agent:{principal.name}", address=data.address)
+        await db_session.flush()
+        await db_session.refresh(agent)
+        return views.agent(agent)
+
+    @post("/heartbeat", operation_id="heartbeat", opt=AGENT, status_code=200)
+    async def heartbeat(
+        self,
+        data: wire.HeartbeatRequest,
+        db_session: AsyncSession,
+        settings: Settings,
+        principal: Principal,
+        agent: models.Agent,
+    ) -> wire.HeartbeatReply:
+        reply = await queue.heartbeat(db_session, settings, agent, data.attempt_ids)
+        audit.record(db_session, principal, "agent.heartbeat", f"agent:{agent.id}")
+        return reply
+
+    @post("/claim", operation_id="claimJob", opt=AGENT, status_code=200)
+    async def claim(
+        self,
+        data: wire.ClaimRequest,
+        db_session: AsyncSession,
+        settings: Settings,
+        principal: Principal,
+        agent: models.Agent,
+    ) -> wire.ClaimReply:
+        """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued."""
+        deadline = time.monotonic() + min(data.wait_seconds, settings.max_claim_wait_seconds)
+        while True:
+            assignment = await queue.claim(db_session, settings, agent, data.kinds)
+            if assignment is not None:
+                audit.record(
+                    db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
+                )
+                return wire.ClaimReply(assignment, settings.heartbeat_seconds)
+            # End the empty transaction so that waiting holds no lock.
+            await db_session.commit()
+            if time.monotonic() >= deadline:
+                return wire.ClaimReply(None, settings.heartbeat_seconds)
+            await asyncio.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,105 @@
+"""Attempts: the agent's start, event batches and result (idempotent uploads), and public reads."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from litestar import Controller, Response, get, post
+from litestar.params import HeaderParameter
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import audit, models, queue, uploads, views
+from server.errors import NotFound
+from server.settings import Settings
+from server.tokens import Principal
+
+AGENT = {"role": "agent"}
+IdempotencyKey = Annotated[
+    str | None, HeaderParameter(name="Idempotency-Key", description="job:attempt:sequence ('result' for results)")
+]
+
+
+def _stored(stored: uploads.Stored) -> Response[bytes]:
+    return Response(content=stored.body, status_code=stored.status_code, media_type="application/json")
+
+
+class AttemptController(Controller):
+    path = "/api/attempts"
+    tags = ("attempts",)
+
+    @get("/{attempt_id:uuid}", operation_id="getAttempt")
+    async def get_attempt(self, attempt_id: uuid.UUID, db_session: AsyncSession) -> wire.Attempt:
+        attempt = await db_session.get(models.Attempt, attempt_id)
+        if attempt is None:
+            raise NotFound(f"attempt {attempt_id} does not exist")
+        return views.attempt(attempt)
+
+    @get("/{attempt_id:uuid}/events", operation_id="listAttemptEvents")
+    async def list_events(self, attempt_id: uuid.UUID, db_session: AsyncSession) -> list[wire.RecordedEvent]:
+        rows = await db_session.scalars(
+            select(models.Event)
+            .where(models.Event.attempt_id == attempt_id)
+            .order_by(models.Event.sequence, models.Event.id)
+        )
+        return [views.event(row) for row in rows]
+
+    @post("/{attempt_id:uuid}/start", operation_id="startAttempt", opt=AGENT)
+    async def start(
+        self,
+        attempt_id: uuid.UUID,
+        data: wire.LeaseProof,
+        db_session: AsyncSession,
+        principal: Principal,
+        agent: models.Agent,
+    ) -> wire.Attempt:
+        attempt = await queue.start(db_session, agent, attempt_id, data.lease_token)
+        audit.record(db_session, principal, "attempt.start", f"attempt:{attempt_id}")
+        await db_session.flush()
+        await db_session.refresh(attempt)
+        return views.attempt(attempt)
+
+    @post(
+        "/{attempt_id:uuid}/events",
+        operation_id="uploadEvents",
+        opt=AGENT,
+        status_code=201,
+        response_description="wire.EventBatchReply; a replay returns the stored reply",
+    )
+    async def upload_events(
+        self,
+        attempt_id: uuid.UUID,
+        data: wire.EventBatch,
+        db_session: AsyncSession,
+        principal: Principal,
+        agent: models.Agent,
+        idempotency_key: IdempotencyKey = None,
+    ) -> Response[bytes]:
+        stored = await uploads.events(db_session, agent, attempt_id, data, idempotency_key)
+        if not stored.replay:
+            audit.record(db_session, principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence)
+        return _stored(stored)
+
+    @post(
+        "/{attempt_id:uuid}/result",
+        operation_id="uploadResult",
+        opt=AGENT,
+        status_code=200,
+        response_description="wire.Attempt; a replay returns the stored reply",
+    )
+    async def upload_result(
+        self,
+        attempt_id: uuid.UUID,
+        data: wire.AttemptResult,
+        db_session: AsyncSession,
+        settings: Settings,
+        principal: Principal,
+        agent: models.Agent,
+        idempotency_key: IdempotencyKey = None,
+    ) -> Response[bytes]:
+        stored = await uploads.result(db_session, settings, agent, attempt_id, data, idempotency_key)
+        if not stored.replay:
+            audit.record(db_session, principal, "attempt.result", f"attempt:{attempt_id}", outcome=data.outcome)
+        return _stored(stored)

@@ -1,0 +1,136 @@
+"""Experiments: create from a plan, read, and the operator's protocol steps (selection, serving, report)."""
+
+from __future__ import annotations
+
+import uuid
+
+from litestar import Controller, get, post
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import audit, commitments, experiments, models, views
+from server.settings import Settings
+from server.tokens import Principal
+
+OPERATOR = {"role": "operator"}
+
+
+async def _view(session: AsyncSession, experiment: models.Experiment) -> wire.Experiment:
+    # Flushing sets the audit timestamps in the database; refresh reads them back before rendering.
+    await session.flush()
+    await session.refresh(experiment)
+    return views.experiment(experiment)
+
+
+class ExperimentController(Controller):
+    path = "/api/experiments"
+    tags = ("experiments",)
+
+    @post("/", operation_id="createExperiment", opt=OPERATOR)
+    async def create(
+        self, data: wire.ExperimentCreate, db_session: AsyncSession, settings: Settings, principal: Principal
+    ) -> wire.Experiment:
+        experiment = await experiments.create(db_session, settings, data)
+        audit.record(db_session, principal, "experiment.create", f"experiment:{experiment.id}", commit=data.commit)
+        return await _view(db_session, experiment)
+
+    @get("/", operation_id="listExperiments")
+    async def list_experiments(self, db_session: AsyncSession) -> list[wire.Experiment]:
+        rows = await db_session.scalars(select(models.Experiment).order_by(models.Experiment.id))
+        return [views.experiment(row) for row in rows]
+
+    @get("/{experiment_id:uuid}", operation_id="getExperiment")
+    async def get_experiment(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> wire.Experiment:
+        return views.experiment(await experiments.load(db_session, experiment_id))
+
+    @post("/{experiment_id:uuid}/commit", operation_id="commitPlan", opt=OPERATOR)
+    async def commit(
+        self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings, principal: Principal
+    ) -> wire.Experiment:
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        await experiments.commit_plan(db_session, settings, experiment)
+        audit.record(db_session, principal, "experiment.commit", f"experiment:{experiment.id}")
+        return await _view(db_session, experiment)
+
+    @get("/{experiment_id:uuid}/arms", operation_id="listArms")
+    async def arms(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.Arm]:
+        await experiments.load(db_session, experiment_id)
+        arms = await experiments.arms_of(db_session, experiment_id)
+        return [views.arm(arms[name]) for name in sorted(arms)]
+
+    @get("/{experiment_id:uuid}/ledger", operation_id="getLedger")
+    async def ledger(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.LedgerEntry]:
+        await experiments.load(db_session, experiment_id)
+        return await commitments.entries(db_session, experiment_id)
+
+    @get("/{experiment_id:uuid}/jobs", operation_id="listExperimentJobs")
+    async def jobs(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.Job]:
+        await experiments.load(db_session, experiment_id)
+        rows = await db_session.scalars(
+            select(models.Job).where(models.Job.experiment_id == experiment_id).order_by(models.Job.id)
+        )
+        return [views.job(row) for row in rows]
+
+    @post("/{experiment_id:uuid}/jobs", operation_id="queueJob", opt=OPERATOR)
+    async def queue_job(
+        self,
+        experiment_id: uuid.UUID,
+        data: wire.JobCreate,
+        db_session: AsyncSession,
+        settings: Settings,
+        principal: Principal,
+    ) -> wire.Job:
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        job = await experiments.enqueue(db_session, settings, experiment, data)
+        audit.record(db_session, principal, "job.queue", f"job:{job.id}", kind=data.kind, arm=data.arm, role=data.role)
+        await db_session.flush()
+        await db_session.refresh(job)
+        return views.job(job)
+
+    @post("/{experiment_id:uuid}/selection", operation_id="commitSelection", opt=OPERATOR)
+    async def selection(
+        self,
+        experiment_id: uuid.UUID,
+        data: wire.SelectionCreate,
+        db_session: AsyncSession,
+        settings: Settings,
+        principal: Principal,
+    ) -> wire.Experiment:
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        await experiments.select_checkpoints(db_session, settings, experiment, data)
+        audit.record(db_session, principal, "experiment.select", f"experiment:{experiment.id}")
+        return await _view(db_session, experiment)
+
+    @post("/{experiment_id:uuid}/serving", operation_id="commitServing", opt=OPERATOR)
+    async def serving(
+        self,
+        experiment_id: uuid.UUID,
+        data: wire.ServingCreate,
+        db_session: AsyncSession,
+        principal: Principal,
+    ) -> wire.Experiment:
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        await experiments.start_serving(db_session, experiment, data)
+        audit.record(db_session, principal, "experiment.serve", f"experiment:{experiment.id}", arm=data.arm)
+        return await _view(db_session, experiment)
+
+    @post("/{experiment_id:uuid}/report", operation_id="commitReport", opt=OPERATOR)
+    async def report(
+        self,
+        experiment_id: uuid.UUID,
+        data: wire.ReportCommit,
+        db_session: AsyncSession,
+        principal: Principal,
+    ) -> wire.Experiment:
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        await experiments.record_report(db_session, experiment, data)
+        audit.record(db_session, principal, "experiment.report", f"experiment:{experiment.id}")
+        return await _view(db_session, experiment)
+
+    @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", opt=OPERATOR)
+    async def halt(self, experiment_id: uuid.UUID, db_session: AsyncSession, principal: Principal) -> wire.Experiment:
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiments.halt(db_session, experiment, f"halted by {principal.name}")
+        audit.record(db_session, principal, "experiment.halt", f"experiment:{experiment.id}")
+        return await _view(db_session, experiment)

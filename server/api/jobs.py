@@ -1,0 +1,51 @@
+"""Jobs and their attempts: read, and the operator's cancel."""
+
+from __future__ import annotations
+
+import uuid
+
+from litestar import Controller, get, post
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import audit, models, queue, views
+from server.errors import NotFound
+from server.tokens import Principal
+
+
+async def _job(session: AsyncSession, job_id: uuid.UUID, *, lock: bool = False) -> models.Job:
+    job = await session.get(models.Job, job_id, with_for_update=lock)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist")
+    return job
+
+
+class JobController(Controller):
+    path = "/api/jobs"
+    tags = ("jobs",)
+
+    @get("/{job_id:uuid}", operation_id="getJob")
+    async def get_job(self, job_id: uuid.UUID, db_session: AsyncSession) -> wire.Job:
+        return views.job(await _job(db_session, job_id))
+
+    @get("/{job_id:uuid}/attempts", operation_id="listAttempts")
+    async def attempts(self, job_id: uuid.UUID, db_session: AsyncSession) -> list[wire.Attempt]:
+        await _job(db_session, job_id)
+        rows = await db_session.scalars(
+            select(models.Attempt)
+            .where(models.Attempt.job_id == job_id)
+            .order_by(models.Attempt.number, models.Attempt.rank)
+        )
+        return [views.attempt(row) for row in rows]
+
+    @post("/{job_id:uuid}/cancel", operation_id="cancelJob", opt={"role": "operator"})
+    async def cancel(
+        self, job_id: uuid.UUID, data: wire.CancelRequest, db_session: AsyncSession, principal: Principal
+    ) -> wire.Job:
+        job = await _job(db_session, job_id, lock=True)
+        await queue.cancel(db_session, job, data.grace_seconds)
+        audit.record(db_session, principal, "job.cancel", f"job:{job.id}", grace_seconds=data.grace_seconds)
+        await db_session.flush()
+        await db_session.refresh(job)
+        return views.job(job)

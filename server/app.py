@@ -1,0 +1,105 @@
+"""The coordinator's Litestar application, assembled in ``create_app``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from advanced_alchemy.extensions.litestar import AsyncSessionConfig, SQLAlchemyAsyncConfig, SQLAlchemyPlugin
+from litestar import Litestar, MediaType, Request, Response
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from experiment import wire
+from experiment.errors import CoopError
+from server import auth, db, queue
+from server.api.agents import AgentController
+from server.api.attempts import AttemptController
+from server.api.experiments import ExperimentController
+from server.api.jobs import JobController
+from server.errors import BadRequest, Forbidden, IdempotencyConflict, NotFound, Unauthenticated
+from server.lifecycle import Refused
+from server.settings import Settings, from_env
+
+log = logging.getLogger("coop.server")
+
+_STATUS: dict[type[CoopError], int] = {
+    NotFound: 404,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    BadRequest: 400,
+    IdempotencyConflict: 409,
+    Refused: 409,
+    CoopError: 400,
+}
+
+
+def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire.Problem]:
+    status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 400)
+    rule = (
+        exc.rule
+        if isinstance(exc, Refused)
+        else "idempotency-key-reused"
+        if isinstance(exc, IdempotencyConflict)
+        else None
+    )
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return Response(
+        wire.Problem(status, str(exc), rule), status_code=status, media_type=MediaType.JSON, headers=headers
+    )
+
+
+async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]) -> None:
+    """Look for expired leases every ``reap_seconds``; an error is logged and the loop goes on."""
+    while True:
+        await asyncio.sleep(settings.reap_seconds)
+        try:
+            async with sessions() as session, session.begin():
+                await queue.reap(session, settings)
+        except Exception:  # the reaper must outlive a failed round (a dropped connection, a lock timeout)
+            log.exception("reaper round failed; retrying in %ss", settings.reap_seconds)
+
+
+def create_app(settings: Settings | None = None) -> Litestar:
+    settings = settings or from_env()
+    if db.is_sqlite(settings.database_url):
+        settings.home.mkdir(parents=True, exist_ok=True)
+    engine = db.create_engine(settings.database_url)
+    config = SQLAlchemyAsyncConfig(
+        engine_instance=engine,
+        session_config=AsyncSessionConfig(expire_on_commit=False),
+        before_send_handler="autocommit",
+    )
+    sessions = config.create_session_maker()
+    assert isinstance(sessions, async_sessionmaker)
+    context = auth.Context(settings, sessions)
+
+    @contextlib.asynccontextmanager
+    async def reaper(_: Litestar) -> AsyncIterator[None]:
+        task = asyncio.create_task(_reaper(settings, sessions))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return Litestar(
+        route_handlers=[ExperimentController, JobController, AgentController, AttemptController],
+        plugins=[SQLAlchemyPlugin(config=config)],
+        dependencies={
+            "settings": Provide(lambda: settings, use_cache=True, sync_to_thread=False),
+            "principal": Provide(auth.provide_principal, sync_to_thread=False),
+            "agent": Provide(auth.provide_agent),
+        },
+        guards=[auth.authorize],
+        exception_handlers={CoopError: _problem},
+        lifespan=[reaper],
+        state=State({auth.STATE_KEY: context}),
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="coop coordinator", version="0.1.0", path="/schema"),
+    )

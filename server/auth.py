@@ -1,0 +1,79 @@
+"""Who may do what: reads are public unless switched off; writes need a bearer token of the handler's role.
+
+A handler declares its role in ``opt={"role": ...}``; the app-wide guard resolves the token, checks the
+role and leaves the principal on the connection for the ``principal`` and ``agent`` dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from server import models, tokens
+from server.errors import Forbidden, Unauthenticated
+from server.lifecycle import Refused
+from server.settings import Settings
+from server.tokens import Principal
+
+STATE_KEY = "coop"
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the app keeps in ``app.state``: its settings and a session maker for work outside a request."""
+
+    settings: Settings
+    sessions: async_sessionmaker[AsyncSession]
+
+
+def context(connection: ASGIConnection) -> Context:  # type: ignore[type-arg]
+    value = connection.app.state[STATE_KEY]
+    assert isinstance(value, Context)
+    return value
+
+
+def _bearer(connection: ASGIConnection) -> str | None:  # type: ignore[type-arg]
+    header = connection.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise Unauthenticated("the Authorization header must be 'Bearer <token>'")
+    return secret.strip()
+
+
+async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+    ctx = context(connection)
+    role = handler.opt.get("role")
+    if role is None and (ctx.settings.public_read or connection.url.path.startswith("/schema")):
+        return
+    secret = _bearer(connection)
+    if secret is None:
+        raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
+    async with ctx.sessions() as session:
+        principal = await tokens.lookup(session, secret)
+    if principal is None:
+        raise Unauthenticated("the bearer token is unknown or revoked")
+    if role is not None and principal.role != role:
+        raise Forbidden(f"this request needs an {role} token; {principal.name!r} is an {principal.role} token")
+    connection.state.principal = principal
+
+
+def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+    principal = request.state.get("principal")
+    if not isinstance(principal, Principal):
+        raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
+    return principal
+
+
+async def provide_agent(principal: Principal, db_session: AsyncSession) -> models.Agent:
+    agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
+    if agent is None:
+        raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it claims work")
+    return agent

@@ -1,0 +1,107 @@
+"""The ``coop-server`` command: migrate, serve, tokens and ledger verification."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import Sequence
+
+from experiment.errors import CoopError
+from experiment.ledger import verify_ledger
+from server import commitments, db, migrate, tokens
+from server.settings import Settings, from_env
+
+
+def _prepare_home(settings: Settings) -> None:
+    if db.is_sqlite(settings.database_url):
+        settings.home.mkdir(parents=True, exist_ok=True)
+
+
+async def _create_token(settings: Settings, role: str, name: str) -> str:
+    engine = db.create_engine(settings.database_url)
+    try:
+        async with db.session_maker(engine)() as session, session.begin():
+            return await tokens.create(session, role, name)
+    finally:
+        await engine.dispose()
+
+
+async def _revoke_token(settings: Settings, name: str) -> None:
+    engine = db.create_engine(settings.database_url)
+    try:
+        async with db.session_maker(engine)() as session, session.begin():
+            await tokens.revoke(session, name)
+    finally:
+        await engine.dispose()
+
+
+async def _verify(settings: Settings, experiment_id: uuid.UUID) -> int:
+    engine = db.create_engine(settings.database_url)
+    try:
+        async with db.session_maker(engine)() as session:
+            entries = await commitments.entries(session, experiment_id)
+    finally:
+        await engine.dispose()
+    if not entries:
+        raise CoopError(f"experiment {experiment_id} has no commitments (is the id right?)")
+    verify_ledger(entries)
+    return len(entries)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coop-server", description="The coop coordinator.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("migrate", help="upgrade the database to the newest schema")
+    serve = commands.add_parser("serve", help="run the HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--migrate", action="store_true", help="upgrade the database first")
+    token = commands.add_parser("token", help="manage bearer tokens").add_subparsers(dest="action", required=True)
+    create = token.add_parser("create", help="create a token and print it once")
+    create.add_argument("--role", choices=tokens.ROLES, required=True)
+    create.add_argument("--name", required=True)
+    revoke = token.add_parser("revoke", help="revoke a token by name")
+    revoke.add_argument("--name", required=True)
+    verify = commands.add_parser("verify-ledger", help="verify an experiment's commitment chain")
+    verify.add_argument("experiment_id", type=uuid.UUID)
+    return parser
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = from_env()
+    _prepare_home(settings)
+    if args.command == "migrate":
+        migrate.upgrade(settings.database_url)
+        print(json.dumps({"migrated": True, "database": db.describe(settings.database_url)}))
+    elif args.command == "serve":
+        import uvicorn
+
+        from server.app import create_app
+
+        if args.migrate:
+            migrate.upgrade(settings.database_url)
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    elif args.command == "token" and args.action == "create":
+        secret = asyncio.run(_create_token(settings, args.role, args.name))
+        print(secret)
+        print(f"token {args.name!r} ({args.role}): shown once, store it now", file=sys.stderr)
+    elif args.command == "token" and args.action == "revoke":
+        asyncio.run(_revoke_token(settings, args.name))
+        print(json.dumps({"revoked": args.name}))
+    elif args.command == "verify-ledger":
+        count = asyncio.run(_verify(settings, args.experiment_id))
+        print(json.dumps({"experiment": str(args.experiment_id), "entries": count, "verified": True}))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except CoopError as exc:
+        print(f"coop-server: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

@@ -1,0 +1,56 @@
+"""Appending to and reading an experiment's commitment ledger (the chain rules live in experiment/ledger.py)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import ledger
+from server import models
+from server.lifecycle import Ledger
+
+
+def _entry(row: models.Commitment) -> ledger.Entry:
+    return ledger.Entry(row.seq, row.kind, row.identity, row.body, row.prev_hash, row.hash)
+
+
+async def entries(session: AsyncSession, experiment_id: uuid.UUID) -> list[ledger.Entry]:
+    rows = await session.scalars(
+        select(models.Commitment)
+        .where(models.Commitment.experiment_id == experiment_id)
+        .order_by(models.Commitment.seq)
+    )
+    return [_entry(row) for row in rows]
+
+
+async def committed(session: AsyncSession, experiment_id: uuid.UUID) -> Ledger:
+    return Ledger({entry.kind: entry.identity for entry in await entries(session, experiment_id)})
+
+
+async def append(
+    session: AsyncSession, experiment_id: uuid.UUID, kind: str, identity: str, body: dict[str, Any]
+) -> ledger.Entry:
+    """Link a new entry to the last one; the (experiment, seq) unique key refuses a concurrent fork."""
+    last = await session.scalar(
+        select(models.Commitment)
+        .where(models.Commitment.experiment_id == experiment_id)
+        .order_by(models.Commitment.seq.desc())
+        .limit(1)
+    )
+    entry = ledger.next_entry(None if last is None else _entry(last), kind, identity, body)
+    session.add(
+        models.Commitment(
+            experiment_id=experiment_id,
+            seq=entry.seq,
+            kind=entry.kind,
+            identity=entry.identity,
+            body=entry.body,
+            prev_hash=entry.prev_hash,
+            hash=entry.hash,
+        )
+    )
+    await session.flush()
+    return entry

@@ -1,0 +1,59 @@
+"""The database engine: SQLite in WAL mode with a busy timeout, or Postgres; one session maker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, event
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from experiment.errors import CoopError
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def _sqlite_pragmas(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+    # WAL lets readers run beside the one writer; busy_timeout makes concurrent writers queue
+    # instead of failing; foreign keys are off by default in SQLite.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+    # pysqlite's own deferred BEGIN would let a transaction read first and then fail to upgrade to a
+    # write lock (SQLITE_BUSY, which busy_timeout does not cover); we begin transactions ourselves.
+    dbapi_connection.isolation_level = None
+
+
+def _sqlite_begin_immediate(connection: Connection) -> None:
+    # Take the write lock at BEGIN, where busy_timeout makes a second writer wait its turn.
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def create_engine(url: str, **options: Any) -> AsyncEngine:
+    if not (url.startswith("sqlite+aiosqlite") or url.startswith("postgresql+asyncpg")):
+        raise CoopError(f"unsupported database URL {url!r}: use sqlite+aiosqlite:///PATH or postgresql+asyncpg://...")
+    if is_sqlite(url):
+        engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **options)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "begin", _sqlite_begin_immediate)
+        return engine
+    return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, **options)
+
+
+def session_maker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def describe(url: str) -> str:
+    """The URL without its password, for messages."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,25 @@
+"""The coordinator's request errors besides lifecycle.Refused; the API maps each to its status code."""
+
+from __future__ import annotations
+
+from experiment.errors import CoopError
+
+
+class NotFound(CoopError):
+    """A named row does not exist (404)."""
+
+
+class Unauthenticated(CoopError):
+    """No bearer token, or one that is unknown or revoked (401)."""
+
+
+class Forbidden(CoopError):
+    """A valid token of the wrong role, or an agent acting on another agent's lease (403)."""
+
+
+class BadRequest(CoopError):
+    """A request the server cannot read: a missing header, a malformed key (400)."""
+
+
+class IdempotencyConflict(CoopError):
+    """An Idempotency-Key replayed with a different payload (409)."""

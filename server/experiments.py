@@ -1,0 +1,242 @@
+"""The experiment service: creating experiments from a plan and advancing them as jobs finish.
+
+Guards and transitions are lifecycle.py's; this module decides *when* to apply them and which jobs
+to queue next (prepare, then the three training arms, then the four test evaluations).
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Any, TypeVar
+
+import msgspec
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from experiment.canonical import identity
+from experiment.errors import CoopError
+from experiment.plan import Plan, parse_plan, plan_identity
+from server import commitments, models
+from server.errors import NotFound
+from server.lifecycle import (
+    EVALUATED_ARMS,
+    SERVED_ARM,
+    TRAINED_ARMS,
+    ExperimentState,
+    JobState,
+    Refused,
+    TrainedArm,
+    experiment_target,
+    guard_job,
+    guard_selection,
+    guard_serving,
+    move_experiment,
+)
+from server.settings import Settings
+
+E = ExperimentState
+T = TypeVar("T")
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def plan_of(experiment: models.Experiment) -> Plan:
+    return msgspec.convert(experiment.plan, type=Plan)
+
+
+async def load(session: AsyncSession, experiment_id: uuid.UUID, *, lock: bool = False) -> models.Experiment:
+    """The experiment row; ``lock`` serialises concurrent advances of one experiment (FOR UPDATE on Postgres)."""
+    statement = select(models.Experiment).where(models.Experiment.id == experiment_id)
+    if lock:
+        statement = statement.with_for_update()
+    experiment = await session.scalar(statement)
+    if experiment is None:
+        raise NotFound(f"experiment {experiment_id} does not exist")
+    return experiment
+
+
+async def arms_of(session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, models.Arm]:
+    rows = await session.scalars(select(models.Arm).where(models.Arm.experiment_id == experiment_id))
+    return {arm.name: arm for arm in rows}
+
+
+async def create(session: AsyncSession, settings: Settings, body: wire.ExperimentCreate) -> models.Experiment:
+    plan = parse_plan(body.plan_toml.encode(), "in the request body")
+    experiment = models.Experiment(
+        name=plan.name,
+        state=E.DRAFT,
+        plan_toml=body.plan_toml,
+        plan=msgspec.to_builtins(plan),
+        plan_identity=plan_identity(plan),
+    )
+    session.add(experiment)
+    await session.flush()
+    world_sizes = {"seed": 1, "clean-single": 1, "damaged-single": 1, "clean-pair": plan.training.pair_world_size}
+    for name, world_size in world_sizes.items():
+        session.add(
+            models.Arm(
+                experiment_id=experiment.id,
+                name=name,
+                world_size=world_size,
+                serving_eligible=name == SERVED_ARM,
+            )
+        )
+    if body.commit:
+        await commit_plan(session, settings, experiment)
+    return experiment
+
+
+async def commit_plan(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
+    move_experiment(session, experiment, E.COMMITTED, "plan committed")
+    await commitments.append(
+        session, experiment.id, "plan", experiment.plan_identity, {"name": experiment.name, "plan": experiment.plan}
+    )
+    await enqueue(session, settings, experiment, wire.JobCreate(kind="prepare"))
+
+
+async def enqueue(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.JobCreate
+) -> models.Job:
+    ledger = await commitments.committed(session, experiment.id)
+    guard_job(experiment.state, ledger, body.kind, body.arm, body.role)
+    world_size = 1
+    if body.kind == "train" and body.arm is not None:
+        world_size = (await arms_of(session, experiment.id))[body.arm].world_size
+    job = models.Job(
+        experiment_id=experiment.id,
+        kind=body.kind,
+        arm=body.arm,
+        role=body.role,
+        spec=body.spec,
+        world_size=world_size,
+        state=JobState.QUEUED,
+        attempts_made=0,
+        max_attempts=settings.max_attempts,
+        ranks_open=world_size,
+        queued_at=_now(),
+    )
+    session.add(job)
+    await session.flush()
+    if body.kind == "train" and experiment.state == E.PREPARED:
+        move_experiment(session, experiment, E.TRAINING, "training queued")
+    return job
+
+
+async def _results(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
+    rows = await session.scalars(
+        select(models.Attempt)
+        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
+        .order_by(models.Attempt.rank)
+    )
+    return [row.result or {} for row in rows]
+
+
+def _convert(data: dict[str, Any], kind: type[T], job: models.Job) -> T:
+    try:
+        return msgspec.convert(data, type=kind)
+    except msgspec.ValidationError as exc:
+        raise CoopError(f"the result of {job.kind} job {job.id} is malformed: {exc}") from exc
+
+
+async def job_succeeded(session: AsyncSession, settings: Settings, job: models.Job) -> None:
+    """Advance the experiment after every rank of ``job`` succeeded."""
+    experiment = await load(session, job.experiment_id, lock=True)
+    results = await _results(session, job)
+    if job.kind == "prepare":
+        prepared = _convert(results[0], wire.PrepareResult, job)
+        experiment_target(experiment.state, E.PREPARED)
+        experiment.prepared_identity = prepared.prepared_identity
+        await commitments.append(
+            session, experiment.id, "prepared", prepared.prepared_identity, {"plan_identity": experiment.plan_identity}
+        )
+        move_experiment(session, experiment, E.PREPARED, f"prepare job {job.id} succeeded")
+        for arm in TRAINED_ARMS:
+            await enqueue(session, settings, experiment, wire.JobCreate(kind="train", arm=arm))
+    elif job.kind == "train":
+        await _record_training(session, experiment, job, results)
+    elif job.kind == "evaluate" and job.role == "test":
+        await _record_test_evaluation(session, experiment)
+
+
+async def _record_training(
+    session: AsyncSession, experiment: models.Experiment, job: models.Job, results: list[dict[str, Any]]
+) -> None:
+    trained = [_convert(result, wire.TrainResult, job) for result in results]
+    if len({(t.step, t.model_identity) for t in trained}) != 1:
+        raise Refused("ranks-must-agree", f"the ranks of train job {job.id} report different final checkpoints")
+    final = trained[0]
+    if not final.final or final.step != plan_of(experiment).training.updates:
+        raise Refused("train-result-final-checkpoint", f"train job {job.id} did not report the final checkpoint")
+    arms = await arms_of(session, experiment.id)
+    arm = arms[job.arm or ""]
+    arm.final_step, arm.model_identity, arm.receipt_sha256 = final.step, final.model_identity, final.receipt_sha256
+    if experiment.state == E.TRAINING and all(arms[name].model_identity for name in TRAINED_ARMS):
+        move_experiment(session, experiment, E.TRAINED, "every arm has a verified final checkpoint")
+
+
+async def _record_test_evaluation(session: AsyncSession, experiment: models.Experiment) -> None:
+    done = await session.scalars(
+        select(models.Job).where(
+            models.Job.experiment_id == experiment.id,
+            models.Job.kind == "evaluate",
+            models.Job.role == "test",
+            models.Job.state == JobState.SUCCEEDED,
+        )
+    )
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for job in done:
+        by_arm[job.arm or ""] = await _results(session, job)
+    if experiment.state != E.SELECTED or any(arm not in by_arm for arm in EVALUATED_ARMS):
+        return
+    body = {"arms": {arm: by_arm[arm] for arm in EVALUATED_ARMS}}
+    await commitments.append(session, experiment.id, "tested", identity(body), body)
+    move_experiment(session, experiment, E.TESTED, "every arm was evaluated on the test role")
+
+
+async def select_checkpoints(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.SelectionCreate
+) -> None:
+    experiment_target(experiment.state, E.SELECTED)
+    arms = await arms_of(session, experiment.id)
+    recorded = {name: TrainedArm(name, arm.final_step, arm.model_identity) for name, arm in arms.items()}
+    chosen = {name: (pick.step, pick.model_identity) for name, pick in body.arms.items()}
+    guard_selection(recorded, chosen, plan_of(experiment).training.updates)
+    document = {
+        "plan_identity": experiment.plan_identity,
+        "prepared_identity": experiment.prepared_identity,
+        "arms": {name: msgspec.to_builtins(body.arms[name]) for name in TRAINED_ARMS},
+    }
+    selection_identity = identity(document)
+    await commitments.append(session, experiment.id, "selection", selection_identity, document)
+    experiment.selection_identity = selection_identity
+    move_experiment(session, experiment, E.SELECTED, "final checkpoints selected")
+    for arm in EVALUATED_ARMS:
+        await enqueue(session, settings, experiment, wire.JobCreate(kind="evaluate", arm=arm, role="test"))
+
+
+async def start_serving(session: AsyncSession, experiment: models.Experiment, body: wire.ServingCreate) -> None:
+    entries = await commitments.entries(session, experiment.id)
+    selection = next((entry.body for entry in entries if entry.kind == "selection"), {})
+    guard_serving(body.arm, body.model_identity, selection.get("arms", {}))
+    experiment_target(experiment.state, E.SERVING)
+    document = {
+        "arm": body.arm,
+        "model_identity": body.model_identity,
+        "selection_identity": experiment.selection_identity,
+    }
+    await commitments.append(session, experiment.id, "serving", identity(document), document)
+    move_experiment(session, experiment, E.SERVING, f"serving {body.arm}")
+
+
+async def record_report(session: AsyncSession, experiment: models.Experiment, body: wire.ReportCommit) -> None:
+    experiment_target(experiment.state, E.REPORTED)
+    await commitments.append(session, experiment.id, "report", body.report_identity, {})
+    move_experiment(session, experiment, E.REPORTED, "report recorded")
+
+
+def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> None:
+    move_experiment(session, experiment, E.HALTED, reason)

@@ -1,0 +1,310 @@
+"""The experiment and job state machines and the protocol's guards.
+
+Every status change in the coordinator goes through ``move_experiment``, ``move_job`` or ``move_attempt``;
+each checks the transition table, assigns the state and records the change as an event row. The guards
+are pure functions that raise ``Refused`` naming the rule a request broke (the API answers 409).
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment.errors import CoopError
+from experiment.wire import ArmName
+from server import models
+
+
+class Refused(CoopError):
+    """A request the protocol forbids; ``rule`` names the rule (stable, for clients and tests)."""
+
+    def __init__(self, rule: str, detail: str) -> None:
+        super().__init__(detail)
+        self.rule = rule
+        self.detail = detail
+
+
+class ExperimentState(StrEnum):
+    DRAFT = "draft"
+    COMMITTED = "committed"
+    PREPARED = "prepared"
+    TRAINING = "training"
+    TRAINED = "trained"
+    SELECTED = "selected"
+    TESTED = "tested"
+    SERVING = "serving"
+    REPORTED = "reported"
+    FAILED = "failed"
+    HALTED = "halted"
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LOST = "lost"
+    CANCELLED = "cancelled"
+
+
+E = ExperimentState
+J = JobState
+
+_FORWARD: dict[ExperimentState, ExperimentState] = {
+    E.DRAFT: E.COMMITTED,
+    E.COMMITTED: E.PREPARED,
+    E.PREPARED: E.TRAINING,
+    E.TRAINING: E.TRAINED,
+    E.TRAINED: E.SELECTED,
+    E.SELECTED: E.TESTED,
+    E.TESTED: E.SERVING,
+    E.SERVING: E.REPORTED,
+}
+EXPERIMENT_FINAL = frozenset({E.REPORTED, E.FAILED, E.HALTED})
+EXPERIMENT_TRANSITIONS: dict[ExperimentState, frozenset[ExperimentState]] = {
+    state: frozenset(
+        ({_FORWARD[state]} if state in _FORWARD else set())
+        | ({E.FAILED, E.HALTED} if state not in EXPERIMENT_FINAL else set())
+    )
+    for state in ExperimentState
+}
+
+JOB_FINAL = frozenset({J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED})
+JOB_ACTIVE = frozenset({J.LEASED, J.RUNNING})
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    J.QUEUED: frozenset({J.LEASED, J.CANCELLED}),
+    J.LEASED: frozenset({J.RUNNING, J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED}),
+    J.RUNNING: frozenset({J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED}),
+    J.SUCCEEDED: frozenset(),
+    J.FAILED: frozenset(),
+    # A lost job is retried by queueing it again; the retry is a new attempt row.
+    J.LOST: frozenset({J.QUEUED}),
+    J.CANCELLED: frozenset(),
+}
+# An attempt is one lease of one rank; it never goes back to the queue.
+ATTEMPT_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    state: targets - {J.QUEUED} for state, targets in JOB_TRANSITIONS.items()
+}
+
+TRAINED_ARMS: tuple[ArmName, ...] = ("clean-single", "damaged-single", "clean-pair")
+EVALUATED_ARMS: tuple[ArmName, ...] = ("seed", *TRAINED_ARMS)
+SERVED_ARM: ArmName = "clean-pair"
+DAMAGED_ARM: ArmName = "damaged-single"
+
+
+def experiment_target(current: str, target: ExperimentState) -> ExperimentState:
+    state = ExperimentState(current)
+    if target not in EXPERIMENT_TRANSITIONS[state]:
+        raise Refused(
+            "experiment-transition",
+            f"the experiment is {state}; it cannot become {target} (allowed next: "
+            f"{', '.join(sorted(EXPERIMENT_TRANSITIONS[state])) or 'none, it is final'})",
+        )
+    return target
+
+
+def job_target(
+    current: str, target: JobState, table: Mapping[JobState, frozenset[JobState]] = JOB_TRANSITIONS
+) -> JobState:
+    state = JobState(current)
+    if target not in table[state]:
+        raise Refused("job-transition", f"a {state} job or attempt cannot become {target}")
+    return target
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _state_event(
+    session: AsyncSession,
+    *,
+    experiment_id: uuid.UUID | None,
+    job_id: uuid.UUID | None,
+    attempt_id: uuid.UUID | None,
+    subject: str,
+    before: str,
+    after: str,
+    reason: str,
+) -> None:
+    session.add(
+        models.Event(
+            experiment_id=experiment_id,
+            job_id=job_id,
+            attempt_id=attempt_id,
+            kind="state",
+            at=_now(),
+            body={"subject": subject, "from": before, "to": after, "reason": reason},
+        )
+    )
+
+
+def move_experiment(session: AsyncSession, experiment: models.Experiment, target: ExperimentState, reason: str) -> None:
+    before = experiment.state
+    experiment.state = experiment_target(before, target)
+    _state_event(
+        session,
+        experiment_id=experiment.id,
+        job_id=None,
+        attempt_id=None,
+        subject="experiment",
+        before=before,
+        after=target,
+        reason=reason,
+    )
+
+
+def move_job(session: AsyncSession, job: models.Job, target: JobState, reason: str) -> None:
+    before = job.state
+    job.state = job_target(before, target)
+    _state_event(
+        session,
+        experiment_id=job.experiment_id,
+        job_id=job.id,
+        attempt_id=None,
+        subject="job",
+        before=before,
+        after=target,
+        reason=reason,
+    )
+
+
+def move_attempt(
+    session: AsyncSession, job: models.Job, attempt: models.Attempt, target: JobState, reason: str
+) -> None:
+    before = attempt.state
+    attempt.state = job_target(before, target, ATTEMPT_TRANSITIONS)
+    if target in JOB_FINAL:
+        attempt.finished_at = _now()
+        attempt.reason = reason
+    _state_event(
+        session,
+        experiment_id=job.experiment_id,
+        job_id=job.id,
+        attempt_id=attempt.id,
+        subject="attempt",
+        before=before,
+        after=target,
+        reason=reason,
+    )
+
+
+def leased_state() -> JobState:
+    """The state a claim gives a queued job (the claim itself is one SQL statement in queue.py)."""
+    return job_target(J.QUEUED, J.LEASED)
+
+
+def record_claim(session: AsyncSession, job: models.Job, attempt: models.Attempt) -> None:
+    _state_event(
+        session,
+        experiment_id=job.experiment_id,
+        job_id=job.id,
+        attempt_id=attempt.id,
+        subject="attempt",
+        before="queued",
+        after="leased",
+        reason=f"claimed rank {attempt.rank} of attempt {attempt.number}",
+    )
+
+
+# Guards ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the experiment's ledger commits so far (kind -> identity)."""
+
+    committed: Mapping[str, str]
+
+    def has(self, kind: str) -> bool:
+        return kind in self.committed
+
+
+def guard_job(state: str, ledger: Ledger, kind: str, arm: str | None, role: str | None) -> None:
+    """A job may be queued only where the protocol allows it."""
+    current = ExperimentState(state)
+    if current in EXPERIMENT_FINAL:
+        raise Refused("experiment-final", f"the experiment is {current}; it takes no new jobs")
+    if kind in {"train", "evaluate", "serve"} and arm is None:
+        raise Refused("job-needs-arm", f"a {kind} job names its arm")
+    if kind == "train":
+        if arm not in TRAINED_ARMS:
+            raise Refused("train-arm", f"only {', '.join(TRAINED_ARMS)} are trained, not {arm}")
+        if not ledger.has("prepared"):
+            raise Refused(
+                "training-requires-committed-prepared-identity",
+                "no training before the prepared identity is committed: run and record the prepare job first",
+            )
+    if kind == "evaluate":
+        if arm not in EVALUATED_ARMS:
+            raise Refused("evaluate-arm", f"unknown arm {arm}; evaluated arms are {', '.join(EVALUATED_ARMS)}")
+        if role not in {"dev", "test"}:
+            raise Refused("evaluate-role", "an evaluate job names its role: dev or test")
+        if role == "test" and not ledger.has("selection"):
+            raise Refused(
+                "test-evaluation-requires-committed-selection",
+                "no test evaluation before the selection is committed: select the final checkpoints first",
+            )
+        if role == "dev" and arm != "seed" and current not in {E.TRAINED, E.SELECTED, E.TESTED, E.SERVING}:
+            raise Refused("dev-evaluation-requires-trained-arms", "dev evaluation of a trained arm waits for training")
+    if kind == "serve":
+        guard_serving_arm(arm)
+        if current != E.SERVING:
+            raise Refused("serving-requires-serving-commitment", "serving jobs wait for the serving commitment")
+
+
+@dataclass(frozen=True)
+class TrainedArm:
+    name: str
+    final_step: int | None
+    model_identity: str | None
+
+
+def guard_selection(arms: Mapping[str, TrainedArm], chosen: Mapping[str, tuple[int, str]], final_step: int) -> None:
+    """Selection takes each trained arm's verified final checkpoint: all three, final step only, never a score."""
+    unknown = sorted(set(chosen) - set(TRAINED_ARMS))
+    if unknown:
+        raise Refused("selection-trained-arms-only", f"{', '.join(unknown)} cannot be selected; arms: {TRAINED_ARMS}")
+    missing = [arm for arm in TRAINED_ARMS if arm not in chosen]
+    if missing:
+        raise Refused("selection-requires-all-three-arms", f"the selection lacks {', '.join(missing)}")
+    for name in TRAINED_ARMS:
+        step, model_identity = chosen[name]
+        recorded = arms[name]
+        if recorded.final_step is None or recorded.model_identity is None:
+            raise Refused("selection-requires-verified-final-checkpoints", f"{name} has no verified final checkpoint")
+        if step != final_step:
+            raise Refused(
+                "selection-final-checkpoints-only",
+                f"{name}: step {step} is not the final step {final_step}; only final checkpoints are eligible",
+            )
+        if model_identity != recorded.model_identity:
+            raise Refused(
+                "selection-must-match-verified-checkpoint",
+                f"{name}: model identity {model_identity[:12]}... is not the verified final checkpoint "
+                f"{recorded.model_identity[:12]}...",
+            )
+
+
+def guard_serving_arm(arm: str | None) -> None:
+    if arm == DAMAGED_ARM:
+        raise Refused("damaged-arm-never-served", "the damaged arm is never eligible for serving")
+    if arm != SERVED_ARM:
+        raise Refused("serving-clean-pair-only", f"only the {SERVED_ARM} final checkpoint is served, not {arm}")
+
+
+def guard_serving(arm: str, model_identity: str, selected: Mapping[str, Any]) -> None:
+    guard_serving_arm(arm)
+    chosen = selected.get(SERVED_ARM)
+    if not isinstance(chosen, Mapping) or chosen.get("model_identity") != model_identity:
+        raise Refused(
+            "serving-selected-final-checkpoint-only",
+            "serving loads the clean-pair final checkpoint named by the committed selection, and no other",
+        )

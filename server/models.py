@@ -1,0 +1,214 @@
+"""The coordinator's tables. UUIDv7 keys and UTC audit timestamps come from advanced-alchemy.
+
+Rows that record what happened (commitments, attempts, events, measurements, answers, audit) are
+appended and never rewritten; ``state`` columns are the current summary, changed only by lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Any
+
+from advanced_alchemy.base import UUIDv7AuditBase
+from advanced_alchemy.types.datetime import DateTimeUTC
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+Json = dict[str, Any]
+# advanced-alchemy's JsonB does not work with SQLAlchemy 2.1; this is the same idea: JSONB on Postgres.
+JsonB = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Experiment(UUIDv7AuditBase):
+    __tablename__ = "experiments"
+    name: Mapped[str] = mapped_column(String(200))
+    state: Mapped[str] = mapped_column(String(20), index=True)
+    plan_toml: Mapped[str] = mapped_column(Text)
+    plan: Mapped[Json] = mapped_column(JsonB)
+    plan_identity: Mapped[str] = mapped_column(String(64), index=True)
+    prepared_identity: Mapped[str | None] = mapped_column(String(64), default=None)
+    selection_identity: Mapped[str | None] = mapped_column(String(64), default=None)
+
+
+class Arm(UUIDv7AuditBase):
+    __tablename__ = "arms"
+    __table_args__ = (UniqueConstraint("experiment_id", "name"),)
+    experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(40))
+    world_size: Mapped[int] = mapped_column(Integer)
+    serving_eligible: Mapped[bool] = mapped_column(Boolean)
+    final_step: Mapped[int | None] = mapped_column(Integer, default=None)
+    model_identity: Mapped[str | None] = mapped_column(String(64), default=None)
+    receipt_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+
+
+class Commitment(UUIDv7AuditBase):
+    __tablename__ = "commitments"
+    __table_args__ = (UniqueConstraint("experiment_id", "seq"),)
+    experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(20))
+    identity: Mapped[str] = mapped_column(String(64))
+    body: Mapped[Json] = mapped_column(JsonB)
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class Agent(UUIDv7AuditBase):
+    __tablename__ = "agents"
+    name: Mapped[str] = mapped_column(String(200))
+    token_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tokens.id"), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    labels: Mapped[Json] = mapped_column(JsonB)
+    last_seen_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
+
+
+class Job(UUIDv7AuditBase):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_state_world_size", "state", "world_size"),)
+    experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    arm: Mapped[str | None] = mapped_column(String(40), default=None)
+    role: Mapped[str | None] = mapped_column(String(10), default=None)
+    spec: Mapped[Json] = mapped_column(JsonB)
+    world_size: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(20))
+    # The attempt generation being filled or run; every rank of a gang shares it.
+    attempts_made: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    # Ranks of the current generation not yet leased (a gang is leased one rank per claim).
+    ranks_open: Mapped[int] = mapped_column(Integer)
+    # Rendezvous of the current generation, fixed by the rank-0 claim.
+    master_addr: Mapped[str | None] = mapped_column(String(255), default=None)
+    master_port: Mapped[int | None] = mapped_column(Integer, default=None)
+    cancel_requested_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+    # Ordering key for claims: first queued, first served.
+    queued_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
+
+
+class Attempt(UUIDv7AuditBase):
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", "rank"),
+        Index("ix_attempts_state_lease", "state", "lease_expires_at"),
+    )
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    agent_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("agents.id"), index=True)
+    state: Mapped[str] = mapped_column(String(20))
+    lease_token_hash: Mapped[str] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
+    master_addr: Mapped[str | None] = mapped_column(String(255), default=None)
+    master_port: Mapped[int | None] = mapped_column(Integer, default=None)
+    cancel_deadline: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+    exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    reason: Mapped[str | None] = mapped_column(Text, default=None)
+    result: Mapped[Json | None] = mapped_column(JsonB, default=None)
+    finished_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+
+
+class Event(UUIDv7AuditBase):
+    """The audit trail of the science and of every state change (kind ``state`` for the latter)."""
+
+    __tablename__ = "events"
+    experiment_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("experiments.id", ondelete="CASCADE"), index=True, default=None
+    )
+    job_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), default=None)
+    attempt_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("attempts.id", ondelete="CASCADE"), index=True, default=None
+    )
+    sequence: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    kind: Mapped[str] = mapped_column(String(100))
+    at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
+    body: Mapped[Json] = mapped_column(JsonB)
+
+
+class Measurement(UUIDv7AuditBase):
+    """A step journal entry or resource sample, uploaded by an attempt."""
+
+    __tablename__ = "measurements"
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(40))
+    at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
+    body: Mapped[Json] = mapped_column(JsonB)
+
+
+class Answer(UUIDv7AuditBase):
+    """One evaluated answer: the protocol publishes every final-test answer."""
+
+    __tablename__ = "answers"
+    __table_args__ = (
+        UniqueConstraint("experiment_id", "arm", "role", "task_id"),
+        Index("ix_answers_filter", "experiment_id", "arm", "role", "family", "variant", "correct"),
+    )
+    experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"))
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    arm: Mapped[str] = mapped_column(String(40))
+    role: Mapped[str] = mapped_column(String(10))
+    task_id: Mapped[str] = mapped_column(String(64))
+    family: Mapped[str] = mapped_column(String(20))
+    variant: Mapped[int] = mapped_column(Integer)
+    correct: Mapped[bool] = mapped_column(Boolean)
+    body: Mapped[Json] = mapped_column(JsonB)
+
+
+class ServingResult(UUIDv7AuditBase):
+    __tablename__ = "serving_results"
+    experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    phase: Mapped[str] = mapped_column(String(20))
+    body: Mapped[Json] = mapped_column(JsonB)
+
+
+class Blob(UUIDv7AuditBase):
+    """Small evidence stored by content: prepared bundle files, journals, reports."""
+
+    __tablename__ = "blobs"
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    media_type: Mapped[str] = mapped_column(String(100))
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Token(UUIDv7AuditBase):
+    """A bearer token; only its sha256 is kept, the secret is printed once."""
+
+    __tablename__ = "tokens"
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    role: Mapped[str] = mapped_column(String(20))
+    secret_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+
+
+class IdempotentRequest(UUIDv7AuditBase):
+    """The stored response of an upload, so that a replay with the same key gets the same answer."""
+
+    __tablename__ = "idempotent_requests"
+    key: Mapped[str] = mapped_column(String(300), unique=True)
+    request_sha256: Mapped[str] = mapped_column(String(64))
+    status_code: Mapped[int] = mapped_column(Integer)
+    response: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class AuditLog(UUIDv7AuditBase):
+    __tablename__ = "audit_log"
+    token_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("tokens.id"), default=None, index=True)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(100))
+    target: Mapped[str] = mapped_column(String(300))
+    detail: Mapped[Json] = mapped_column(JsonB)

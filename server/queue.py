@@ -1,0 +1,303 @@
+"""The leased job queue: atomic claims, gang claims for multi-rank jobs, heartbeats, the reaper, cancel.
+
+A claim is one UPDATE of one queued job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on
+Postgres; on SQLite the write lock taken at BEGIN IMMEDIATE serialises claimers). Each lease is an
+attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import secrets
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
+
+from experiment import wire
+from server import experiments, lifecycle, models
+from server.errors import Forbidden, NotFound
+from server.lifecycle import JOB_ACTIVE, JOB_FINAL, JobState, Refused
+from server.settings import Settings
+
+J = JobState
+ACTIVE = [J.LEASED.value, J.RUNNING.value]
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def rendezvous_port(settings: Settings, job_id: uuid.UUID, number: int) -> int:
+    """A port per job and attempt, so that a retry never meets a half-closed rendezvous of the last one."""
+    return settings.rendezvous_port_base + (job_id.int + number) % settings.rendezvous_port_span
+
+
+async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence[str] | None) -> uuid.UUID | None:
+    """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job."""
+    now = _now()
+    candidate = aliased(models.Job, name="candidate")
+    mine = (
+        select(models.Attempt.id)
+        .where(
+            models.Attempt.job_id == candidate.id,
+            models.Attempt.number == candidate.attempts_made,
+            models.Attempt.agent_id == agent.id,
+        )
+        .exists()
+    )
+    kind_filter = [candidate.kind.in_(list(kinds))] if kinds else []
+    open_gang = (
+        select(candidate.id)
+        .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, *kind_filter)
+        .order_by(candidate.queued_at, candidate.id)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    joined = await session.execute(
+        update(models.Job)
+        .where(models.Job.id == open_gang, models.Job.ranks_open > 0)
+        .values(ranks_open=models.Job.ranks_open - 1, updated_at=now)
+        .returning(models.Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    job_id = joined.scalar_one_or_none()
+    if job_id is not None:
+        return job_id
+    queued = (
+        select(candidate.id)
+        .where(candidate.state == J.QUEUED.value, *kind_filter)
+        .order_by(candidate.queued_at, candidate.id)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    taken = await session.execute(
+        update(models.Job)
+        .where(models.Job.id == queued, models.Job.state == J.QUEUED.value)
+        .values(
+            state=lifecycle.leased_state().value,
+            attempts_made=models.Job.attempts_made + 1,
+            ranks_open=models.Job.world_size - 1,
+            master_addr=None,
+            master_port=None,
+            updated_at=now,
+        )
+        .returning(models.Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    return taken.scalar_one_or_none()
+
+
+async def claim(
+    session: AsyncSession, settings: Settings, agent: models.Agent, kinds: Sequence[str] | None
+) -> wire.Assignment | None:
+    """One claim in the session's current transaction; the caller commits."""
+    job_id = await _claim_row(session, agent, kinds)
+    if job_id is None:
+        return None
+    job = await session.get_one(models.Job, job_id, populate_existing=True)
+    rank = job.world_size - job.ranks_open - 1
+    if rank == 0 and job.world_size > 1:
+        job.master_addr, job.master_port = agent.address, rendezvous_port(settings, job.id, job.attempts_made)
+    token = secrets.token_urlsafe(32)
+    expires = _now() + datetime.timedelta(seconds=settings.lease_seconds)
+    attempt = models.Attempt(
+        job_id=job.id,
+        number=job.attempts_made,
+        rank=rank,
+        agent_id=agent.id,
+        state=J.LEASED.value,
+        lease_token_hash=hash_secret(token),
+        lease_expires_at=expires,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+    )
+    session.add(attempt)
+    await session.flush()
+    lifecycle.record_claim(session, job, attempt)
+    return wire.Assignment(
+        job_id=job.id,
+        attempt_id=attempt.id,
+        experiment_id=job.experiment_id,
+        kind=job.kind,  # type: ignore[arg-type]
+        arm=job.arm,  # type: ignore[arg-type]
+        role=job.role,  # type: ignore[arg-type]
+        spec=job.spec,
+        number=job.attempts_made,
+        rank=rank,
+        world_size=job.world_size,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+        lease_token=token,
+        lease_expires_at=expires,
+    )
+
+
+async def _generation(session: AsyncSession, job: models.Job) -> list[models.Attempt]:
+    rows = await session.scalars(
+        select(models.Attempt)
+        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
+        .order_by(models.Attempt.rank)
+    )
+    return list(rows)
+
+
+async def _settle(session: AsyncSession, settings: Settings, job: models.Job, ended: models.Attempt) -> None:
+    """Bring the job in line with an attempt that just ended: a gang ends together; a lost job is retried."""
+    if ended.number != job.attempts_made:
+        return  # an attempt of an earlier generation: its job has moved on
+    generation = await _generation(session, job)
+    outcome = J(ended.state)
+    if outcome in {J.LOST, J.FAILED, J.CANCELLED}:
+        for sibling in generation:
+            if sibling.state in ACTIVE:
+                lifecycle.move_attempt(
+                    session,
+                    job,
+                    sibling,
+                    J.CANCELLED,
+                    f"rank {ended.rank} {outcome.value}: the ranks of a gang end together",
+                )
+        job.ranks_open = 0
+        if J(job.state) in JOB_FINAL:
+            return
+        target = J.CANCELLED if job.cancel_requested_at is not None else outcome
+        lifecycle.move_job(session, job, target, f"rank {ended.rank} of attempt {ended.number} {outcome.value}")
+        if target == J.LOST and job.attempts_made < job.max_attempts:
+            lifecycle.move_job(session, job, J.QUEUED, f"retry {job.attempts_made + 1} of {job.max_attempts}")
+            job.ranks_open, job.master_addr, job.master_port = job.world_size, None, None
+        return
+    if job.ranks_open == 0 and all(a.state == J.SUCCEEDED.value for a in generation):
+        lifecycle.move_job(session, job, J.SUCCEEDED, f"every rank of attempt {job.attempts_made} succeeded")
+        await experiments.job_succeeded(session, settings, job)
+
+
+async def reap(session: AsyncSession, settings: Settings) -> int:
+    """Turn expired leases into ``lost`` and overdue cancellations into ``cancelled``; returns how many."""
+    now = _now()
+    expired = list(
+        await session.scalars(
+            select(models.Attempt)
+            .where(models.Attempt.state.in_(ACTIVE), models.Attempt.lease_expires_at < now)
+            .order_by(models.Attempt.id)
+            .with_for_update(skip_locked=True)
+        )
+    )
+    overdue = list(
+        await session.scalars(
+            select(models.Attempt)
+            .where(models.Attempt.state.in_(ACTIVE), models.Attempt.cancel_deadline < now)
+            .order_by(models.Attempt.id)
+            .with_for_update(skip_locked=True)
+        )
+    )
+    count = 0
+    for attempt, target, reason in [
+        *((a, J.LOST, f"lease expired at {a.lease_expires_at.isoformat()}") for a in expired),
+        *((a, J.CANCELLED, "did not stop within the grace period") for a in overdue),
+    ]:
+        if attempt.state not in ACTIVE:
+            continue  # already ended above, as a sibling of another rank
+        job = await session.get_one(models.Job, attempt.job_id, with_for_update=True)
+        lifecycle.move_attempt(session, job, attempt, target, reason)
+        await _settle(session, settings, job, attempt)
+        count += 1
+    return count
+
+
+async def owned_attempt(
+    session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, lease_token: str | None
+) -> tuple[models.Job, models.Attempt]:
+    """The attempt and its job, if this agent holds it (and, when given, the lease token matches)."""
+    attempt = await session.get(models.Attempt, attempt_id, with_for_update=True)
+    if attempt is None:
+        raise NotFound(f"attempt {attempt_id} does not exist")
+    if attempt.agent_id != agent.id:
+        raise Forbidden(f"attempt {attempt_id} is leased to another agent; an agent acts only on its own leases")
+    if lease_token is not None and not secrets.compare_digest(attempt.lease_token_hash, hash_secret(lease_token)):
+        raise Forbidden(f"the lease token does not match attempt {attempt_id}")
+    job = await session.get_one(models.Job, attempt.job_id, with_for_update=True)
+    return job, attempt
+
+
+def _require_active(attempt: models.Attempt) -> None:
+    if attempt.state not in ACTIVE:
+        raise Refused(
+            "attempt-already-ended",
+            f"attempt {attempt.id} is {attempt.state} ({attempt.reason}); stop it and claim new work",
+        )
+
+
+async def start(session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, lease_token: str) -> models.Attempt:
+    job, attempt = await owned_attempt(session, agent, attempt_id, lease_token)
+    _require_active(attempt)
+    if attempt.state == J.LEASED.value:
+        lifecycle.move_attempt(session, job, attempt, J.RUNNING, "the agent started the command")
+    if job.state == J.LEASED.value:
+        lifecycle.move_job(session, job, J.RUNNING, f"rank {attempt.rank} started")
+    return attempt
+
+
+async def finish(
+    session: AsyncSession, settings: Settings, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult
+) -> models.Attempt:
+    """End an attempt as its agent reports (the caller checked ownership with ``owned_attempt``)."""
+    _require_active(attempt)
+    attempt.exit_code, attempt.result = body.exit_code, body.result
+    reason = body.reason or f"the agent reported {body.outcome}"
+    lifecycle.move_attempt(session, job, attempt, J(body.outcome), reason)
+    await _settle(session, settings, job, attempt)
+    return attempt
+
+
+async def heartbeat(
+    session: AsyncSession, settings: Settings, agent: models.Agent, attempt_ids: Sequence[uuid.UUID]
+) -> wire.HeartbeatReply:
+    """Renew every lease this agent holds and tell it, per attempt it names, whether to go on."""
+    now = _now()
+    expires = now + datetime.timedelta(seconds=settings.lease_seconds)
+    agent.last_seen_at = now
+    await session.execute(
+        update(models.Attempt)
+        .where(models.Attempt.agent_id == agent.id, models.Attempt.state.in_(ACTIVE))
+        .values(lease_expires_at=expires)
+        .execution_options(synchronize_session=False)
+    )
+    directives = []
+    for attempt_id in attempt_ids:
+        attempt = await session.get(models.Attempt, attempt_id, populate_existing=True)
+        if attempt is None or attempt.agent_id != agent.id:
+            directives.append(wire.Directive(attempt_id, "stop", "this agent holds no such attempt"))
+        elif attempt.state not in ACTIVE:
+            directives.append(wire.Directive(attempt_id, "stop", f"the attempt is {attempt.state}: {attempt.reason}"))
+        elif attempt.cancel_deadline is not None:
+            directives.append(wire.Directive(attempt_id, "stop", "cancelled by the operator", attempt.cancel_deadline))
+        else:
+            directives.append(wire.Directive(attempt_id, "continue"))
+    return wire.HeartbeatReply(expires, settings.heartbeat_seconds, directives)
+
+
+async def cancel(session: AsyncSession, job: models.Job, grace_seconds: float) -> None:
+    """A queued job is cancelled at once; a running one is asked to stop, and forced after the grace period."""
+    state = J(job.state)
+    if state in JOB_FINAL:
+        raise Refused("job-already-finished", f"job {job.id} is already {state.value}")
+    if state == J.QUEUED:
+        lifecycle.move_job(session, job, J.CANCELLED, "cancelled by the operator before any claim")
+        return
+    now = _now()
+    job.cancel_requested_at = now
+    job.ranks_open = 0
+    deadline = now + datetime.timedelta(seconds=grace_seconds)
+    for attempt in await _generation(session, job):
+        if J(attempt.state) in JOB_ACTIVE:
+            attempt.cancel_deadline = deadline

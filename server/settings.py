@@ -1,0 +1,86 @@
+"""The coordinator's settings: one frozen dataclass read from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from experiment.errors import CoopError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise CoopError(f"{name}={raw!r} is not a switch; use one of {sorted(_TRUE | _FALSE)}")
+
+
+def _number(name: str, default: float, low: float, high: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise CoopError(f"{name}={raw!r} is not a number") from exc
+    if not low <= value <= high:
+        raise CoopError(f"{name}={value} is outside {low}..{high}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    # An attempt whose agent has not renewed its lease for this long is lost.
+    lease_seconds: float = 60.0
+    # Agents are asked to heartbeat this often; it must be well under the lease.
+    heartbeat_seconds: float = 15.0
+    # How often the background reaper looks for expired leases.
+    reap_seconds: float = 5.0
+    # The protocol publishes every answer and measurement, so reads are public unless switched off.
+    public_read: bool = True
+    # The longest a claim may wait for work (long poll).
+    max_claim_wait_seconds: float = 30.0
+    # A job whose attempt was lost is retried as a new attempt until it has had this many.
+    max_attempts: int = 3
+    # Body limit for every request; larger bodies are refused with 413.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Rendezvous ports for multi-rank jobs are chosen from [base, base + span).
+    rendezvous_port_base: int = 29500
+    rendezvous_port_span: int = 500
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise CoopError(
+                f"heartbeat ({self.heartbeat_seconds}s) must be shorter than the lease ({self.lease_seconds}s)"
+            )
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite+aiosqlite:///{path.resolve()}"
+
+
+def from_env() -> Settings:
+    home = Path(os.environ.get("COOP_HOME") or ".coop")
+    url = os.environ.get("COOP_DATABASE_URL") or sqlite_url(home / "coordinator.sqlite3")
+    return Settings(
+        home=home,
+        database_url=url,
+        lease_seconds=_number("COOP_LEASE_SECONDS", 60.0, 0.1, 86_400.0),
+        heartbeat_seconds=_number("COOP_HEARTBEAT_SECONDS", 15.0, 0.05, 3_600.0),
+        reap_seconds=_number("COOP_REAP_SECONDS", 5.0, 0.05, 3_600.0),
+        public_read=_flag("COOP_PUBLIC_READ", True),
+        max_claim_wait_seconds=_number("COOP_MAX_CLAIM_WAIT_SECONDS", 30.0, 0.0, 600.0),
+        max_attempts=int(_number("COOP_MAX_ATTEMPTS", 3, 1, 100)),
+        max_body_bytes=int(_number("COOP_MAX_BODY_BYTES", 8 * 1024 * 1024, 1024, 1 << 32)),
+    )

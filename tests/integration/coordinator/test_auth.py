@@ -1,0 +1,78 @@
+"""Who may do what: public reads, operator writes, agents only on their own leases; every write audited."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server import models
+from server.settings import Settings
+from tests.integration.coordinator.support import LOCAL_PLAN, Api, bearer, running, with_session
+
+
+def test_auth_matrix(api: Api) -> None:
+    post = api.client.post
+    plan = {"plan_toml": LOCAL_PLAN.read_text()}
+    a, b = api.agent("a"), api.agent("b")
+    assert post("/api/experiments", json=plan).status_code == 401
+    assert post("/api/experiments", json=plan, headers=bearer("coop_unknown")).status_code == 401
+    assert post("/api/experiments", json=plan, headers={"Authorization": "Basic eDp5"}).status_code == 401
+    assert post("/api/experiments", json=plan, headers=bearer(a)).status_code == 403
+    assert post("/api/agents/claim", json={}, headers=bearer(api.operator)).status_code == 403
+    assert post("/api/agents/claim", json={}).status_code == 401
+    api.create_experiment()
+    job = api.claim(a)
+    assert job is not None
+    stolen = post(
+        f"/api/attempts/{job['attempt_id']}/start", json={"lease_token": job["lease_token"]}, headers=bearer(b)
+    )
+    assert stolen.status_code == 403 and "another agent" in stolen.json()["detail"]
+    forged = post(f"/api/attempts/{job['attempt_id']}/start", json={"lease_token": "x" * 43}, headers=bearer(a))
+    assert forged.status_code == 403
+    unregistered = api.client.post("/api/agents/claim", json={}, headers=bearer(_agent_token(api, "c")))
+    assert unregistered.status_code == 409 and unregistered.json()["rule"] == "agent-not-registered"
+    assert api.client.get("/api/experiments").status_code == 200  # reads are public by default
+
+
+def _agent_token(api: Api, name: str) -> str:
+    from tests.integration.coordinator.support import make_token
+
+    return make_token(api.url, "agent", name)
+
+
+def test_reads_need_a_token_when_public_read_is_off(make_settings: Callable[..., Settings], database_url: str) -> None:
+    with running(make_settings(public_read=False)) as client:
+        api = Api(client, database_url)
+        assert client.get("/api/experiments").status_code == 401
+        assert client.get("/api/experiments", headers=bearer(api.operator)).status_code == 200
+        assert client.get("/api/agents", headers=bearer(api.agent("a"))).status_code == 200
+        assert client.get("/schema/openapi.json").status_code == 200
+
+
+def test_every_write_leaves_an_audit_row(api: Api) -> None:
+    a = api.agent("a")
+    api.create_experiment()
+    job = api.claim(a)
+    assert job is not None
+    api.heartbeat(a, job["attempt_id"])
+    assert api.finish(a, job, prepared_identity="ab" * 32).status_code == 200
+    api.finish(a, job, prepared_identity="ab" * 32)  # a replay writes nothing
+
+    async def actions(session: AsyncSession) -> list[tuple[str, str]]:
+        rows = await session.execute(select(models.AuditLog.actor, models.AuditLog.action).order_by(models.AuditLog.id))
+        return [(actor, action) for actor, action in rows]
+
+    assert with_session(api.url, actions) == [
+        ("agent:a", "agent.register"),
+        ("operator:operator", "experiment.create"),
+        ("agent:a", "job.claim"),
+        ("agent:a", "agent.heartbeat"),
+        ("agent:a", "attempt.result"),
+    ]
+
+    async def count(session: AsyncSession) -> int:
+        return int(await session.scalar(select(func.count()).select_from(models.IdempotentRequest)) or 0)
+
+    assert with_session(api.url, count) == 1

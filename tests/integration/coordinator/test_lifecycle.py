@@ -1,0 +1,144 @@
+"""The experiment's path through the protocol, and every guard that refuses a step out of order (409 + rule)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from experiment.ledger import Entry, verify_ledger
+from tests.integration.coordinator.support import (
+    FINAL_STEP,
+    Api,
+    prepared_experiment,
+    selection_body,
+    sha,
+    trained_experiment,
+)
+
+
+def refused(response: Any, rule: str) -> None:
+    assert response.status_code == 409, response.text
+    body = response.json()
+    assert body["rule"] == rule, body
+    assert body["detail"], body
+
+
+def test_created_experiment_commits_its_plan_to_the_ledger(api: Api) -> None:
+    experiment = api.create_experiment()
+    assert experiment["state"] == "committed"
+    ledger = api.get(f"/api/experiments/{experiment['id']}/ledger")
+    assert [entry["kind"] for entry in ledger] == ["plan"]
+    assert ledger[0]["identity"] == experiment["plan_identity"]
+    assert ledger[0]["prev_hash"] == "0" * 64
+    jobs = api.get(f"/api/experiments/{experiment['id']}/jobs")
+    assert [(job["kind"], job["state"]) for job in jobs] == [("prepare", "queued")]
+    arms = {arm["name"]: arm for arm in api.get(f"/api/experiments/{experiment['id']}/arms")}
+    assert arms["clean-pair"]["world_size"] == 2 and arms["clean-pair"]["serving_eligible"]
+    assert not arms["damaged-single"]["serving_eligible"]
+
+
+def test_draft_experiment_waits_for_an_explicit_commit(api: Api) -> None:
+    experiment = api.create_experiment(commit=False)
+    assert experiment["state"] == "draft"
+    assert api.get(f"/api/experiments/{experiment['id']}/ledger") == []
+    committed = api.operator_post(f"/api/experiments/{experiment['id']}/commit", {})
+    assert committed.status_code == 201 and committed.json()["state"] == "committed"
+    refused(api.operator_post(f"/api/experiments/{experiment['id']}/commit", {}), "experiment-transition")
+
+
+def test_training_refused_before_the_prepared_identity_is_committed(api: Api) -> None:
+    experiment = api.create_experiment()
+    response = api.operator_post(f"/api/experiments/{experiment['id']}/jobs", {"kind": "train", "arm": "clean-single"})
+    refused(response, "training-requires-committed-prepared-identity")
+
+
+def test_test_evaluation_refused_before_a_committed_selection(api: Api) -> None:
+    a, b = api.agent("a"), api.agent("b")
+    experiment = trained_experiment(api, a, b)
+    response = api.operator_post(
+        f"/api/experiments/{experiment['id']}/jobs", {"kind": "evaluate", "arm": "clean-single", "role": "test"}
+    )
+    refused(response, "test-evaluation-requires-committed-selection")
+
+
+def test_selection_refused_before_every_arm_is_trained(api: Api) -> None:
+    experiment = prepared_experiment(api, api.agent("a"))
+    refused(
+        api.operator_post(f"/api/experiments/{experiment['id']}/selection", selection_body()), "experiment-transition"
+    )
+
+
+def test_selection_takes_only_final_checkpoints_of_all_three_verified_arms(api: Api) -> None:
+    a, b = api.agent("a"), api.agent("b")
+    path = f"/api/experiments/{trained_experiment(api, a, b)['id']}/selection"
+    missing = selection_body()
+    del missing["arms"]["damaged-single"]
+    refused(api.operator_post(path, missing), "selection-requires-all-three-arms")
+    early = selection_body()
+    early["arms"]["clean-pair"]["step"] = FINAL_STEP // 2
+    refused(api.operator_post(path, early), "selection-final-checkpoints-only")
+    other = selection_body()
+    other["arms"]["clean-single"]["model_identity"] = sha("a better scoring checkpoint")
+    refused(api.operator_post(path, other), "selection-must-match-verified-checkpoint")
+    seed = selection_body()
+    seed["arms"]["seed"] = {"step": FINAL_STEP, "model_identity": sha("seed")}
+    refused(api.operator_post(path, seed), "selection-trained-arms-only")
+
+
+def _tested(api: Api) -> tuple[str, str]:
+    """A tested experiment (selection committed, four test evaluations recorded) and agent a's token."""
+    a, b = api.agent("a"), api.agent("b")
+    experiment_id = trained_experiment(api, a, b)["id"]
+    selected = api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body())
+    assert selected.status_code == 201 and selected.json()["state"] == "selected", selected.text
+    for _ in range(4):
+        job = api.claim(a)
+        assert job is not None and job["kind"] == "evaluate" and job["role"] == "test"
+        assert api.finish(a, job, answers_sha256=sha(f"answers {job['arm']}")).status_code == 200
+    assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
+    return experiment_id, a
+
+
+def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pair(api: Api) -> None:
+    experiment_id, _ = _tested(api)
+    path = f"/api/experiments/{experiment_id}/serving"
+    refused(
+        api.operator_post(path, {"arm": "damaged-single", "model_identity": sha("damaged-single")}),
+        "damaged-arm-never-served",
+    )
+    refused(
+        api.operator_post(path, {"arm": "clean-single", "model_identity": sha("clean-single")}),
+        "serving-clean-pair-only",
+    )
+    refused(
+        api.operator_post(path, {"arm": "clean-pair", "model_identity": sha("step 64")}),
+        "serving-selected-final-checkpoint-only",
+    )
+    served = api.operator_post(path, {"arm": "clean-pair", "model_identity": sha("clean-pair")})
+    assert served.status_code == 201 and served.json()["state"] == "serving"
+
+
+def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -> None:
+    experiment_id, _ = _tested(api)
+    refused(
+        api.operator_post(f"/api/experiments/{experiment_id}/report", {"report_identity": sha("r")}),
+        "experiment-transition",
+    )
+    api.operator_post(
+        f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
+    )
+    reported = api.operator_post(f"/api/experiments/{experiment_id}/report", {"report_identity": sha("report")})
+    assert reported.status_code == 201 and reported.json()["state"] == "reported"
+    ledger = api.get(f"/api/experiments/{experiment_id}/ledger")
+    assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "serving", "report"]
+    verify_ledger([Entry(**entry) for entry in ledger])
+    refused(
+        api.operator_post(f"/api/experiments/{experiment_id}/jobs", {"kind": "evaluate", "arm": "seed", "role": "dev"}),
+        "experiment-final",
+    )
+
+
+def test_halted_experiment_takes_no_more_steps(api: Api) -> None:
+    experiment = api.create_experiment()
+    halted = api.operator_post(f"/api/experiments/{experiment['id']}/halt", {})
+    assert halted.status_code == 201 and halted.json()["state"] == "halted"
+    refused(api.operator_post(f"/api/experiments/{experiment['id']}/halt", {}), "experiment-transition")

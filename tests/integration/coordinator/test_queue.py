@@ -1,0 +1,156 @@
+"""Leases: expiry makes an attempt lost and the retry a new attempt; gangs lease two agents and end together;
+cancel asks the agent to stop and forces it after the grace period."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from server.settings import Settings
+from tests.integration.coordinator.support import Api, prepared_experiment, running, train_result
+
+
+def _wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the reaper"
+        time.sleep(0.05)
+
+
+def _short_leases(make_settings: Callable[..., Settings], **overrides: Any) -> Settings:
+    return make_settings(lease_seconds=0.6, heartbeat_seconds=0.2, reap_seconds=0.1, **overrides)
+
+
+def test_expired_lease_is_lost_and_retried_as_a_new_attempt(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    with running(_short_leases(make_settings, max_attempts=2)) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        experiment = api.create_experiment()
+        first = api.claim(a)
+        assert first is not None and first["number"] == 1
+        job_path = f"/api/jobs/{first['job_id']}"
+        _wait_for(lambda: api.get(job_path)["state"] == "queued" and api.get(job_path)["attempts_made"] == 1)
+        attempts = api.get(f"{job_path}/attempts")
+        assert [(x["number"], x["state"]) for x in attempts] == [(1, "lost")]
+        assert "lease expired" in attempts[0]["reason"]
+        # The lost attempt's late result is refused: its lease is gone.
+        late = api.finish(a, first, prepared_identity="0" * 64)
+        assert late.status_code == 409 and late.json()["rule"] == "attempt-already-ended"
+        second = api.claim(a)
+        assert second is not None and second["number"] == 2 and second["attempt_id"] != first["attempt_id"]
+        _wait_for(lambda: api.get(job_path)["state"] == "lost")
+        states = [(x["number"], x["state"]) for x in api.get(f"{job_path}/attempts")]
+        assert states == [(1, "lost"), (2, "lost")]  # both rows kept; max_attempts=2 ends the retries
+        assert api.get(f"/api/experiments/{experiment['id']}")["state"] == "committed"
+
+
+def test_heartbeat_renews_the_lease(make_settings: Callable[..., Settings], database_url: str) -> None:
+    with running(_short_leases(make_settings)) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        api.create_experiment()
+        job = api.claim(a)
+        assert job is not None
+        for _ in range(8):  # 1.6 s, well past the 0.6 s lease
+            reply = api.heartbeat(a, job["attempt_id"])
+            assert reply["directives"] == [
+                {"attempt_id": job["attempt_id"], "action": "continue", "reason": None, "deadline": None}
+            ]
+            time.sleep(0.2)
+        assert api.get(f"/api/attempts/{job['attempt_id']}")["state"] == "leased"
+
+
+def _gang(api: Api, a: str, b: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    prepared_experiment(api, a)
+    for token, arm in ((a, "clean-single"), (b, "damaged-single")):
+        single = api.claim(token)
+        assert single is not None and single["arm"] == arm
+        assert api.finish(token, single, **train_result(arm)).status_code == 200
+    rank0 = api.claim(a)
+    assert rank0 is not None and rank0["arm"] == "clean-pair" and rank0["rank"] == 0
+    assert api.claim(a) is None  # agent a cannot take the second rank of its own gang
+    rank1 = api.claim(b)
+    assert rank1 is not None
+    return rank0, rank1
+
+
+def test_gang_leases_both_ranks_to_two_agents_with_one_rendezvous(api: Api) -> None:
+    a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
+    rank0, rank1 = _gang(api, a, b)
+    assert (rank0["job_id"], rank0["number"]) == (rank1["job_id"], rank1["number"])
+    assert (rank0["rank"], rank1["rank"], rank0["world_size"]) == (0, 1, 2)
+    assert rank0["master_addr"] == rank1["master_addr"] == "10.1.0.1"
+    assert rank0["master_port"] == rank1["master_port"] and 29500 <= rank0["master_port"] < 30000
+    attempts = api.get(f"/api/jobs/{rank0['job_id']}/attempts")
+    assert len({x["agent_id"] for x in attempts}) == 2
+
+
+def test_losing_one_rank_ends_both_attempts_and_retries_the_gang(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    with running(make_settings(lease_seconds=1.5, heartbeat_seconds=0.2, reap_seconds=0.1)) as client:
+        api = Api(client, database_url)
+        a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
+        rank0, rank1 = _gang(api, a, b)
+        job_path = f"/api/jobs/{rank0['job_id']}"
+        # b keeps heartbeating; a falls silent and loses its lease.
+        deadline = time.monotonic() + 6
+        directive: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            directive = api.heartbeat(b, rank1["attempt_id"])["directives"][0]
+            if directive["action"] == "stop":
+                break
+            time.sleep(0.2)
+        assert directive["action"] == "stop" and "rank 0 lost" in directive["reason"]
+        states = {(x["number"], x["rank"]): x["state"] for x in api.get(f"{job_path}/attempts")}
+        assert states == {(1, 0): "lost", (1, 1): "cancelled"}
+        assert api.get(job_path)["state"] == "queued"
+        retry = [api.claim(b), api.claim(a)]
+        assert all(r is not None and r["number"] == 2 for r in retry)
+        assert retry[0] is not None and retry[0]["master_addr"] == "10.1.0.2"  # the new rank 0's address
+
+
+def test_gang_succeeds_only_when_both_ranks_report_the_same_final_checkpoint(api: Api) -> None:
+    a, b = api.agent("a"), api.agent("b")
+    rank0, rank1 = _gang(api, a, b)
+    assert api.finish(a, rank0, **train_result("clean-pair")).status_code == 200
+    assert api.get(f"/api/jobs/{rank0['job_id']}")["state"] == "leased"
+    assert api.finish(b, rank1, **train_result("clean-pair")).status_code == 200
+    assert api.get(f"/api/jobs/{rank0['job_id']}")["state"] == "succeeded"
+
+
+def test_cancel_asks_the_agent_to_stop_and_forces_it_after_the_grace_period(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    with running(make_settings(lease_seconds=30, heartbeat_seconds=1, reap_seconds=0.1)) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        api.create_experiment()
+        job = api.claim(a)
+        assert job is not None
+        started = client.post(
+            f"/api/attempts/{job['attempt_id']}/start",
+            json={"lease_token": job["lease_token"]},
+            headers={"Authorization": f"Bearer {a}"},
+        )
+        assert started.status_code == 201 and started.json()["state"] == "running"
+        cancelled = api.operator_post(f"/api/jobs/{job['job_id']}/cancel", {"grace_seconds": 0.5})
+        assert cancelled.status_code == 201, cancelled.text
+        directive = api.heartbeat(a, job["attempt_id"])["directives"][0]
+        assert directive["action"] == "stop" and directive["deadline"] is not None
+        _wait_for(lambda: api.get(f"/api/jobs/{job['job_id']}")["state"] == "cancelled")
+        attempt = api.get(f"/api/attempts/{job['attempt_id']}")
+        assert attempt["state"] == "cancelled" and "grace" in attempt["reason"]
+        again = api.operator_post(f"/api/jobs/{job['job_id']}/cancel", {"grace_seconds": 0})
+        assert again.status_code == 409 and again.json()["rule"] == "job-already-finished"
+
+
+def test_cancelling_a_queued_job_is_immediate(api: Api) -> None:
+    experiment = api.create_experiment()
+    job = api.get(f"/api/experiments/{experiment['id']}/jobs")[0]
+    response = api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 10})
+    assert response.status_code == 201 and response.json()["state"] == "cancelled"
+    assert api.claim(api.agent("a")) is None

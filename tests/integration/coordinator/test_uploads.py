@@ -1,0 +1,96 @@
+"""Uploads are idempotent under their key; bodies are validated (400 with the reason) and bounded (413)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from server.settings import Settings
+from tests.integration.coordinator.support import Api, bearer, running
+
+
+def _claimed(api: Api) -> tuple[str, dict[str, Any]]:
+    a = api.agent("a")
+    api.create_experiment()
+    job = api.claim(a)
+    assert job is not None
+    return a, job
+
+
+def _events(api: Api, token: str, job: dict[str, Any], sequence: int, kinds: list[str], key: str | None = None) -> Any:
+    headers = bearer(token)
+    headers["Idempotency-Key"] = key if key is not None else f"{job['job_id']}:{job['attempt_id']}:{sequence}"
+    body = {"lease_token": job["lease_token"], "sequence": sequence, "events": [{"kind": k, "body": {}} for k in kinds]}
+    return api.client.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
+
+
+def test_event_batch_replay_returns_the_stored_reply_and_stores_once(api: Api) -> None:
+    a, job = _claimed(api)
+    first = _events(api, a, job, 0, ["step", "step"])
+    assert first.status_code == 201 and first.json()["accepted"] == 2
+    replay = _events(api, a, job, 0, ["step", "step"])
+    assert (replay.status_code, replay.content) == (first.status_code, first.content)
+    stored = api.get(f"/api/attempts/{job['attempt_id']}/events")
+    assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step", "step"]
+
+
+def test_replay_with_a_different_payload_is_a_conflict(api: Api) -> None:
+    a, job = _claimed(api)
+    assert _events(api, a, job, 3, ["step"]).status_code == 201
+    conflict = _events(api, a, job, 3, ["resources"])
+    assert conflict.status_code == 409 and conflict.json()["rule"] == "idempotency-key-reused"
+
+
+def test_upload_needs_the_key_that_names_it(api: Api) -> None:
+    a, job = _claimed(api)
+    missing = api.client.post(
+        f"/api/attempts/{job['attempt_id']}/events",
+        json={"lease_token": job["lease_token"], "sequence": 0, "events": [{"kind": "step"}]},
+        headers=bearer(a),
+    )
+    assert missing.status_code == 400 and "Idempotency-Key" in missing.json()["detail"]
+    wrong = _events(api, a, job, 1, ["step"], key=f"{job['job_id']}:{job['attempt_id']}:2")
+    assert wrong.status_code == 400 and "does not name this upload" in wrong.json()["detail"]
+
+
+def test_result_replay_after_the_attempt_ended_returns_the_stored_reply(api: Api) -> None:
+    a, job = _claimed(api)
+    first = api.finish(a, job, prepared_identity="ab" * 32)
+    assert first.status_code == 200 and first.json()["state"] == "succeeded"
+    replay = api.finish(a, job, prepared_identity="ab" * 32)
+    assert (replay.status_code, replay.content) == (200, first.content)
+    different = api.finish(a, job, prepared_identity="cd" * 32)
+    assert different.status_code == 409 and different.json()["rule"] == "idempotency-key-reused"
+
+
+def test_malformed_result_is_refused_and_leaves_the_attempt_running(api: Api) -> None:
+    a, job = _claimed(api)
+    response = api.finish(a, job, prepared_identity="not a digest")
+    assert response.status_code == 400 and "prepared_identity" in response.json()["detail"]
+    assert api.get(f"/api/attempts/{job['attempt_id']}")["state"] == "leased"
+
+
+def test_bad_bodies_are_400_with_the_reason(api: Api) -> None:
+    post = api.client.post
+    headers = bearer(api.operator)
+    unknown = post("/api/experiments", json={"plan_toml": "x", "colour": "red"}, headers=headers)
+    assert unknown.status_code == 400 and "colour" in unknown.text
+    wrong_type = post("/api/experiments", json={"plan_toml": 7}, headers=headers)
+    assert wrong_type.status_code == 400 and "plan_toml" in wrong_type.text
+    not_json = post("/api/experiments", content=b"{not json", headers={**headers, "Content-Type": "application/json"})
+    assert not_json.status_code == 400
+    bad_plan = post("/api/experiments", json={"plan_toml": 'name = "x"\n'}, headers=headers)
+    assert bad_plan.status_code == 400 and "invalid plan" in bad_plan.json()["detail"]
+    bad_role = api.operator_post(
+        f"/api/experiments/{api.create_experiment()['id']}/jobs", {"kind": "evaluate", "arm": "seed", "role": "exam"}
+    )
+    assert bad_role.status_code == 400 and "role" in bad_role.text
+
+
+def test_oversized_body_is_413(make_settings: Callable[..., Settings], database_url: str) -> None:
+    with running(make_settings(max_body_bytes=64 * 1024)) as client:
+        api = Api(client, database_url)
+        a, job = _claimed(api)
+        huge = _events(api, a, job, 0, ["step"] * 8000)
+        assert huge.status_code == 413
+        assert _events(api, a, job, 0, ["step"] * 10).status_code == 201
