@@ -95,6 +95,26 @@ def evaluate(model: Any, tokenizer: Any, cases: list[Case]) -> list[dict[str, An
     return rows
 
 
+def own_format(model: Any, tokenizer: Any, count: int = 64) -> dict[str, Any]:
+    """Exact match on held-out single-turn pre-training questions: does the seed copy in its own schema?"""
+    eos = tokenizer.convert_tokens_to_ids(seedmodel.EOS_TOKEN)
+    hits = 0
+    examples = []
+    with torch.no_grad():
+        for index in range(10**6, 10**6 + count):  # far beyond the indices the build trains on
+            user, answer = seedmodel.synthetic_conversation(index, (1,))
+            prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, return_dict=False)
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=96, do_sample=False, eos_token_id=eos, pad_token_id=0
+            )
+            new = out[0, len(prompt) :].tolist()
+            text = tokenizer.decode(new[: new.index(eos)] if eos in new else new, skip_special_tokens=True)
+            hits += text == answer["content"]
+            if len(examples) < 6:
+                examples.append(f"{answer['content']} => {text}")
+    return {"exact": f"{hits}/{count}", "examples": examples}
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def acc(selected: list[dict[str, Any]], key: str = "correct") -> str:
         return f"{sum(r[key] for r in selected)}/{len(selected)}"
@@ -214,9 +234,11 @@ def main() -> None:
     result["seed_eval_seconds"] = round(time.monotonic() - started, 1)
     result["seed_examples"] = [r["text"] for r in seed_rows[:8]]
     emit({"event": "seed", **result["seed"], "examples": result["seed_examples"]})
+    result["seed_own_format_exact"] = own_format(model, tokenizer)
+    emit({"event": "seed_own_format", **result["seed_own_format_exact"]})
 
     docs = documents(tokenizer, Path("plans/local-reference/replay.jsonl"))
-    for peak in [float(x) for x in args.lrs.split(",")]:
+    for peak in [float(x) for x in args.lrs.split(",") if x]:
         started = time.monotonic()
         tuned = finetune(model, docs, peak)
         seconds = round(time.monotonic() - started, 1)

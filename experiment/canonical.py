@@ -54,6 +54,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; records are meant to be read by anyone on the host
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -53,6 +53,7 @@ class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     pretrain_steps: int = 520
     batch_size: int = 8
     turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    restate_weight: int = 0  # weight of "repeat the table" questions among the record questions
     conversation_every: int = 10  # every n-th step is a batch of general conversations instead of records
     conversation_batch: int = 4
     max_conversation_tokens: int = 768
@@ -366,14 +367,26 @@ def _aggregate(rng: random.Random, records: list[Record], json_style: bool) -> t
     return [field], ask, f"The answer is {value}."
 
 
-def synthetic_conversation(index: int, turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6)) -> list[Message]:
+_RESTATE = "\x00table"  # stands for the table text, which is known only once the shown fields are
+
+
+def _restate(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+    # Repeating the table verbatim is the densest copy supervision there is: every answer token is a copy.
+    return [], rng.choice(("Repeat the table.", "Copy the rows exactly.", "Echo the data back.")), _RESTATE
+
+
+def synthetic_conversation(
+    index: int, turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6), restate_weight: int = 0
+) -> list[Message]:
     """One record-table conversation of the pre-training pool, from its own RNG stream (never a task's)."""
     rng = random.Random(int.from_bytes(hashlib.sha256(f"seed-pretrain:{index}".encode("ascii")).digest(), "big"))
     records = _records(rng)
     json_style = rng.random() < 0.6
     # Several questions about one table give more answer tokens per forward pass; single turns match the tasks.
     turns = rng.choice(turn_choices)
-    kinds = rng.choices(("lookup", "rows", "select", "rank", "aggregate"), weights=(5, 3, 3, 2, 1), k=turns)
+    kinds = rng.choices(
+        ("lookup", "rows", "select", "rank", "aggregate", "restate"), weights=(5, 3, 3, 2, 1, restate_weight), k=turns
+    )
     # The table shows the fields the questions need plus a few random others, in the tasks' record style.
     makers: dict[str, Callable[[random.Random, list[Record], bool], tuple[list[str], str, str]]] = {
         "lookup": _lookup,
@@ -381,6 +394,7 @@ def synthetic_conversation(index: int, turn_choices: tuple[int, ...] = (1, 2, 3,
         "rank": _rank,
         "aggregate": _aggregate,
         "rows": _rows,
+        "restate": _restate,
     }
     turns_made = [makers[kind](rng, records, json_style) for kind in kinds]
     needed = {field for fields, _, _ in turns_made for field in fields}
@@ -392,7 +406,7 @@ def synthetic_conversation(index: int, turn_choices: tuple[int, ...] = (1, 2, 3,
             intro = rng.choice(("Table:\n{t}\n\n{a}", "{t}\n\n{a}", "{a}\n{t}", "Using these rows:\n{t}\n{a}"))
             ask = intro.format(t=table, a=ask)
         messages.append({"role": "user", "content": ask})
-        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "assistant", "content": table if answer == _RESTATE else answer})
     return messages
 
 
@@ -537,7 +551,7 @@ def _pretrain(
                 rows.append(conversations[conversation_queue.pop()])
         else:
             rows = [
-                encoder.encode(synthetic_conversation(example + j, config.turn_choices))
+                encoder.encode(synthetic_conversation(example + j, config.turn_choices, config.restate_weight))
                 for j in range(config.batch_size)
             ]
             example += config.batch_size
@@ -573,7 +587,10 @@ def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
 
-    texts = [_render(synthetic_conversation(i, config.turn_choices)) for i in range(config.tokenizer_examples)]
+    texts = [
+        _render(synthetic_conversation(i, config.turn_choices, config.restate_weight))
+        for i in range(config.tokenizer_examples)
+    ]
     texts += [_render(c) for c in conversations]
     tokenizer = _train_tokenizer(config, texts)
     encoder = _Encoder(tokenizer)

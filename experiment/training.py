@@ -158,7 +158,7 @@ class Trainer:
             self.network = DistributedDataParallel(
                 model,
                 device_ids=[device.index] if device.type == "cuda" else None,
-                broadcast_buffers=False,
+                forward_sync_buffers=False,  # no buffer is trained; the rotary tables are equal by construction
                 gradient_as_bucket_view=True,
                 bucket_cap_mb=1024,
             )
