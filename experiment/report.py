@@ -19,6 +19,7 @@ from experiment.checkpoint import StepRecord
 from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
 from experiment.errors import CoopError
 from experiment.evaluation import EVAL_ARMS, Answer, RetentionScore, Summary, evaluation_dir, read_answers
+from experiment.ledger import read_ledger
 from experiment.seedmodel import load_tokenizer
 from experiment.selection import SELECTION, TRAINED_ARMS, Selection, read_selection, same_model, selection_identity
 from experiment.training import schedule
@@ -285,6 +286,24 @@ def _evaluations(
     return found
 
 
+def _check_ledger(bundle: Path, expected: dict[str, str]) -> int | None:
+    """When the bundle carries the coordinator's ledger: the chain verifies, and its commitments name
+    these inputs (plan, prepared, selection). Returns the number of entries."""
+    path = bundle / "ledger.json"
+    if not path.exists():
+        return None
+    entries = read_ledger(path)
+    for entry in entries:
+        if entry.kind in expected:
+            _require(
+                entry.identity == expected[entry.kind],
+                path,
+                f"seq {entry.seq}.identity",
+                f"the {entry.kind} commitment is not this bundle's {entry.kind} identity",
+            )
+    return len(entries)
+
+
 def _accuracy(answers: list[Answer]) -> dict[str, Any]:
     correct: Callable[[Answer], bool] = lambda a: a.check.correct  # noqa: E731
     dependent = [a for a in answers if a.input_dependent]
@@ -313,6 +332,14 @@ def compute(bundle: Path) -> dict[str, Any]:
     selection = read_selection(selection_path)
     _require(selection.prepared_identity == prepared.identity, selection_path, "prepared_identity", "differs")
     _require(set(selection.arms) == set(EVAL_ARMS), selection_path, "arms", "must name every arm")
+    ledger_entries = _check_ledger(
+        bundle,
+        {
+            "plan": prepared.manifest["plan_identity"],
+            "prepared": prepared.identity,
+            "selection": selection_identity(selection),
+        },
+    )
     training = _check_runs(prepared, selection, documents)
     evaluations = _evaluations(prepared, selection, tokenizer, test)
 
@@ -329,6 +356,7 @@ def compute(bundle: Path) -> dict[str, Any]:
         "prepared_identity": prepared.identity,
         "selection_identity": selection_identity(selection),
         "candidates": {arm: c.model_identity for arm, c in selection.arms.items()},
+        "ledger_entries": ledger_entries,
         "primary": {
             "comparison": "clean-single vs seed, exact test items",
             "paired": primary,

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment import bundle, corpus, evaluation, report, seedmodel, selection, tasks
+from experiment import bundle, corpus, evaluation, ledger, report, seedmodel, selection, tasks
 from experiment.canonical import canonical_bytes, sha256_file
 from experiment.errors import CoopError
 from experiment.plan import load_plan
@@ -319,6 +319,35 @@ def test_report_refuses_tampered_evidence_naming_it(
     with pytest.raises(CoopError, match=names):
         report.write_report(copy, tmp_path / "out" / "report.json")
     assert not (tmp_path / "out").exists()
+
+
+def _with_ledger(bundle_dir: Path) -> list[ledger.Entry]:
+    manifest = json.loads((bundle_dir / "prepared" / "manifest.json").read_text())
+    chosen = selection.read_selection(bundle_dir / "selection.json")
+    entries: list[ledger.Entry] = []
+    for kind, identity in (
+        ("plan", manifest["plan_identity"]),
+        ("prepared", corpus.prepared_identity(manifest)),
+        ("selection", selection.selection_identity(chosen)),
+    ):
+        entries.append(ledger.next_entry(entries[-1] if entries else None, kind, identity, {}))
+    (bundle_dir / "ledger.json").write_bytes(msgspec.json.encode(entries))
+    return entries
+
+
+def test_report_verifies_the_ledger_and_its_commitments(evidence: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "bundle"
+    shutil.copytree(evidence, copy)
+    entries = _with_ledger(copy)
+    assert report.compute(copy)["ledger_entries"] == 3
+    altered = [*entries[:1], msgspec.structs.replace(entries[1], body={"changed": True}), *entries[2:]]
+    (copy / "ledger.json").write_bytes(msgspec.json.encode(altered))
+    with pytest.raises(CoopError, match="ledger seq 2: hash does not match"):
+        report.compute(copy)
+    wrong = [ledger.next_entry(None, "plan", "a" * 64, {})]
+    (copy / "ledger.json").write_bytes(msgspec.json.encode(wrong))
+    with pytest.raises(CoopError, match=r"ledger\.json: seq 1\.identity"):
+        report.compute(copy)
 
 
 def test_bundle_holds_no_weights(evidence: Path) -> None:
