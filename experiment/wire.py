@@ -14,6 +14,9 @@ from experiment.ledger import Entry as LedgerEntry
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+# A file's path inside the evidence bundle (docs/evidence.md), e.g. ``runs/clean-pair/rank-1/result.json``;
+# the server also refuses empty, ``.`` and ``..`` segments.
+BundlePath = Annotated[str, msgspec.Meta(min_length=1, max_length=500, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]
 
 ExperimentState = Literal[
     "draft",
@@ -34,6 +37,10 @@ ArmName = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent"]
 Outcome = Literal["succeeded", "failed", "cancelled"]
+MeasurementKind = Literal["step", "resources"]
+Family = Literal["lookup", "filter", "total", "sort"]
+CheckReason = Literal["correct", "wrong_schema_or_value", "invalid_json_object"]
+ServingPhaseName = Literal["single", "pair", "failure"]
 
 __all__ = ["LedgerEntry"]
 
@@ -99,7 +106,10 @@ class ServingCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ReportCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The report JSON (as `coop report` wrote it) and its identity, which the server recomputes."""
+
     report_identity: Sha256
+    report: dict[str, Any]
 
 
 # Jobs and attempts -----------------------------------------------------------------------------
@@ -242,6 +252,61 @@ class TrainResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     final: bool
 
 
+class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One update of a rank's step journal (experiment.checkpoint.StepRecord, field for field)."""
+
+    step: Annotated[int, msgspec.Meta(ge=1)]
+    positions: list[int]
+    local_positions: list[int]
+    loss: float
+    learning_rate: float
+    gradient_norm: float
+    targets: int
+    weighted_targets: int
+    documents: int
+    seconds: float
+
+
+class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One whole-process resource sample (experiment.resources.Sample, field for field)."""
+
+    seconds: float
+    rss_bytes: int
+    cpu_user_seconds: float
+    cpu_system_seconds: float
+    threads: int
+
+
+class AnswerCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    correct: bool
+    valid_json_object: bool
+    reason: CheckReason
+
+
+class AnswerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One evaluated answer (experiment.evaluation.Answer, field for field: a line of answers.jsonl)."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    index: Annotated[int, msgspec.Meta(ge=0)]
+    family: Family
+    variant: Annotated[int, msgspec.Meta(ge=0)]
+    input_dependent: bool
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    seconds: float
+    ended_with_eos: bool
+    hit_token_limit: bool
+    check: AnswerCheck
+
+
+class ServingPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One serving benchmark phase's report (serving/PHASE.json of the bundle)."""
+
+    phase: ServingPhaseName
+    report: dict[str, Any]
+
+
 class AttemptResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_token: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
     outcome: Outcome
@@ -249,6 +314,14 @@ class AttemptResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reason: Text | None = None
     # Checked against the job kind: PrepareResult for prepare, TrainResult for train, free otherwise.
     result: dict[str, Any] = {}
+    # Measurements, kept whatever the outcome: a train rank's step journal and resource samples.
+    journal: list[StepRecord] = []
+    resource_samples: list[ResourceSample] = []
+    # With a succeeded outcome only: an evaluate job's answers, a serve/benchmark job's phases, and the
+    # evidence files this attempt wrote (path in the bundle -> sha256 of a blob uploaded beforehand).
+    answers: list[AnswerRecord] = []
+    serving: list[ServingPhase] = []
+    evidence: dict[BundlePath, Sha256] = {}
 
 
 class RecordedEvent(msgspec.Struct, frozen=True):
@@ -265,3 +338,65 @@ class RecordedEvent(msgspec.Struct, frozen=True):
 class HeartbeatRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The attempts this agent is running; the reply says, for each, whether to go on.
     attempt_ids: Annotated[list[uuid.UUID], msgspec.Meta(max_length=64)] = []
+
+
+# Reads -----------------------------------------------------------------------------------------
+
+
+class Measurement(msgspec.Struct, frozen=True):
+    attempt_id: uuid.UUID
+    number: int
+    rank: int
+    kind: MeasurementKind
+    position: int
+    body: dict[str, Any]
+
+
+class RecordedAnswer(msgspec.Struct, frozen=True):
+    experiment_id: uuid.UUID
+    attempt_id: uuid.UUID
+    arm: ArmName
+    role: Role
+    answer: AnswerRecord
+
+
+class AnswerPage(msgspec.Struct, frozen=True):
+    """One page of answers in task order; ``total`` counts every answer the filters match."""
+
+    items: list[RecordedAnswer]
+    total: int
+    limit: int
+    offset: int
+
+
+class ServingResult(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    experiment_id: uuid.UUID
+    attempt_id: uuid.UUID
+    phase: ServingPhaseName
+    report: dict[str, Any]
+    created_at: datetime.datetime
+
+
+# Blobs and evidence ----------------------------------------------------------------------------
+
+
+class Blob(msgspec.Struct, frozen=True):
+    sha256: str
+    size: int
+    media_type: str
+    # False when the blob was already stored (an idempotent upload).
+    created: bool
+
+
+class EvidenceFile(msgspec.Struct, frozen=True):
+    path: str
+    sha256: str
+    size: int
+    attempt_id: uuid.UUID | None
+
+
+class EvidenceAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Evidence the operator wrote (selection.json, the seed's files): path in the bundle -> blob sha256."""
+
+    files: Annotated[dict[BundlePath, Sha256], msgspec.Meta(min_length=1)]

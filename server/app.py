@@ -19,9 +19,12 @@ from experiment.errors import CoopError
 from server import auth, db, queue
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
+from server.api.blobs import BlobController
+from server.api.evidence import EvidenceController
 from server.api.experiments import ExperimentController
 from server.api.jobs import JobController
-from server.errors import BadRequest, Forbidden, IdempotencyConflict, NotFound, Unauthenticated
+from server.api.results import ResultController
+from server.errors import BadRequest, Forbidden, IdempotencyConflict, NotFound, TooLarge, Unauthenticated
 from server.lifecycle import Refused
 from server.settings import Settings, from_env
 
@@ -34,6 +37,7 @@ _STATUS: dict[type[CoopError], int] = {
     BadRequest: 400,
     IdempotencyConflict: 409,
     Refused: 409,
+    TooLarge: 413,
     CoopError: 400,
 }
 
@@ -76,7 +80,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     )
     sessions = config.create_session_maker()
     assert isinstance(sessions, async_sessionmaker)
-    context = auth.Context(settings, sessions)
+    context = auth.Context(settings, sessions, config)
 
     @contextlib.asynccontextmanager
     async def reaper(_: Litestar) -> AsyncIterator[None]:
@@ -89,7 +93,15 @@ def create_app(settings: Settings | None = None) -> Litestar:
                 await task
 
     return Litestar(
-        route_handlers=[ExperimentController, JobController, AgentController, AttemptController],
+        route_handlers=[
+            ExperimentController,
+            JobController,
+            AgentController,
+            AttemptController,
+            ResultController,
+            EvidenceController,
+            BlobController,
+        ],
         plugins=[SQLAlchemyPlugin(config=config)],
         dependencies={
             "settings": Provide(lambda: settings, use_cache=True, sync_to_thread=False),

@@ -1,7 +1,8 @@
 """Who may do what: reads are public unless switched off; writes need a bearer token of the handler's role.
 
-A handler declares its role in ``opt={"role": ...}``; the app-wide guard resolves the token, checks the
-role and leaves the principal on the connection for the ``principal`` and ``agent`` dependencies.
+A handler declares its role in ``opt={"role": ...}`` (a role, or a tuple of roles); the app-wide guard
+resolves the token, checks the role and leaves the principal on the connection for the ``principal`` and
+``agent`` dependencies.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from advanced_alchemy.extensions.litestar import SQLAlchemyAsyncConfig
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
@@ -26,10 +28,12 @@ STATE_KEY = "coop"
 
 @dataclass(frozen=True)
 class Context:
-    """What the app keeps in ``app.state``: its settings and a session maker for work outside a request."""
+    """What the app keeps in ``app.state``: its settings, a session maker for work outside a request, and
+    the plugin's config, whose ``provide_session`` gives the guard the request's own session."""
 
     settings: Settings
     sessions: async_sessionmaker[AsyncSession]
+    database: SQLAlchemyAsyncConfig
 
 
 def context(connection: ASGIConnection) -> Context:  # type: ignore[type-arg]
@@ -56,12 +60,16 @@ async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> No
     secret = _bearer(connection)
     if secret is None:
         raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
-    async with ctx.sessions() as session:
-        principal = await tokens.lookup(session, secret)
+    # The token is looked up in the session (and transaction) the handler then uses: one connection and,
+    # on SQLite, one write-lock turn per request instead of two (claims were queueing twice for the lock).
+    principal = await tokens.lookup(ctx.database.provide_session(connection.app.state, connection.scope), secret)
     if principal is None:
         raise Unauthenticated("the bearer token is unknown or revoked")
-    if role is not None and principal.role != role:
-        raise Forbidden(f"this request needs an {role} token; {principal.name!r} is an {principal.role} token")
+    roles = (role,) if isinstance(role, str) else tuple(role or ())
+    if roles and principal.role not in roles:
+        raise Forbidden(
+            f"this request needs an {' or '.join(roles)} token; {principal.name!r} is an {principal.role} token"
+        )
     connection.state.principal = principal
 
 

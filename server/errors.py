@@ -23,3 +23,7 @@ class BadRequest(CoopError):
 
 class IdempotencyConflict(CoopError):
     """An Idempotency-Key replayed with a different payload (409)."""
+
+
+class TooLarge(CoopError):
+    """A body over its size limit (413)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -15,11 +17,11 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.canonical import identity
+from experiment.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.errors import CoopError
 from experiment.plan import Plan, parse_plan, plan_identity
-from server import commitments, models
-from server.errors import NotFound
+from server import blobs, commitments, models
+from server.errors import BadRequest, NotFound
 from server.lifecycle import (
     EVALUATED_ARMS,
     SERVED_ARM,
@@ -232,10 +234,32 @@ async def start_serving(session: AsyncSession, experiment: models.Experiment, bo
     move_experiment(session, experiment, E.SERVING, f"serving {body.arm}")
 
 
-async def record_report(session: AsyncSession, experiment: models.Experiment, body: wire.ReportCommit) -> None:
+async def record_report(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.ReportCommit
+) -> None:
+    """Keep the report JSON as a blob (its canonical bytes, so the blob's name is the report identity)."""
     experiment_target(experiment.state, E.REPORTED)
-    await commitments.append(session, experiment.id, "report", body.report_identity, {})
+    data = canonical_bytes(body.report)
+    if sha256_bytes(data) != body.report_identity:
+        raise BadRequest(
+            f"report_identity {body.report_identity} is not the identity of the report sent ({sha256_bytes(data)})"
+        )
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    await blobs.store(session, settings, body.report_identity, chunks(), "application/json", len(data))
+    await commitments.append(session, experiment.id, "report", body.report_identity, {"blob": body.report_identity})
     move_experiment(session, experiment, E.REPORTED, "report recorded")
+
+
+async def report_file(session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> Path:
+    """The recorded report JSON; NotFound until the report commitment exists."""
+    entry = next((e for e in await commitments.entries(session, experiment_id) if e.kind == "report"), None)
+    if entry is None:
+        raise NotFound(f"experiment {experiment_id} has no recorded report yet")
+    _, path = await blobs.find(session, settings, entry.identity)
+    return path
 
 
 def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> None:

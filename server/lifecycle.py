@@ -78,10 +78,17 @@ EXPERIMENT_TRANSITIONS: dict[ExperimentState, frozenset[ExperimentState]] = {
 
 JOB_FINAL = frozenset({J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED})
 JOB_ACTIVE = frozenset({J.LEASED, J.RUNNING})
+# Retries: only ``lost`` goes back to the queue (bounded by the job's max_attempts). ``lost`` says the
+# host or agent vanished, which a second try can cure. ``failed`` is final: the command itself exited
+# non-zero (a refused input, a digest disagreement, a non-finite loss), and running the same deterministic
+# command again would fail again, or, worse, turn a test evaluation into a re-roll. The operator reads the
+# reason and queues a new job after fixing the cause.
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     J.QUEUED: frozenset({J.LEASED, J.CANCELLED}),
-    J.LEASED: frozenset({J.RUNNING, J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED}),
-    J.RUNNING: frozenset({J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED}),
+    # Back to the queue from leased or running only when a gang did not form in time (no rank ran with
+    # its peers); that requeue does not use up a retry.
+    J.LEASED: frozenset({J.QUEUED, J.RUNNING, J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED}),
+    J.RUNNING: frozenset({J.QUEUED, J.SUCCEEDED, J.FAILED, J.LOST, J.CANCELLED}),
     J.SUCCEEDED: frozenset(),
     J.FAILED: frozenset(),
     # A lost job is retried by queueing it again; the retry is a new attempt row.

@@ -95,6 +95,10 @@ class Job(UUIDv7AuditBase):
     master_addr: Mapped[str | None] = mapped_column(String(255), default=None)
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)
     cancel_requested_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+    # While a gang forms (rank 0 leased, other ranks open): when it is requeued if still incomplete.
+    formation_deadline: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+    # Generations that ended because the gang never formed; they do not use up the retry budget.
+    formation_timeouts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Ordering key for claims: first queued, first served.
     queued_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
 
@@ -139,11 +143,14 @@ class Event(UUIDv7AuditBase):
 
 
 class Measurement(UUIDv7AuditBase):
-    """A step journal entry or resource sample, uploaded by an attempt."""
+    """A step journal entry or resource sample, from an attempt's result."""
 
     __tablename__ = "measurements"
+    __table_args__ = (UniqueConstraint("attempt_id", "kind", "position"),)
     attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"), index=True)
     kind: Mapped[str] = mapped_column(String(40))
+    # Order within the attempt and kind: the journal's step, the sample's index.
+    position: Mapped[int] = mapped_column(Integer)
     at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
     body: Mapped[Json] = mapped_column(JsonB)
 
@@ -161,6 +168,8 @@ class Answer(UUIDv7AuditBase):
     arm: Mapped[str] = mapped_column(String(40))
     role: Mapped[str] = mapped_column(String(10))
     task_id: Mapped[str] = mapped_column(String(64))
+    # The task's index in its role (the order answers are listed in).
+    task_index: Mapped[int] = mapped_column(Integer)
     family: Mapped[str] = mapped_column(String(20))
     variant: Mapped[int] = mapped_column(Integer)
     correct: Mapped[bool] = mapped_column(Boolean)
@@ -176,13 +185,26 @@ class ServingResult(UUIDv7AuditBase):
 
 
 class Blob(UUIDv7AuditBase):
-    """Small evidence stored by content: prepared bundle files, journals, reports."""
+    """Evidence stored by content (prepared bundle files, run results, answers, reports); the bytes live in
+    ``COOP_HOME/blobs`` as one file per sha256, written once."""
 
     __tablename__ = "blobs"
     sha256: Mapped[str] = mapped_column(String(64), unique=True)
     size: Mapped[int] = mapped_column(BigInteger)
     media_type: Mapped[str] = mapped_column(String(100))
-    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class EvidenceFile(UUIDv7AuditBase):
+    """One file of an experiment's evidence bundle: its path in the bundle and the blob that holds it."""
+
+    __tablename__ = "evidence_files"
+    # A path may be written again by a retry of the same job; the export takes the generation that succeeded.
+    __table_args__ = (UniqueConstraint("attempt_id", "path"), Index("ix_evidence_files_path", "experiment_id", "path"))
+    experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"))
+    # The attempt whose result named it; None when the operator attached it (e.g. selection.json).
+    attempt_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"), default=None)
+    path: Mapped[str] = mapped_column(String(500))
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"))
 
 
 class Token(UUIDv7AuditBase):

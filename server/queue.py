@@ -3,6 +3,10 @@
 A claim is one UPDATE of one queued job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on
 Postgres; on SQLite the write lock taken at BEGIN IMMEDIATE serialises claimers). Each lease is an
 attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
+
+Retries (lifecycle.JOB_TRANSITIONS says why): a lost job is queued again while it has had fewer than
+``max_attempts`` generations; a failed one is final. A gang that does not form within ``gang_form_seconds``
+of its rank-0 claim is requeued with its attempts cancelled, without using up a retry.
 """
 
 from __future__ import annotations
@@ -62,9 +66,11 @@ async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
+    # The state is checked again here: on Postgres a claim that waited on the row lock of a gang the
+    # reaper just requeued re-reads the row, and must not join it as a rank of a generation that ended.
     joined = await session.execute(
         update(models.Job)
-        .where(models.Job.id == open_gang, models.Job.ranks_open > 0)
+        .where(models.Job.id == open_gang, models.Job.ranks_open > 0, models.Job.state.in_(ACTIVE))
         .values(ranks_open=models.Job.ranks_open - 1, updated_at=now)
         .returning(models.Job.id)
         .execution_options(synchronize_session=False)
@@ -106,10 +112,14 @@ async def claim(
         return None
     job = await session.get_one(models.Job, job_id, populate_existing=True)
     rank = job.world_size - job.ranks_open - 1
+    now = _now()
     if rank == 0 and job.world_size > 1:
         job.master_addr, job.master_port = agent.address, rendezvous_port(settings, job.id, job.attempts_made)
+        job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
+    if job.ranks_open == 0:
+        job.formation_deadline = None
     token = secrets.token_urlsafe(32)
-    expires = _now() + datetime.timedelta(seconds=settings.lease_seconds)
+    expires = now + datetime.timedelta(seconds=settings.lease_seconds)
     attempt = models.Attempt(
         job_id=job.id,
         number=job.attempts_made,
@@ -167,13 +177,14 @@ async def _settle(session: AsyncSession, settings: Settings, job: models.Job, en
                     J.CANCELLED,
                     f"rank {ended.rank} {outcome.value}: the ranks of a gang end together",
                 )
-        job.ranks_open = 0
+        job.ranks_open, job.formation_deadline = 0, None
         if J(job.state) in JOB_FINAL:
             return
         target = J.CANCELLED if job.cancel_requested_at is not None else outcome
         lifecycle.move_job(session, job, target, f"rank {ended.rank} of attempt {ended.number} {outcome.value}")
-        if target == J.LOST and job.attempts_made < job.max_attempts:
-            lifecycle.move_job(session, job, J.QUEUED, f"retry {job.attempts_made + 1} of {job.max_attempts}")
+        tried = job.attempts_made - job.formation_timeouts
+        if target == J.LOST and tried < job.max_attempts:
+            lifecycle.move_job(session, job, J.QUEUED, f"retry {tried + 1} of {job.max_attempts}")
             job.ranks_open, job.master_addr, job.master_port = job.world_size, None, None
         return
     if job.ranks_open == 0 and all(a.state == J.SUCCEEDED.value for a in generation):
@@ -181,8 +192,34 @@ async def _settle(session: AsyncSession, settings: Settings, job: models.Job, en
         await experiments.job_succeeded(session, settings, job)
 
 
+async def _requeue_unformed(session: AsyncSession, settings: Settings, now: datetime.datetime) -> int:
+    """Requeue every gang still missing ranks past its formation deadline, cancelling the ranks it has."""
+    unformed = list(
+        await session.scalars(
+            select(models.Job)
+            .where(models.Job.state.in_(ACTIVE), models.Job.ranks_open > 0, models.Job.formation_deadline < now)
+            .order_by(models.Job.id)
+            .with_for_update(skip_locked=True)
+        )
+    )
+    for job in unformed:
+        claimed = job.world_size - job.ranks_open
+        reason = (
+            f"the gang did not form within {settings.gang_form_seconds:g}s: "
+            f"{claimed} of {job.world_size} ranks were claimed"
+        )
+        for attempt in await _generation(session, job):
+            if attempt.state in ACTIVE:
+                lifecycle.move_attempt(session, job, attempt, J.CANCELLED, reason)
+        lifecycle.move_job(session, job, J.QUEUED, reason)
+        job.formation_timeouts += 1
+        job.ranks_open, job.master_addr, job.master_port, job.formation_deadline = job.world_size, None, None, None
+    return len(unformed)
+
+
 async def reap(session: AsyncSession, settings: Settings) -> int:
-    """Turn expired leases into ``lost`` and overdue cancellations into ``cancelled``; returns how many."""
+    """Turn expired leases into ``lost``, overdue cancellations into ``cancelled`` and requeue gangs that did
+    not form; returns how many attempts or jobs it ended."""
     now = _now()
     expired = list(
         await session.scalars(
@@ -211,7 +248,7 @@ async def reap(session: AsyncSession, settings: Settings) -> int:
         lifecycle.move_attempt(session, job, attempt, target, reason)
         await _settle(session, settings, job, attempt)
         count += 1
-    return count
+    return count + await _requeue_unformed(session, settings, now)
 
 
 async def owned_attempt(
@@ -229,7 +266,7 @@ async def owned_attempt(
     return job, attempt
 
 
-def _require_active(attempt: models.Attempt) -> None:
+def require_active(attempt: models.Attempt) -> None:
     if attempt.state not in ACTIVE:
         raise Refused(
             "attempt-already-ended",
@@ -239,7 +276,7 @@ def _require_active(attempt: models.Attempt) -> None:
 
 async def start(session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, lease_token: str) -> models.Attempt:
     job, attempt = await owned_attempt(session, agent, attempt_id, lease_token)
-    _require_active(attempt)
+    require_active(attempt)
     if attempt.state == J.LEASED.value:
         lifecycle.move_attempt(session, job, attempt, J.RUNNING, "the agent started the command")
     if job.state == J.LEASED.value:
@@ -251,7 +288,7 @@ async def finish(
     session: AsyncSession, settings: Settings, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult
 ) -> models.Attempt:
     """End an attempt as its agent reports (the caller checked ownership with ``owned_attempt``)."""
-    _require_active(attempt)
+    require_active(attempt)
     attempt.exit_code, attempt.result = body.exit_code, body.result
     reason = body.reason or f"the agent reported {body.outcome}"
     lifecycle.move_attempt(session, job, attempt, J(body.outcome), reason)

@@ -55,6 +55,11 @@ class Settings:
     max_attempts: int = 3
     # Body limit for every request; larger bodies are refused with 413.
     max_body_bytes: int = 8 * 1024 * 1024
+    # Blobs (evidence files) stream to disk and may be larger than other bodies, up to this size.
+    max_blob_bytes: int = 1024 * 1024 * 1024
+    # A gang whose ranks are not all claimed this long after rank 0's claim is requeued (its attempts
+    # are cancelled), so that a half-formed gang never holds an agent forever.
+    gang_form_seconds: float = 300.0
     # Rendezvous ports for multi-rank jobs are chosen from [base, base + span).
     rendezvous_port_base: int = 29500
     rendezvous_port_span: int = 500
@@ -64,6 +69,10 @@ class Settings:
             raise CoopError(
                 f"heartbeat ({self.heartbeat_seconds}s) must be shorter than the lease ({self.lease_seconds}s)"
             )
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.home / "blobs"
 
 
 def sqlite_url(path: Path) -> str:
@@ -83,4 +92,6 @@ def from_env() -> Settings:
         max_claim_wait_seconds=_number("COOP_MAX_CLAIM_WAIT_SECONDS", 30.0, 0.0, 600.0),
         max_attempts=int(_number("COOP_MAX_ATTEMPTS", 3, 1, 100)),
         max_body_bytes=int(_number("COOP_MAX_BODY_BYTES", 8 * 1024 * 1024, 1024, 1 << 32)),
+        max_blob_bytes=int(_number("COOP_MAX_BLOB_BYTES", 1024 * 1024 * 1024, 1024, 1 << 40)),
+        gang_form_seconds=_number("COOP_GANG_FORM_SECONDS", 300.0, 0.1, 86_400.0),
     )

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from dataclasses import dataclass
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import idempotency, models, queue, views
+from server import evidence, idempotency, models, queue, results, views
+from server.idempotency import Stored
 from server.settings import Settings
-
-
-@dataclass(frozen=True)
-class Stored:
-    status_code: int
-    body: bytes
-    replay: bool
 
 
 async def events(
@@ -26,26 +19,24 @@ async def events(
 ) -> Stored:
     job, attempt = await queue.owned_attempt(session, agent, attempt_id, body.lease_token)
     checked = idempotency.require_key(key, idempotency.expected_key(job.id, attempt.id, body.sequence))
-    digest = idempotency.payload_digest(msgspec.to_builtins(body))
-    previous = await idempotency.stored(session, checked, digest)
-    if previous is not None:
-        return Stored(previous.status_code, previous.response, True)
-    received = datetime.datetime.now(datetime.UTC)
-    session.add_all(
-        models.Event(
-            experiment_id=job.experiment_id,
-            job_id=job.id,
-            attempt_id=attempt.id,
-            sequence=body.sequence,
-            kind=event.kind,
-            at=event.at or received,
-            body=event.body,
+
+    async def work() -> tuple[int, bytes]:
+        received = datetime.datetime.now(datetime.UTC)
+        session.add_all(
+            models.Event(
+                experiment_id=job.experiment_id,
+                job_id=job.id,
+                attempt_id=attempt.id,
+                sequence=body.sequence,
+                kind=event.kind,
+                at=event.at or received,
+                body=event.body,
+            )
+            for event in body.events
         )
-        for event in body.events
-    )
-    reply = msgspec.json.encode(wire.EventBatchReply(attempt.id, body.sequence, len(body.events)))
-    idempotency.remember(session, checked, digest, 201, reply)
-    return Stored(201, reply, False)
+        return 201, msgspec.json.encode(wire.EventBatchReply(attempt.id, body.sequence, len(body.events)))
+
+    return await idempotency.once(session, checked, idempotency.payload_digest(msgspec.to_builtins(body)), work)
 
 
 async def result(
@@ -56,14 +47,17 @@ async def result(
     body: wire.AttemptResult,
     key: str | None,
 ) -> Stored:
+    """Record what the attempt measured and produced, then end it (which may advance the experiment)."""
     job, attempt = await queue.owned_attempt(session, agent, attempt_id, body.lease_token)
     checked = idempotency.require_key(key, idempotency.expected_key(job.id, attempt.id, "result"))
-    digest = idempotency.payload_digest(msgspec.to_builtins(body))
-    previous = await idempotency.stored(session, checked, digest)
-    if previous is not None:
-        return Stored(previous.status_code, previous.response, True)
-    finished = await queue.finish(session, settings, job, attempt, body)
-    await session.flush()
-    reply = msgspec.json.encode(views.attempt(finished))
-    idempotency.remember(session, checked, digest, 200, reply)
-    return Stored(200, reply, False)
+
+    async def work() -> tuple[int, bytes]:
+        queue.require_active(attempt)
+        await results.record(session, job, attempt, body)
+        if body.evidence:
+            await evidence.record(session, job, attempt, body.evidence)
+        finished = await queue.finish(session, settings, job, attempt, body)
+        await session.flush()
+        return 200, msgspec.json.encode(views.attempt(finished))
+
+    return await idempotency.once(session, checked, idempotency.payload_digest(msgspec.to_builtins(body)), work)

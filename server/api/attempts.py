@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import audit, models, queue, uploads, views
 from server.errors import NotFound
+from server.idempotency import Stored
 from server.settings import Settings
 from server.tokens import Principal
 
@@ -22,7 +23,7 @@ IdempotencyKey = Annotated[
 ]
 
 
-def _stored(stored: uploads.Stored) -> Response[bytes]:
+def _stored(stored: Stored) -> Response[bytes]:
     return Response(content=stored.body, status_code=stored.status_code, media_type="application/json")
 
 

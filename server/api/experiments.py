@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from litestar import Controller, get, post
+from litestar.response import File
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -121,12 +122,20 @@ class ExperimentController(Controller):
         experiment_id: uuid.UUID,
         data: wire.ReportCommit,
         db_session: AsyncSession,
+        settings: Settings,
         principal: Principal,
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        await experiments.record_report(db_session, experiment, data)
+        await experiments.record_report(db_session, settings, experiment, data)
         audit.record(db_session, principal, "experiment.report", f"experiment:{experiment.id}")
         return await _view(db_session, experiment)
+
+    @get("/{experiment_id:uuid}/report", operation_id="getReport", media_type="application/json")
+    async def get_report(self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings) -> File:
+        """The report JSON as recorded by the operator (404 until it is recorded)."""
+        await experiments.load(db_session, experiment_id)
+        path = await experiments.report_file(db_session, settings, experiment_id)
+        return File(path, media_type="application/json", content_disposition_type="inline")
 
     @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", opt=OPERATOR)
     async def halt(self, experiment_id: uuid.UUID, db_session: AsyncSession, principal: Principal) -> wire.Experiment:

@@ -137,6 +137,15 @@ class Api:
             headers={**bearer(token), "Idempotency-Key": f"{assignment['job_id']}:{assignment['attempt_id']}:result"},
         )
 
+    def report(self, token: str, assignment: dict[str, Any], outcome: str = "succeeded", **fields: Any) -> Any:
+        """An attempt's result with top-level fields (journal, answers, serving, evidence) besides ``result``."""
+        body = {"lease_token": assignment["lease_token"], "outcome": outcome, "exit_code": 0, **fields}
+        return self.client.post(
+            f"/api/attempts/{assignment['attempt_id']}/result",
+            json=body,
+            headers={**bearer(token), "Idempotency-Key": f"{assignment['job_id']}:{assignment['attempt_id']}:result"},
+        )
+
     def get(self, path: str) -> Any:
         response = self.client.get(path)
         assert response.status_code == 200, response.text
@@ -195,3 +204,45 @@ def selection_body() -> dict[str, Any]:
             for arm in ("clean-single", "damaged-single", "clean-pair")
         }
     }
+
+
+def report_body(report: dict[str, Any]) -> dict[str, Any]:
+    from experiment.canonical import identity
+
+    return {"report_identity": identity(report), "report": report}
+
+
+def answer(index: int, correct: bool, family: str = "lookup", variant: int = 0) -> dict[str, Any]:
+    """One answer as experiment.evaluation.Answer writes it."""
+    return {
+        "id": f"{index:032x}",
+        "index": index,
+        "family": family,
+        "variant": variant,
+        "input_dependent": index % 2 == 0,
+        "prompt_ids": [1, 2, 3],
+        "output_ids": [4, 5, 2],
+        "text": '{"a": 1}',
+        "seconds": 0.01,
+        "ended_with_eos": True,
+        "hit_token_limit": False,
+        "check": {
+            "correct": correct,
+            "valid_json_object": True,
+            "reason": "correct" if correct else "wrong_schema_or_value",
+        },
+    }
+
+
+def tested_experiment(api: Api) -> tuple[str, str]:
+    """A tested experiment (selection committed, four test evaluations recorded) and agent a's token."""
+    a, b = api.agent("a"), api.agent("b")
+    experiment_id = trained_experiment(api, a, b)["id"]
+    selected = api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body())
+    assert selected.status_code == 201 and selected.json()["state"] == "selected", selected.text
+    for _ in range(4):
+        job = api.claim(a)
+        assert job is not None and job["kind"] == "evaluate" and job["role"] == "test"
+        assert api.finish(a, job, answers_sha256=sha(f"answers {job['arm']}")).status_code == 200
+    assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
+    return experiment_id, a

@@ -9,8 +9,10 @@ from tests.integration.coordinator.support import (
     FINAL_STEP,
     Api,
     prepared_experiment,
+    report_body,
     selection_body,
     sha,
+    tested_experiment,
     trained_experiment,
 )
 
@@ -84,22 +86,8 @@ def test_selection_takes_only_final_checkpoints_of_all_three_verified_arms(api: 
     refused(api.operator_post(path, seed), "selection-trained-arms-only")
 
 
-def _tested(api: Api) -> tuple[str, str]:
-    """A tested experiment (selection committed, four test evaluations recorded) and agent a's token."""
-    a, b = api.agent("a"), api.agent("b")
-    experiment_id = trained_experiment(api, a, b)["id"]
-    selected = api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body())
-    assert selected.status_code == 201 and selected.json()["state"] == "selected", selected.text
-    for _ in range(4):
-        job = api.claim(a)
-        assert job is not None and job["kind"] == "evaluate" and job["role"] == "test"
-        assert api.finish(a, job, answers_sha256=sha(f"answers {job['arm']}")).status_code == 200
-    assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
-    return experiment_id, a
-
-
 def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pair(api: Api) -> None:
-    experiment_id, _ = _tested(api)
+    experiment_id, _ = tested_experiment(api)
     path = f"/api/experiments/{experiment_id}/serving"
     refused(
         api.operator_post(path, {"arm": "damaged-single", "model_identity": sha("damaged-single")}),
@@ -118,15 +106,15 @@ def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pai
 
 
 def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -> None:
-    experiment_id, _ = _tested(api)
+    experiment_id, _ = tested_experiment(api)
     refused(
-        api.operator_post(f"/api/experiments/{experiment_id}/report", {"report_identity": sha("r")}),
+        api.operator_post(f"/api/experiments/{experiment_id}/report", report_body({"early": True})),
         "experiment-transition",
     )
     api.operator_post(
         f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     )
-    reported = api.operator_post(f"/api/experiments/{experiment_id}/report", {"report_identity": sha("report")})
+    reported = api.operator_post(f"/api/experiments/{experiment_id}/report", report_body({"verdict": "passed"}))
     assert reported.status_code == 201 and reported.json()["state"] == "reported"
     ledger = api.get(f"/api/experiments/{experiment_id}/ledger")
     assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "serving", "report"]

@@ -154,3 +154,55 @@ def test_cancelling_a_queued_job_is_immediate(api: Api) -> None:
     response = api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 10})
     assert response.status_code == 201 and response.json()["state"] == "cancelled"
     assert api.claim(api.agent("a")) is None
+
+
+def test_half_formed_gang_is_requeued_after_the_formation_wait_without_using_a_retry(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    settings = make_settings(lease_seconds=30, heartbeat_seconds=0.2, reap_seconds=0.1, gang_form_seconds=0.6)
+    with running(settings) as client:
+        api = Api(client, database_url)
+        a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
+        prepared_experiment(api, a)
+        for token, arm in ((a, "clean-single"), (b, "damaged-single")):
+            single = api.claim(token)
+            assert single is not None and single["arm"] == arm
+            assert api.finish(token, single, **train_result(arm)).status_code == 200
+        rank0 = api.claim(a)
+        assert rank0 is not None and rank0["arm"] == "clean-pair" and rank0["rank"] == 0
+        job_path = f"/api/jobs/{rank0['job_id']}"
+        # a keeps its lease alive while it waits for rank 1, which nobody claims: the wait still ends.
+        directive: dict[str, Any] = {}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            directive = api.heartbeat(a, rank0["attempt_id"])["directives"][0]
+            if directive["action"] == "stop":
+                break
+            time.sleep(0.1)
+        assert directive["action"] == "stop" and "did not form within" in directive["reason"]
+        attempts = api.get(f"{job_path}/attempts")
+        assert [(x["number"], x["rank"], x["state"]) for x in attempts] == [(1, 0, "cancelled")]
+        assert "1 of 2 ranks were claimed" in attempts[0]["reason"]
+        assert api.get(job_path)["state"] == "queued"
+        late = api.finish(a, rank0, **train_result("clean-pair"))
+        assert late.status_code == 409 and late.json()["rule"] == "attempt-already-ended"
+        # The next generation forms, and succeeds, though max_attempts counts only lost generations.
+        rank0, rank1 = api.claim(a), api.claim(b)
+        assert rank0 is not None and rank1 is not None and (rank0["number"], rank1["number"]) == (2, 2)
+        for token, job in ((a, rank0), (b, rank1)):
+            assert api.finish(token, job, **train_result("clean-pair")).status_code == 200
+        assert api.get(job_path)["state"] == "succeeded"
+
+
+def test_failed_attempt_is_final_and_never_retried(make_settings: Callable[..., Settings], database_url: str) -> None:
+    with running(make_settings(max_attempts=3)) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        api.create_experiment()
+        job = api.claim(a)
+        assert job is not None
+        failed = api.finish(a, job, outcome="failed")
+        assert failed.status_code == 200 and failed.json()["state"] == "failed"
+        assert api.get(f"/api/jobs/{job['job_id']}")["state"] == "failed"
+        assert api.claim(a) is None  # no retry attempt: a non-zero exit would only fail again
+        assert len(api.get(f"/api/jobs/{job['job_id']}/attempts")) == 1

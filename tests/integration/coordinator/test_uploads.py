@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from litestar.testing import AsyncTestClient
+
+from server.app import create_app
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, bearer, running
 
@@ -94,3 +98,42 @@ def test_oversized_body_is_413(make_settings: Callable[..., Settings], database_
         huge = _events(api, a, job, 0, ["step"] * 8000)
         assert huge.status_code == 413
         assert _events(api, a, job, 0, ["step"] * 10).status_code == 201
+
+
+def _race(settings: Settings, posts: list[tuple[str, dict[str, Any], dict[str, str]]]) -> list[Any]:
+    """Send every post at once to one app (on one event loop, so they interleave inside the server)."""
+
+    async def go() -> list[Any]:
+        async with AsyncTestClient(create_app(settings)) as client:
+            return list(await asyncio.gather(*(client.post(path, json=body, headers=h) for path, body, h in posts)))
+
+    return asyncio.run(go())
+
+
+def test_simultaneous_first_uploads_of_one_key_store_once_and_answer_alike(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    settings = make_settings()
+    with running(settings) as client:
+        api = Api(client, database_url)
+        a, job = _claimed(api)
+    events_path = f"/api/attempts/{job['attempt_id']}/events"
+    key = {**bearer(a), "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:0"}
+    batch = {"lease_token": job["lease_token"], "sequence": 0, "events": [{"kind": "step", "body": {"step": 1}}]}
+    replies = _race(settings, [(events_path, batch, key)] * 8)
+    assert {(r.status_code, r.content) for r in replies} == {(201, replies[0].content)}
+    # Two payloads race for the result key: one wins, every copy of it gets the stored reply, the other is 409.
+    result_path = f"/api/attempts/{job['attempt_id']}/result"
+    result_key = {**bearer(a), "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:result"}
+    bodies = [
+        {"lease_token": job["lease_token"], "outcome": "succeeded", "result": {"prepared_identity": digit * 64}}
+        for digit in "ab"
+    ]
+    replies = _race(settings, [(result_path, bodies[i % 2], result_key) for i in range(8)])
+    by_payload = [{(r.status_code, r.content) for r in replies[i::2]} for i in range(2)]
+    statuses = sorted(next(iter(group))[0] for group in by_payload)
+    assert all(len(group) == 1 for group in by_payload) and statuses == [200, 409], by_payload
+    with running(settings) as client:
+        stored = client.get(f"/api/attempts/{job['attempt_id']}/events").json()
+        assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step"]
+        assert client.get(f"/api/attempts/{job['attempt_id']}").json()["state"] == "succeeded"

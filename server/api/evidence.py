@@ -1,0 +1,47 @@
+"""The evidence bundle: its files, the operator's attachments, and the tar that `coop report` reads."""
+
+from __future__ import annotations
+
+import uuid
+
+from litestar import Controller, get, post
+from litestar.response import Stream
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import audit, evidence, experiments
+from server.settings import Settings
+from server.tokens import Principal
+
+
+class EvidenceController(Controller):
+    path = "/api/experiments/{experiment_id:uuid}"
+    tags = ("evidence",)
+
+    @get("/evidence", operation_id="listEvidence")
+    async def listing(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.EvidenceFile]:
+        """The bundle's files as the export will contain them (ledger.json besides)."""
+        await experiments.load(db_session, experiment_id)
+        return await evidence.listing(db_session, experiment_id)
+
+    @post("/evidence", operation_id="attachEvidence", opt={"role": "operator"})
+    async def attach(
+        self, experiment_id: uuid.UUID, data: wire.EvidenceAttach, db_session: AsyncSession, principal: Principal
+    ) -> list[wire.EvidenceFile]:
+        """Name blobs the operator uploaded as bundle files (selection.json, the seed's files)."""
+        await experiments.load(db_session, experiment_id, lock=True)
+        await evidence.attach(db_session, experiment_id, data.files)
+        audit.record(db_session, principal, "evidence.attach", f"experiment:{experiment_id}", paths=sorted(data.files))
+        await db_session.flush()
+        return await evidence.listing(db_session, experiment_id)
+
+    @get("/evidence.tar", operation_id="exportEvidence", media_type="application/x-tar")
+    async def export(self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings) -> Stream:
+        """A tar of the evidence bundle plus ledger.json; extract it and run `coop report --home BUNDLE`."""
+        await experiments.load(db_session, experiment_id)
+        members = await evidence.members(db_session, settings, experiment_id)
+        return Stream(
+            evidence.tar_stream(members),
+            media_type="application/x-tar",
+            headers={"Content-Disposition": f'attachment; filename="evidence-{experiment_id}.tar"'},
+        )

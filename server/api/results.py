@@ -1,0 +1,59 @@
+"""What attempts recorded: step journals and resource samples, answers and serving results."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from litestar import Controller, get
+from litestar.params import Parameter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import experiments, models, results
+from server.errors import NotFound
+
+
+class ResultController(Controller):
+    path = "/api"
+    tags = ("results",)
+
+    @get("/jobs/{job_id:uuid}/measurements", operation_id="listJobMeasurements")
+    async def job_measurements(
+        self, job_id: uuid.UUID, db_session: AsyncSession, kind: wire.MeasurementKind | None = None
+    ) -> list[wire.Measurement]:
+        """Every attempt's and rank's step journal and resource samples, in attempt, rank and step order."""
+        if await db_session.get(models.Job, job_id) is None:
+            raise NotFound(f"job {job_id} does not exist")
+        return await results.measurements(db_session, job_id=job_id, kind=kind)
+
+    @get("/attempts/{attempt_id:uuid}/measurements", operation_id="listAttemptMeasurements")
+    async def attempt_measurements(
+        self, attempt_id: uuid.UUID, db_session: AsyncSession, kind: wire.MeasurementKind | None = None
+    ) -> list[wire.Measurement]:
+        if await db_session.get(models.Attempt, attempt_id) is None:
+            raise NotFound(f"attempt {attempt_id} does not exist")
+        return await results.measurements(db_session, attempt_id=attempt_id, kind=kind)
+
+    @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers")
+    async def answers(
+        self,
+        experiment_id: uuid.UUID,
+        db_session: AsyncSession,
+        role: wire.Role | None = None,
+        arm: wire.ArmName | None = None,
+        family: wire.Family | None = None,
+        variant: int | None = None,
+        correct: bool | None = None,
+        limit: Annotated[int, Parameter(ge=1, le=results.MAX_PAGE)] = 100,
+        offset: Annotated[int, Parameter(ge=0)] = 0,
+    ) -> wire.AnswerPage:
+        """Every recorded answer (the protocol publishes all final-test answers), in task order, paginated."""
+        await experiments.load(db_session, experiment_id)
+        where = results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
+        return await results.answers(db_session, experiment_id, where, limit, offset)
+
+    @get("/experiments/{experiment_id:uuid}/serving-results", operation_id="listServingResults")
+    async def serving_results(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.ServingResult]:
+        await experiments.load(db_session, experiment_id)
+        return await results.serving_results(db_session, experiment_id)

@@ -1,0 +1,106 @@
+"""Content-addressed blobs: the body streams to a temporary file while it is hashed, and only a body whose
+sha256 is the one named becomes ``COOP_HOME/blobs/ab/abcdef...``: one file per blob, written once, never
+overwritten (a second upload of the same content finds it there)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio.to_thread
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import models
+from server.errors import BadRequest, NotFound, TooLarge
+from server.settings import Settings
+
+INCOMING = ".incoming"
+
+
+def path_of(settings: Settings, sha256: str) -> Path:
+    return settings.blob_dir / sha256[:2] / sha256
+
+
+def _install(temp: Path, final: Path) -> None:
+    """Link the verified temporary file into place; an existing file of that name is the same content."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(temp, final)
+    except FileExistsError:
+        pass
+    else:
+        directory = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]) -> int:
+    incoming = settings.blob_dir / INCOMING
+    incoming.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f"{sha256[:12]}.", dir=incoming)
+    temp = Path(name)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > settings.max_blob_bytes:
+                    raise TooLarge(f"the blob is larger than the limit of {settings.max_blob_bytes} bytes")
+                digest.update(chunk)
+                handle.write(chunk)
+            handle.flush()
+            await anyio.to_thread.run_sync(os.fsync, handle.fileno())
+        if digest.hexdigest() != sha256:
+            raise BadRequest(f"the body's sha256 is {digest.hexdigest()}, not {sha256}; a blob is named by its content")
+        await anyio.to_thread.run_sync(_install, temp, path_of(settings, sha256))
+    finally:
+        temp.unlink(missing_ok=True)
+    return size
+
+
+async def store(
+    session: AsyncSession,
+    settings: Settings,
+    sha256: str,
+    chunks: AsyncIterator[bytes],
+    media_type: str,
+    declared_size: int | None,
+) -> wire.Blob:
+    """Receive and verify a blob; storing the same content again changes nothing (``created`` is False)."""
+    if declared_size is not None and declared_size > settings.max_blob_bytes:
+        raise TooLarge(f"the blob ({declared_size} bytes) is larger than the limit of {settings.max_blob_bytes} bytes")
+    size = await _receive(settings, sha256, chunks)
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    added = await session.execute(
+        dialect.insert(models.Blob)
+        .values(sha256=sha256, size=size, media_type=media_type)
+        .on_conflict_do_nothing(index_elements=[models.Blob.sha256])
+    )
+    created = getattr(added, "rowcount", 0) == 1
+    return wire.Blob(sha256=sha256, size=size, media_type=media_type, created=created)
+
+
+async def find(session: AsyncSession, settings: Settings, sha256: str) -> tuple[models.Blob, Path]:
+    blob = await session.scalar(select(models.Blob).where(models.Blob.sha256 == sha256))
+    if blob is None:
+        raise NotFound(f"no blob {sha256} is stored; upload it with PUT /api/blobs/{sha256}")
+    path = path_of(settings, sha256)
+    if not path.is_file():
+        raise NotFound(f"blob {sha256} is recorded but its file {path} is missing from the blob store")
+    return blob, path
+
+
+async def sizes(session: AsyncSession, digests: set[str]) -> dict[str, int]:
+    """The size of every stored blob among ``digests``."""
+    rows = await session.execute(select(models.Blob.sha256, models.Blob.size).where(models.Blob.sha256.in_(digests)))
+    return {sha256: size for sha256, size in rows.tuples()}

@@ -1,0 +1,195 @@
+"""What attempts measured and produced, as rows to filter: step journals and resource samples, evaluated
+answers and serving phases; written once from an attempt's result and read back by the API."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import InstrumentedAttribute
+
+from experiment import wire
+from server import models
+from server.errors import BadRequest
+from server.lifecycle import Refused
+
+MAX_PAGE = 1000
+
+
+async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult) -> None:
+    """Store the result's measurements (any outcome) and its answers and serving phases (success only)."""
+    if len({entry.step for entry in body.journal}) != len(body.journal):
+        raise BadRequest("the journal names a step twice; each update appears once")
+    if body.outcome != "succeeded" and (body.answers or body.serving or body.evidence):
+        raise BadRequest("answers, serving phases and evidence accompany a succeeded result only")
+    now = datetime.datetime.now(datetime.UTC)
+    session.add_all(
+        models.Measurement(
+            attempt_id=attempt.id, kind="step", position=entry.step, at=now, body=msgspec.to_builtins(entry)
+        )
+        for entry in body.journal
+    )
+    session.add_all(
+        models.Measurement(
+            attempt_id=attempt.id, kind="resources", position=index, at=now, body=msgspec.to_builtins(sample)
+        )
+        for index, sample in enumerate(body.resource_samples)
+    )
+    if body.answers:
+        await _record_answers(session, job, attempt, body.answers)
+    if body.serving:
+        if job.kind not in {"serve", "benchmark"}:
+            raise BadRequest(f"a {job.kind} job reports no serving phases; only serve and benchmark jobs do")
+        session.add_all(
+            models.ServingResult(
+                experiment_id=job.experiment_id, attempt_id=attempt.id, phase=phase.phase, body=phase.report
+            )
+            for phase in body.serving
+        )
+
+
+async def _record_answers(
+    session: AsyncSession, job: models.Job, attempt: models.Attempt, answers: Sequence[wire.AnswerRecord]
+) -> None:
+    if job.kind != "evaluate" or job.arm is None or job.role is None:
+        raise BadRequest(f"a {job.kind} job reports no answers; only evaluate jobs do")
+    if len({answer.id for answer in answers}) != len(answers):
+        raise BadRequest("the answers name a task twice; each task is answered once")
+    earlier = await session.scalar(
+        select(models.Answer.attempt_id)
+        .where(
+            models.Answer.experiment_id == job.experiment_id,
+            models.Answer.arm == job.arm,
+            models.Answer.role == job.role,
+        )
+        .limit(1)
+    )
+    if earlier is not None:
+        raise Refused(
+            "answers-recorded-once",
+            f"the {job.role} answers of {job.arm} are already recorded (attempt {earlier}); they are never replaced",
+        )
+    session.add_all(
+        models.Answer(
+            experiment_id=job.experiment_id,
+            attempt_id=attempt.id,
+            arm=job.arm,
+            role=job.role,
+            task_id=answer.id,
+            task_index=answer.index,
+            family=answer.family,
+            variant=answer.variant,
+            correct=answer.check.correct,
+            body=msgspec.to_builtins(answer),
+        )
+        for answer in answers
+    )
+
+
+# Reads -------------------------------------------------------------------------------------------
+
+
+async def measurements(
+    session: AsyncSession, *, job_id: uuid.UUID | None = None, attempt_id: uuid.UUID | None = None, kind: str | None
+) -> list[wire.Measurement]:
+    """A job's (every attempt and rank) or one attempt's measurements, in attempt, rank and step order."""
+    statement = select(models.Measurement, models.Attempt).join(
+        models.Attempt, models.Attempt.id == models.Measurement.attempt_id
+    )
+    if job_id is not None:
+        statement = statement.where(models.Attempt.job_id == job_id)
+    if attempt_id is not None:
+        statement = statement.where(models.Measurement.attempt_id == attempt_id)
+    if kind is not None:
+        statement = statement.where(models.Measurement.kind == kind)
+    rows = await session.execute(
+        statement.order_by(
+            models.Attempt.number, models.Attempt.rank, models.Measurement.kind, models.Measurement.position
+        )
+    )
+    return [
+        wire.Measurement(
+            attempt_id=attempt.id,
+            number=attempt.number,
+            rank=attempt.rank,
+            kind=row.kind,  # type: ignore[arg-type]
+            position=row.position,
+            body=row.body,
+        )
+        for row, attempt in rows.tuples()
+    ]
+
+
+@dataclass(frozen=True)
+class AnswerFilter:
+    arm: str | None = None
+    role: str | None = None
+    family: str | None = None
+    variant: int | None = None
+    correct: bool | None = None
+
+    def conditions(self, experiment_id: uuid.UUID) -> list[ColumnElement[bool]]:
+        chosen: list[tuple[InstrumentedAttribute[Any], object]] = [
+            (models.Answer.arm, self.arm),
+            (models.Answer.role, self.role),
+            (models.Answer.family, self.family),
+            (models.Answer.variant, self.variant),
+            (models.Answer.correct, self.correct),
+        ]
+        return [models.Answer.experiment_id == experiment_id] + [
+            column == value for column, value in chosen if value is not None
+        ]
+
+
+async def answers(
+    session: AsyncSession, experiment_id: uuid.UUID, where: AnswerFilter, limit: int, offset: int
+) -> wire.AnswerPage:
+    if not 1 <= limit <= MAX_PAGE:
+        raise BadRequest(f"limit must be between 1 and {MAX_PAGE}, not {limit}")
+    if offset < 0:
+        raise BadRequest(f"offset must not be negative, not {offset}")
+    conditions = where.conditions(experiment_id)
+    total = await session.scalar(select(func.count(models.Answer.id)).where(*conditions))
+    rows = await session.scalars(
+        select(models.Answer)
+        .where(*conditions)
+        .order_by(models.Answer.arm, models.Answer.role, models.Answer.task_index)
+        .limit(limit)
+        .offset(offset)
+    )
+    items = [
+        wire.RecordedAnswer(
+            experiment_id=row.experiment_id,
+            attempt_id=row.attempt_id,
+            arm=row.arm,  # type: ignore[arg-type]
+            role=row.role,  # type: ignore[arg-type]
+            answer=msgspec.convert(row.body, type=wire.AnswerRecord),
+        )
+        for row in rows
+    ]
+    return wire.AnswerPage(items=items, total=int(total or 0), limit=limit, offset=offset)
+
+
+async def serving_results(session: AsyncSession, experiment_id: uuid.UUID) -> list[wire.ServingResult]:
+    rows = await session.scalars(
+        select(models.ServingResult)
+        .where(models.ServingResult.experiment_id == experiment_id)
+        .order_by(models.ServingResult.id)
+    )
+    return [
+        wire.ServingResult(
+            id=row.id,
+            experiment_id=row.experiment_id,
+            attempt_id=row.attempt_id,
+            phase=row.phase,  # type: ignore[arg-type]
+            report=row.body,
+            created_at=row.created_at,
+        )
+        for row in rows
+    ]
