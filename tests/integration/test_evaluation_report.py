@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,48 +18,16 @@ from experiment.canonical import canonical_bytes, sha256_file
 from experiment.errors import CoopError
 from experiment.plan import load_plan
 from tests.conftest import write_plan
+from tests.processes import coop_train
 
 Seed = tuple[Path, seedmodel.Snapshot]
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "seeds" / "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _train(home: Path, seed: Path, arm: str, world: int) -> None:
-    port = _free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "experiment.cli",
-        "train",
-        "--home",
-        str(home),
-        "--model-dir",
-        str(seed),
-        "--arm",
-        arm,
-    ]
-    processes = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        processes.append(
-            subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        )
-    for process in processes:
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err
+    for done in coop_train(home, seed, arm, world):
+        assert done.returncode == 0, done.stderr
 
 
 def _quiet(event: dict[str, object]) -> None:

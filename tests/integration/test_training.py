@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,62 +16,10 @@ from safetensors.torch import load_file
 from experiment import corpus, seedmodel, training
 from experiment.plan import load_plan
 from tests.conftest import write_plan
+from tests.processes import coop_train, free_port, launch, rank_env
 
 Seed = tuple[Path, seedmodel.Snapshot]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {
-        **os.environ,
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def _launch(args: list[str], world: int) -> list[subprocess.CompletedProcess[str]]:
-    """Start ``world`` real processes of ``args`` with the torchrun environment; wait for all."""
-    port = _free_port()
-    processes = [
-        subprocess.Popen(
-            args, env=_env(rank, world, port), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for rank in range(world)
-    ]
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess(args, process.returncode, out, err))
-    return results
-
-
-def _coop_train(home: Path, seed: Path, arm: str, world: int, *extra: str) -> list[subprocess.CompletedProcess[str]]:
-    return _launch(
-        [
-            sys.executable,
-            "-m",
-            "experiment.cli",
-            "train",
-            "--home",
-            str(home),
-            "--model-dir",
-            str(seed),
-            "--arm",
-            arm,
-            *extra,
-        ],
-        world,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +43,7 @@ def _probe(home: Path, seed: Path, out: Path, world: int, wrong_scale: bool) -> 
         "--out",
         str(out),
     ] + (["--wrong-scale"] if wrong_scale else [])
-    for done in _launch(args, world):
+    for done in launch(args, world):
         assert done.returncode == 0, done.stderr
 
 
@@ -159,7 +105,7 @@ def _fresh_home(home: Path, tmp_path: Path) -> Path:
 def stopped(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clean-single run interrupted after update 3: its last checkpoint is step 2."""
     broken = _fresh_home(home, tmp_path_factory.mktemp("stopped"))
-    [done] = _coop_train(broken, small_seed[0], "clean-single", 1, "--stop-after", "3")
+    [done] = coop_train(broken, small_seed[0], "clean-single", 1, "--stop-after", "3")
     assert done.returncode == 0, done.stderr
     assert not (training.run_dir(broken, "clean-single", 0) / "result.json").exists()
     return broken
@@ -174,12 +120,12 @@ def test_interrupted_run_resumes_to_the_same_final_digest(
     home: Path, stopped: Path, small_seed: Seed, tmp_path: Path
 ) -> None:
     whole = _fresh_home(home, tmp_path / "whole")
-    [done] = _coop_train(whole, small_seed[0], "clean-single", 1)
+    [done] = coop_train(whole, small_seed[0], "clean-single", 1)
     assert done.returncode == 0, done.stderr
     uninterrupted = _events(done)[-1]["parameter_digest"]
 
     broken = _copy(stopped, tmp_path)
-    [resumed] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    [resumed] = coop_train(broken, small_seed[0], "clean-single", 1)
     assert resumed.returncode == 0, resumed.stderr
     events = _events(resumed)
     assert events[0]["resumed_from_step"] == 2
@@ -188,7 +134,7 @@ def test_interrupted_run_resumes_to_the_same_final_digest(
 
 def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, small_seed: Seed, tmp_path: Path) -> None:
     pair = _fresh_home(home, tmp_path)
-    runs = _coop_train(pair, small_seed[0], "clean-pair", 2)
+    runs = coop_train(pair, small_seed[0], "clean-pair", 2)
     for done in runs:
         assert done.returncode == 0, done.stderr
     digests = {_events(done)[-1]["parameter_digest"] for done in runs}
@@ -202,7 +148,7 @@ def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, smal
 
 
 def test_single_arm_refuses_a_world_of_two(home: Path, small_seed: Seed, tmp_path: Path) -> None:
-    runs = _coop_train(_fresh_home(home, tmp_path), small_seed[0], "clean-single", 2)
+    runs = coop_train(_fresh_home(home, tmp_path), small_seed[0], "clean-single", 2)
     assert all(done.returncode == 2 and "runs with WORLD_SIZE=1" in done.stderr for done in runs)
 
 
@@ -210,12 +156,12 @@ def test_ranks_with_different_bindings_both_abort(home: Path, small_seed: Seed, 
     plan_path = write_plan(tmp_path / "other.toml", small_seed[1], test=24)
     corpus.prepare(load_plan(plan_path), plan_path, tmp_path / "other", small_seed[0], None, lambda event: None)
     same = _fresh_home(home, tmp_path / "same")
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "experiment.cli", "train", "--model-dir", str(small_seed[0]), "--arm", "clean-pair"]
     processes = [
         subprocess.Popen(
             [*args, "--home", str(h)],
-            env=_env(rank, 2, port),
+            env=rank_env(rank, 2, port),
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -242,13 +188,13 @@ def test_tampered_checkpoint_is_refused(
     home: Path, small_seed: Seed, tmp_path: Path, target: str, message: str
 ) -> None:
     broken = _fresh_home(home, tmp_path)
-    [stopped] = _coop_train(broken, small_seed[0], "clean-single", 1, "--stop-after", "3")
+    [stopped] = coop_train(broken, small_seed[0], "clean-single", 1, "--stop-after", "3")
     assert stopped.returncode == 0, stopped.stderr
     path = training.run_dir(broken, "clean-single", 0) / target
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    [resumed] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    [resumed] = coop_train(broken, small_seed[0], "clean-single", 1)
     assert resumed.returncode == 2
 
     assert re.search(message, resumed.stderr), resumed.stderr
@@ -260,7 +206,7 @@ def test_checkpoint_without_pointer_is_refused_with_the_recovery_command(
     broken = _copy(stopped, tmp_path)
     run = training.run_dir(broken, "clean-single", 0)
     (run / "pointers" / "step-000002.json").unlink()
-    [refused] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    [refused] = coop_train(broken, small_seed[0], "clean-single", 1)
     assert refused.returncode == 2
     assert "has no pointer" in refused.stderr and "coop checkpoint adopt" in refused.stderr
     adopt = subprocess.run(
@@ -271,5 +217,5 @@ def test_checkpoint_without_pointer_is_refused_with_the_recovery_command(
         check=False,
     )
     assert adopt.returncode == 0, adopt.stderr
-    [resumed] = _coop_train(broken, small_seed[0], "clean-single", 1)
+    [resumed] = coop_train(broken, small_seed[0], "clean-single", 1)
     assert resumed.returncode == 0, resumed.stderr

@@ -1,0 +1,62 @@
+"""The ``coop-agent`` command: ``coop-agent run --coordinator URL --token TOKEN --name NAME ...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent import jobs, loop
+from experiment.errors import CoopError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coop-agent", description="The coop worker: runs coordinator jobs here.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="register, then claim and run jobs until stopped (TERM or Ctrl-C)")
+    run.add_argument("--coordinator", required=True, help="the coordinator's base URL, e.g. http://127.0.0.1:8000")
+    run.add_argument("--token", default=os.environ.get("COOP_AGENT_TOKEN"), help="agent token (or COOP_AGENT_TOKEN)")
+    run.add_argument("--name", required=True, help="this host's name, as shown by the coordinator")
+    run.add_argument("--advertise-address", required=True, help="the address other hosts reach this one at")
+    run.add_argument("--work-dir", type=Path, required=True, help="homes, logs and the spool live here")
+    run.add_argument("--model-dir", type=Path, default=jobs.ROOT / "seeds" / "tiny", help="the seed model folder")
+    run.add_argument(
+        "--plans-dir", type=Path, default=jobs.ROOT / "plans", help="where a plan's relative replay folder lies"
+    )
+    run.add_argument("--heartbeat-seconds", type=float, default=10.0)
+    run.add_argument("--claim-wait-seconds", type=float, default=20.0, help="long poll of each claim")
+    run.add_argument("--batch-seconds", type=float, default=1.0, help="the longest an event waits to be sent")
+    run.add_argument("--grace-seconds", type=float, default=30.0, help="TERM to KILL when no deadline is given")
+    run.add_argument("--kind", action="append", default=[], choices=sorted(jobs.HANDLERS), help="only these kinds")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coop-agent %(levelname)s %(message)s")
+    if not args.token:
+        print("coop-agent: give --token or set COOP_AGENT_TOKEN", file=sys.stderr)
+        sys.exit(2)
+    settings = loop.Settings(
+        coordinator=args.coordinator,
+        token=args.token,
+        name=args.name,
+        advertise_address=args.advertise_address,
+        work_dir=args.work_dir.resolve(),
+        model_dir=args.model_dir.resolve(),
+        plans_dir=args.plans_dir.resolve(),
+        heartbeat_seconds=args.heartbeat_seconds,
+        claim_wait_seconds=args.claim_wait_seconds,
+        batch_seconds=args.batch_seconds,
+        grace_seconds=args.grace_seconds,
+        kinds=tuple(args.kind),
+    )
+    try:
+        loop.run(settings)
+    except CoopError as exc:
+        print(f"coop-agent: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(0)

@@ -1,0 +1,164 @@
+"""One handler per job kind: the ``coop`` command line a job runs, and the result the coordinator expects from
+what the command printed and wrote. Paths the coordinator's job rows do not carry come from agent settings."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from experiment import wire
+from experiment.errors import CoopError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where one experiment's files live on this host (one home per experiment, shared by its jobs)."""
+
+    root: Path
+    model_dir: Path
+    # Relative replay folders of a plan (plans/local.toml: "local-reference") resolve against this folder.
+    plans_dir: Path
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.toml"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished command contributes to its wire.AttemptResult."""
+
+    result: dict[str, Any] = field(default_factory=dict)
+    journal: list[wire.StepRecord] = field(default_factory=list)
+    resource_samples: list[wire.ResourceSample] = field(default_factory=list)
+    answers: list[wire.AnswerRecord] = field(default_factory=list)
+
+
+Argv = Callable[[wire.Assignment, Workspace], list[str]]
+Collect = Callable[[wire.Assignment, Workspace, Sequence[dict[str, Any]]], Outcome]
+
+
+@dataclass(frozen=True)
+class Handler:
+    argv: Argv
+    collect: Collect
+
+
+def coop(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "experiment.cli", *(str(a) for a in args)]
+
+
+def _last(events: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+    found: dict[str, Any] | None = next((event for event in reversed(events) if event.get("event") == name), None)
+    if found is not None:
+        return found
+    raise CoopError(f"the command ended without its {name!r} event")
+
+
+def _prepare(job: wire.Assignment, ws: Workspace) -> list[str]:
+    return coop("prepare", "--plan", ws.plan, "--home", ws.home, "--model-dir", ws.model_dir)
+
+
+def _prepared(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
+    return Outcome(result={"prepared_identity": _last(events, "prepared")["prepared_identity"]})
+
+
+def _train(job: wire.Assignment, ws: Workspace) -> list[str]:
+    return coop("train", "--home", ws.home, "--model-dir", ws.model_dir, "--arm", _arm(job))
+
+
+def _trained(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
+    path = Path(_last(events, "completed")["result"])
+    run = msgspec.json.decode(path.read_bytes())
+    candidate = run["candidate"]
+    result = wire.TrainResult(
+        step=candidate["step"],
+        model_identity=run["parameter_digest"],
+        receipt_sha256=candidate["receipt_sha256"],
+        final=True,  # `coop train` prints "completed" only after the plan's last update
+    )
+    return Outcome(
+        result=msgspec.to_builtins(result),
+        journal=msgspec.convert(run["journal"], type=list[wire.StepRecord]),
+        resource_samples=msgspec.convert(run["resource_samples"], type=list[wire.ResourceSample]),
+    )
+
+
+def _evaluate(job: wire.Assignment, ws: Workspace) -> list[str]:
+    role = job.role or "dev"
+    argv = coop("evaluate", "--home", ws.home, "--model-dir", ws.model_dir, "--arm", _arm(job), "--role", role)
+    if role == "test":
+        argv += ["--selection", str(ws.home / "selection.json")]
+    return argv
+
+
+def _evaluated(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
+    summary_path = Path(_last(events, "evaluated")["evaluation"])
+    lines = (summary_path.parent / "answers.jsonl").read_bytes().splitlines()
+    answers = [msgspec.json.decode(line, type=wire.AnswerRecord) for line in lines if line.strip()]
+    summary = msgspec.json.decode(summary_path.read_bytes())
+    return Outcome(result={"answers_sha256": summary["answers_sha256"]}, answers=answers)
+
+
+def _arm(job: wire.Assignment) -> str:
+    if job.arm is None:
+        raise CoopError(f"{job.kind} job {job.job_id} names no arm")
+    return job.arm
+
+
+HANDLERS: dict[str, Handler] = {
+    "prepare": Handler(_prepare, _prepared),
+    "train": Handler(_train, _trained),
+    "evaluate": Handler(_evaluate, _evaluated),
+}
+
+
+def handler(kind: str) -> Handler:
+    found = HANDLERS.get(kind)
+    if found is None:
+        raise CoopError(f"this agent runs {', '.join(sorted(HANDLERS))} jobs, not {kind}")
+    return found
+
+
+def environment(job: wire.Assignment, base: dict[str, str]) -> dict[str, str]:
+    """The command's environment: the agent's, plus the rendezvous of a gang (torchrun's variables)."""
+    env = {**base, "RANK": str(job.rank), "WORLD_SIZE": str(job.world_size), "PYTHONUNBUFFERED": "1"}
+    if job.master_addr is not None and job.master_port is not None:
+        env["MASTER_ADDR"], env["MASTER_PORT"] = job.master_addr, str(job.master_port)
+    return env
+
+
+def _without_nulls(value: Any) -> Any:
+    # TOML has no null; the plan's optional fields are absent in the file and None in its builtins.
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def write_plan(entries: Sequence[wire.LedgerEntry], ws: Workspace) -> Path:
+    """The committed plan, from the experiment's ledger, as a TOML file beside the home (same identity)."""
+    committed = next((entry for entry in entries if entry.kind == "plan"), None)
+    if committed is None:
+        raise CoopError("the experiment's ledger has no committed plan")
+    plan = committed.body["plan"]
+    ws.root.mkdir(parents=True, exist_ok=True)
+    folder = plan.get("replay", {}).get("folder")
+    if folder is not None and not Path(folder).is_absolute():
+        link = ws.root / folder
+        if not link.exists():
+            link.symlink_to((ws.plans_dir / folder).resolve(), target_is_directory=True)
+    ws.plan.write_bytes(msgspec.toml.encode(_without_nulls(plan)))
+    return ws.plan

@@ -1,0 +1,360 @@
+"""The agent's loop: register, heartbeat, claim, supervise one ``coop`` subprocess at a time, and report
+through the spool (a sender thread drains it to the coordinator whenever the coordinator answers)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agent import jobs
+from agent.client import Coordinator, Rejected, Unreachable, forever
+from agent.spool import OpenAttempt, Spool
+from experiment import wire
+from experiment.errors import CoopError
+
+log = logging.getLogger("coop.agent")
+
+
+@dataclass(frozen=True)
+class Settings:
+    coordinator: str
+    token: str
+    name: str
+    advertise_address: str
+    work_dir: Path
+    model_dir: Path
+    plans_dir: Path
+    heartbeat_seconds: float = 10.0
+    claim_wait_seconds: float = 20.0
+    # Events are sent in batches: at most this many, at least this often while the command prints.
+    batch_events: int = 500
+    batch_seconds: float = 1.0
+    # The grace period between TERM and KILL when the coordinator gives no deadline.
+    grace_seconds: float = 30.0
+    kinds: tuple[str, ...] = ()
+
+
+def host_facts(name: str) -> dict[str, str]:
+    """The labels registered with the coordinator: CPU count, memory and, when CUDA is present, the GPUs."""
+    facts = {
+        "name": name,
+        "cpu_count": str(os.cpu_count() or 0),
+        "memory_bytes": str(psutil.virtual_memory().total),
+    }
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        facts["gpu_count"] = str(count)
+        for index in range(count):
+            props = torch.cuda.get_device_properties(index)
+            facts[f"gpu{index}_name"] = props.name
+            facts[f"gpu{index}_memory_bytes"] = str(props.total_memory)
+    return facts
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def to_event(line: str) -> tuple[wire.Event, dict[str, Any] | None]:
+    """One stdout line as a coordinator event (and the decoded object, when the line is a JSON object)."""
+    try:
+        decoded = json.loads(line)
+    except ValueError:
+        decoded = None
+    if isinstance(decoded, dict):
+        return wire.Event(kind=str(decoded.get("event", "event"))[:100] or "event", body=decoded, at=_now()), decoded
+    return wire.Event(kind="output", body={"line": line[:4000]}, at=_now()), None
+
+
+@dataclass
+class _Stop:
+    reason: str
+    deadline: float
+
+
+class Agent:
+    def __init__(self, settings: Settings, client: Coordinator, spool: Spool) -> None:
+        self.settings = settings
+        self.client = client
+        self.spool = spool
+        self.stopping = threading.Event()
+        self._current: OpenAttempt | None = None
+        self._stop: _Stop | None = None
+        self._lock = threading.Lock()
+
+    # The threads ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        sender = threading.Thread(target=self._send_loop, name="sender", daemon=True)
+        sender.start()
+        self._recover()
+        agent = forever(
+            lambda: self.client.register(
+                wire.AgentRegister(address=self.settings.advertise_address, labels=host_facts(self.settings.name))
+            ),
+            self.stopping.is_set,
+        )
+        if agent is not None:
+            log.info("registered as %s (%s)", agent.name, agent.id)
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+            self._claim_loop()
+        self.drain(timeout=10.0)
+
+    def _claim_loop(self) -> None:
+        request = wire.ClaimRequest(
+            wait_seconds=self.settings.claim_wait_seconds,
+            kinds=list(self.settings.kinds) or None,  # type: ignore[arg-type]
+        )
+        while not self.stopping.is_set():
+            try:
+                reply = self.client.claim(request)
+            except Unreachable as exc:
+                log.warning("claim: %s", exc)
+                self.stopping.wait(1.0)
+                continue
+            if reply.assignment is not None:
+                self.supervise(reply.assignment)
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.wait(self.settings.heartbeat_seconds):
+            self.heartbeat_once()
+
+    def heartbeat_once(self) -> None:
+        with self._lock:
+            current = self._current
+        ids = [current.attempt_id] if current is not None else []
+        try:
+            reply = self.client.heartbeat(wire.HeartbeatRequest(attempt_ids=ids), retries=0)
+        except (Unreachable, Rejected) as exc:
+            log.warning("heartbeat: %s", exc)
+            return
+        for directive in reply.directives:
+            if directive.action == "stop":
+                grace = self.settings.grace_seconds
+                if directive.deadline is not None:
+                    grace = max(0.0, (directive.deadline - _now()).total_seconds())
+                with self._lock:
+                    if self._stop is None and current is not None and directive.attempt_id == current.attempt_id:
+                        self._stop = _Stop(directive.reason or "stopped by the coordinator", time.monotonic() + grace)
+
+    def _send_loop(self) -> None:
+        while True:
+            self.spool.changed.wait(1.0)
+            self.spool.changed.clear()
+            if not self.send_pending():
+                time.sleep(1.0)
+
+    def send_pending(self) -> bool:
+        """Send every pending upload in spool order; False when the coordinator is unreachable."""
+        while pending := self.spool.pending():
+            for upload in pending:
+                try:
+                    if upload.kind == "events":
+                        self.client.upload_events(upload.attempt_id, upload.key, upload.body)
+                    else:
+                        self.client.upload_result(upload.attempt_id, upload.key, upload.body)
+                except Unreachable as exc:
+                    log.warning("upload %s deferred: %s", upload.key, exc)
+                    return False
+                except Rejected as exc:
+                    # A refusal (the attempt ended, the lease is gone) does not change on replay: keep the row
+                    # as rejected, for the record, and go on with the rest.
+                    log.error("upload %s rejected: %s", upload.key, exc)
+                    self.spool.settle(upload, "rejected", str(exc))
+                    continue
+                self.spool.settle(upload, "acknowledged")
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.spool.pending(limit=1):
+                return True
+            self.spool.changed.set()
+            time.sleep(0.1)
+        return not self.spool.pending(limit=1)
+
+    def _recover(self) -> None:
+        """Attempts left open by an earlier run of this agent: their commands died with it."""
+        for attempt in self.spool.unfinished():
+            log.warning("attempt %s was running when the agent stopped; reporting it failed", attempt.attempt_id)
+            self.spool.add_result(
+                attempt,
+                wire.AttemptResult(
+                    lease_token=attempt.lease_token,
+                    outcome="failed",
+                    reason="the agent restarted while the command ran",
+                ),
+            )
+
+    # One job ----------------------------------------------------------------------------------------
+
+    def workspace(self, experiment_id: object) -> jobs.Workspace:
+        return jobs.Workspace(
+            root=self.settings.work_dir / "experiments" / str(experiment_id),
+            model_dir=self.settings.model_dir,
+            plans_dir=self.settings.plans_dir,
+        )
+
+    def supervise(self, job: wire.Assignment) -> None:
+        log.info("claimed %s job %s (attempt %s, rank %d)", job.kind, job.job_id, job.attempt_id, job.rank)
+        attempt = OpenAttempt(job.attempt_id, job.job_id, job.lease_token)
+        try:
+            started = forever(lambda: self.client.start(job.attempt_id, job.lease_token), self.stopping.is_set)
+        except Rejected as exc:
+            log.error("start of attempt %s refused: %s", job.attempt_id, exc)
+            return
+        if started is None:
+            return
+        self.spool.open_attempt(job.attempt_id, job.job_id, job.lease_token)
+        with self._lock:
+            self._current, self._stop = attempt, None
+        try:
+            result = self._run(job, attempt)
+        except (CoopError, OSError) as exc:
+            result = wire.AttemptResult(lease_token=job.lease_token, outcome="failed", reason=str(exc)[:4000])
+        finally:
+            with self._lock:
+                self._current, self._stop = None, None
+        self.spool.add_result(attempt, result)
+        log.info("attempt %s %s", job.attempt_id, result.outcome)
+
+    def _run(self, job: wire.Assignment, attempt: OpenAttempt) -> wire.AttemptResult:
+        handler = jobs.handler(job.kind)
+        ws = self.workspace(job.experiment_id)
+        ws.root.mkdir(parents=True, exist_ok=True)
+        if job.kind == "prepare":
+            entries = forever(lambda: self.client.ledger(job.experiment_id), self.stopping.is_set)
+            if entries is None:
+                raise CoopError("the agent stopped before the plan was fetched")
+            jobs.write_plan(entries, ws)
+        logs = ws.root / "logs"
+        logs.mkdir(exist_ok=True)
+        stderr_path = logs / f"{job.kind}-{job.attempt_id}.stderr"
+        argv = handler.argv(job, ws)
+        with stderr_path.open("wb") as stderr:
+            process = subprocess.Popen(
+                argv,
+                cwd=jobs.ROOT,
+                env=jobs.environment(job, dict(os.environ)),
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                start_new_session=True,  # its own process group: TERM and KILL reach every child it starts
+            )
+            decoded, stopped = self._forward(process, attempt)
+        code = process.returncode
+        if stopped is not None:
+            return wire.AttemptResult(
+                lease_token=job.lease_token, outcome="cancelled", exit_code=code, reason=stopped[:4000]
+            )
+        if code != 0:
+            tail = stderr_path.read_text(errors="replace")[-3000:]
+            reason = f"`coop {job.kind}` exited with {code}: {tail}"
+            return wire.AttemptResult(lease_token=job.lease_token, outcome="failed", exit_code=code, reason=reason)
+        outcome = handler.collect(job, ws, decoded)
+        return wire.AttemptResult(
+            lease_token=job.lease_token,
+            outcome="succeeded",
+            exit_code=0,
+            result=outcome.result,
+            journal=outcome.journal,
+            resource_samples=outcome.resource_samples,
+            answers=outcome.answers,
+        )
+
+    def _forward(
+        self, process: subprocess.Popen[bytes], attempt: OpenAttempt
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Spool the command's stdout as event batches until it exits; stop it when asked to."""
+        lines: queue.Queue[bytes | None] = queue.Queue()
+
+        def read() -> None:
+            assert process.stdout is not None
+            for raw in process.stdout:
+                lines.put(raw)
+            lines.put(None)
+
+        reader = threading.Thread(target=read, name="stdout", daemon=True)
+        reader.start()
+        decoded: list[dict[str, Any]] = []
+        batch: list[wire.Event] = []
+        first = 0.0
+        stopped: str | None = None
+        terminated = killed = False
+        done = False
+        while not done:
+            try:
+                raw = lines.get(timeout=0.1)
+            except queue.Empty:
+                raw = b""
+            if raw is None:
+                done = True
+            elif raw.strip():
+                event, body = to_event(raw.decode(errors="replace").rstrip("\n"))
+                if body is not None:
+                    decoded.append(body)
+                if not batch:
+                    first = time.monotonic()
+                batch.append(event)
+            if batch and (
+                done
+                or len(batch) >= self.settings.batch_events
+                or time.monotonic() - first >= self.settings.batch_seconds
+            ):
+                self.spool.add_events(attempt, batch)
+                batch = []
+            with self._lock:
+                stop = self._stop
+            if self.stopping.is_set() and stop is None:
+                stop = _Stop("the agent is shutting down", time.monotonic() + self.settings.grace_seconds)
+                with self._lock:
+                    self._stop = stop
+            if stop is not None and not done:
+                stopped = stop.reason
+                if not terminated:
+                    _signal(process, signal.SIGTERM)
+                    terminated = True
+                elif not killed and time.monotonic() >= stop.deadline and process.poll() is None:
+                    _signal(process, signal.SIGKILL)
+                    killed = True
+        process.wait()
+        return decoded, stopped
+
+
+def _signal(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
+def run(settings: Settings) -> None:
+    """Run the agent until SIGTERM or SIGINT."""
+    client = Coordinator(settings.coordinator, settings.token)
+    spool = Spool(settings.work_dir / "spool.sqlite3")
+    agent = Agent(settings, client, spool)
+
+    def stop(signum: int, frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        agent.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        agent.run()
+    finally:
+        client.close()
+        spool.close()

@@ -1,0 +1,180 @@
+"""The agent against a real coordinator: it registers and heartbeats, runs a claimed job as a `coop` subprocess
+and reports its events and result, keeps everything in its spool while the coordinator is down (and across its
+own restart), and cannot act on another agent's lease."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.client import Coordinator as Client
+from agent.client import Rejected, upload_key
+from experiment import wire
+from tests.integration.agent.support import AgentProcess, Coordinator, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _agent(server: Coordinator, name: str) -> dict[str, Any] | None:
+    return next((a for a in server.get("/api/agents") if a["name"] == name), None)
+
+
+def _prepare_job(server: Coordinator, experiment_id: str) -> dict[str, Any]:
+    (job,) = [j for j in server.jobs(experiment_id) if j["kind"] == "prepare"]
+    return job
+
+
+def _forwarded(server: Coordinator, attempt_id: str) -> list[dict[str, Any]]:
+    """The events the agent sent (the coordinator's own state changes carry no sequence)."""
+    events = server.get(f"/api/attempts/{attempt_id}/events")
+    return [e for e in events if e["sequence"] is not None]
+
+
+def _attempt(server: Coordinator, job_id: str) -> dict[str, Any] | None:
+    attempts = server.get(f"/api/jobs/{job_id}/attempts")
+    return attempts[-1] if attempts else None
+
+
+def test_agent_registers_host_facts_and_heartbeats(
+    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess]
+) -> None:
+    start_agent("host-a")
+    first = wait_for(lambda: _agent(coordinator, "host-a"), 30, "the agent to register")
+    assert first["address"] == "127.0.0.1"
+    assert int(first["labels"]["cpu_count"]) >= 1 and int(first["labels"]["memory_bytes"]) > 0
+    seen = datetime.datetime.fromisoformat(first["last_seen_at"])
+    wait_for(
+        lambda: datetime.datetime.fromisoformat(_agent(coordinator, "host-a")["last_seen_at"]) > seen,  # type: ignore[index]
+        10,
+        "a heartbeat to renew last_seen_at",
+    )
+
+
+def test_agent_runs_prepare_and_its_events_and_result_arrive(
+    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+) -> None:
+    experiment = coordinator.create_experiment(small_plan)
+    job = _prepare_job(coordinator, experiment["id"])
+    agent = start_agent("host-a")
+    done = wait_for(
+        lambda: (j := coordinator.get(f"/api/jobs/{job['id']}"))["state"] in {"succeeded", "failed"} and j,
+        90,
+        "the prepare job to finish",
+    )
+    attempt = _attempt(coordinator, job["id"])
+    assert done["state"] == "succeeded", (attempt, agent.log())
+    assert attempt is not None and attempt["exit_code"] == 0
+    events = _forwarded(coordinator, attempt["id"])
+    (prepared,) = [e for e in events if e["kind"] == "prepared"]
+    after = coordinator.get(f"/api/experiments/{experiment['id']}")
+    assert after["prepared_identity"] == prepared["body"]["prepared_identity"]
+    assert after["state"] == "training"  # prepared was committed and the three arms were queued
+    sequences = sorted({e["sequence"] for e in events})
+    assert sequences == list(range(len(sequences)))
+    wait_for(lambda: agent.spool() == {"acknowledged": len(sequences) + 1}, 10, "the spool to be acknowledged")
+    assert agent.spooled_events() == len(events)
+
+
+def test_spool_keeps_events_and_result_while_the_coordinator_is_down_and_across_an_agent_restart(
+    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+) -> None:
+    experiment = coordinator.create_experiment(small_plan)
+    job = _prepare_job(coordinator, experiment["id"])
+    agent = start_agent("host-a")
+    wait_for(lambda: (a := _attempt(coordinator, job["id"])) and a["state"] == "running", 30, "the attempt to start")
+    coordinator.stop()
+    # The command goes on; its events and result wait in the spool.
+    wait_for(lambda: agent.results_spooled() == 1, 90, "the result to be spooled")
+    assert agent.spool().get("pending", 0) >= 1
+    agent.stop(signal.SIGKILL)  # nothing may depend on a clean shutdown
+    spooled = agent.spooled_events()
+    agent.start()
+    coordinator.start()
+    done = wait_for(
+        lambda: (j := coordinator.get(f"/api/jobs/{job['id']}"))["state"] in {"succeeded", "failed"} and j,
+        60,
+        "the spooled result to arrive",
+    )
+    assert done["state"] == "succeeded", agent.log()
+    attempt = _attempt(coordinator, job["id"])
+    assert attempt is not None
+    events = _forwarded(coordinator, attempt["id"])
+    assert len(events) == spooled  # every spooled event arrived, none twice
+    assert [e for e in events if e["kind"] == "prepared"]
+    sequences = sorted({e["sequence"] for e in events})
+    assert sequences == list(range(len(sequences)))
+    wait_for(lambda: set(agent.spool()) == {"acknowledged"}, 10, "the spool to be acknowledged")
+
+
+def test_cancel_stops_the_command_and_reports_it_cancelled(
+    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+) -> None:
+    experiment = coordinator.create_experiment(small_plan)
+    job = _prepare_job(coordinator, experiment["id"])
+    agent = start_agent("host-a")
+    wait_for(lambda: (a := _attempt(coordinator, job["id"])) and a["state"] == "running", 30, "the attempt to start")
+    response = coordinator.http.post(
+        f"/api/jobs/{job['id']}/cancel",
+        json={"grace_seconds": 20},
+        headers={"Authorization": f"Bearer {coordinator.operator}"},
+    )
+    assert response.status_code == 201, response.text
+    attempt = wait_for(
+        lambda: (a := _attempt(coordinator, job["id"])) and a["state"] == "cancelled" and a,
+        20,
+        "the agent to stop the command",
+    )
+    assert attempt["exit_code"] == -signal.SIGTERM, agent.log()  # TERM was enough; KILL waits for the grace
+    assert "cancelled by the operator" in attempt["reason"]
+    assert coordinator.get(f"/api/jobs/{job['id']}")["state"] == "cancelled"
+
+
+def test_an_agent_token_cannot_start_or_write_another_agents_attempt(
+    coordinator: Coordinator, small_plan: Path
+) -> None:
+    a = Client(coordinator.url, coordinator.agent_token("a"), retries=0)
+    b = Client(coordinator.url, coordinator.agent_token("b"), retries=0)
+    try:
+        for client, address in ((a, "10.0.0.1"), (b, "10.0.0.2")):
+            client.register(wire.AgentRegister(address=address))
+        coordinator.create_experiment(small_plan)
+        assignment = a.claim(wire.ClaimRequest(wait_seconds=1)).assignment
+        assert assignment is not None
+        attempt_id, lease = assignment.attempt_id, assignment.lease_token
+        batch = wire.EventBatch(lease_token=lease, sequence=0, events=[wire.Event(kind="intruder")])
+        result = wire.AttemptResult(lease_token=lease, outcome="failed", reason="not mine")
+        writes: list[Callable[[], object]] = [
+            lambda: b.start(attempt_id, lease),
+            lambda: b.upload_events(attempt_id, upload_key(assignment.job_id, attempt_id, 0), _encode(batch)),
+            lambda: b.upload_result(attempt_id, upload_key(assignment.job_id, attempt_id, "result"), _encode(result)),
+        ]
+        for write in writes:
+            with pytest.raises(Rejected) as refused:
+                write()
+            assert refused.value.status_code == 403
+        # A wrong lease token is refused to the owner too, and the owner's real lease still works.
+        with pytest.raises(Rejected) as wrong:
+            a.start(attempt_id, "x" * 32)
+        assert wrong.value.status_code == 403
+        assert a.start(attempt_id, lease).state == "running"
+        assert _forwarded(coordinator, str(attempt_id)) == []
+    finally:
+        a.close()
+        b.close()
+
+
+def _encode(body: wire.EventBatch | wire.AttemptResult) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(body)
+
+
+def test_upload_keys_name_job_attempt_and_sequence() -> None:
+    job, attempt = uuid.uuid4(), uuid.uuid4()
+    assert upload_key(job, attempt, 3) == f"{job}:{attempt}:3"

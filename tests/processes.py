@@ -1,0 +1,62 @@
+"""Real processes with the torchrun environment, for the training and evaluation tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def launch(args: list[str], world: int) -> list[subprocess.CompletedProcess[str]]:
+    """Start ``world`` real processes of ``args``, one per rank; wait for all."""
+    port = free_port()
+    processes = [
+        subprocess.Popen(
+            args, env=rank_env(rank, world, port), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(args, process.returncode, out, err))
+    return results
+
+
+def coop_train(home: Path, seed: Path, arm: str, world: int, *extra: str) -> list[subprocess.CompletedProcess[str]]:
+    args = [
+        sys.executable,
+        "-m",
+        "experiment.cli",
+        "train",
+        "--home",
+        str(home),
+        "--model-dir",
+        str(seed),
+        "--arm",
+        arm,
+        *extra,
+    ]
+    return launch(args, world)
