@@ -15,6 +15,7 @@ import torch
 
 from experiment.canonical import canonical_bytes, read_json, sha256_bytes, sha256_file, write_new_bytes, write_new_json
 from experiment.errors import CoopError
+from experiment.wire import StepRecord  # one journal entry type, shared with the coordinator's wire
 
 MODEL_DIR = "model"
 OPTIMIZER = "optimizer.pt"
@@ -22,21 +23,6 @@ RNG = "rng.pt"
 RECEIPT = "receipt.json"
 # Seed files copied next to the weights so that a checkpoint's model/ is a complete model folder.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
-
-
-class StepRecord(msgspec.Struct, frozen=True):
-    """One update as the journal keeps it; ``positions`` are the global batch's document positions."""
-
-    step: int
-    positions: list[int]
-    local_positions: list[int]
-    loss: float
-    learning_rate: float
-    gradient_norm: float
-    targets: int
-    weighted_targets: int
-    documents: int
-    seconds: float
 
 
 class Receipt(msgspec.Struct, frozen=True):

@@ -15,7 +15,6 @@ import msgspec
 from experiment import figures, stats, tasks
 from experiment.bundle import SEED
 from experiment.canonical import canonical_bytes, sha256_file, write_new_bytes
-from experiment.checkpoint import StepRecord
 from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
 from experiment.errors import CoopError
 from experiment.evaluation import EVAL_ARMS, Answer, RetentionScore, Summary, evaluation_dir, read_answers
@@ -23,6 +22,7 @@ from experiment.ledger import read_ledger
 from experiment.seedmodel import load_tokenizer
 from experiment.selection import SELECTION, TRAINED_ARMS, Selection, read_selection, same_model, selection_identity
 from experiment.training import schedule
+from experiment.wire import StepRecord
 
 Tokenizer = Any
 

@@ -32,6 +32,7 @@ from experiment.errors import CoopError
 from experiment.plan import Plan
 from experiment.progress import Emit
 from experiment.resources import NetworkCounters, Sample, Sampler, network_counters
+from experiment.wire import StepRecord
 
 Arm = Literal["clean-single", "damaged-single", "clean-pair"]
 ARMS: tuple[Arm, ...] = ("clean-single", "damaged-single", "clean-pair")
@@ -230,7 +231,7 @@ class Result(msgspec.Struct, frozen=True):
     numerical_profile: dict[str, Any]
     parameter_digest: str
     candidate: checkpoint.Pointer
-    journal: list[checkpoint.StepRecord]
+    journal: list[StepRecord]
     loop_seconds: float
     resumed_from_step: int
     network_start: NetworkCounters
@@ -277,7 +278,7 @@ def _run_record(directory: Path, arm: Arm, world: World, binding: str, plan: Pla
     return record
 
 
-def _check_journal(journal: list[checkpoint.StepRecord], batches: list[list[int]], source: str) -> None:
+def _check_journal(journal: list[StepRecord], batches: list[list[int]], source: str) -> None:
     for number, record in enumerate(journal, start=1):
         if record.step != number or record.positions != batches[number - 1]:
             raise CoopError(f"{source}: journal entry {number} is not the schedule's update {number}")
@@ -323,7 +324,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
         if datetime.now(UTC) > deadline:
             raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
         pointer = checkpoint.latest(directory)
-        journal: list[checkpoint.StepRecord] = []
+        journal: list[StepRecord] = []
         if pointer is None:
             model = seedmodel.load_model(model_dir)
         else:
@@ -359,7 +360,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                 batch = batches[step - 1]
                 update = trainer.accumulate(batch)
                 rate, norm = trainer.step(step)
-                entry = checkpoint.StepRecord(
+                entry = StepRecord(
                     step=step,
                     positions=batch,
                     local_positions=local_positions(batch, world),

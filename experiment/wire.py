@@ -253,7 +253,9 @@ class TrainResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One update of a rank's step journal (experiment.checkpoint.StepRecord, field for field)."""
+    """One update of a rank's step journal; ``positions`` are the global batch's document positions.
+
+    The training journal itself uses this type (experiment.checkpoint), so receipts and uploads agree."""
 
     step: Annotated[int, msgspec.Meta(ge=1)]
     positions: list[int]
