@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# npm ci writes this file; it is newer than package-lock.json once the web UI's packages are installed.
+NODE_STAMP := node_modules/.package-lock.json
 
 .PHONY: setup run test lint typecheck unit clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NODE_STAMP)
 
 # Idempotent: reinstalls only when pyproject.toml or the constraints change.
 $(STAMP): pyproject.toml constraints.txt
@@ -14,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# The web UI's htmx, pinned by package-lock.json and served from node_modules by the coordinator.
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
 
 lint: setup
 	$(BIN)/ruff check experiment server agent tests bench migrations
@@ -23,7 +29,7 @@ typecheck: setup
 	$(BIN)/mypy --strict experiment server agent
 
 unit: setup
-	$(BIN)/python -m pytest tests/unit tests/integration -q
+	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q
 
 test: lint typecheck unit
 

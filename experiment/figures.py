@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import matplotlib
 from matplotlib.figure import Figure
@@ -58,3 +59,32 @@ def distributions(title: str, series: Mapping[str, Sequence[float]], ylabel: str
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     return _svg(figure)
+
+
+def report_figures(report: Mapping[str, Any]) -> dict[str, str]:
+    """The report's four figures from its JSON (as `coop report` writes it and the coordinator records it)."""
+    arms = list(report["accuracy"])
+    families = list(report["accuracy"]["seed"]["by_family"])
+    variants = list(report["accuracy"]["seed"]["by_variant"])
+    training = report["training"]
+    return {
+        "families": grouped_bars(
+            "Test accuracy by family",
+            families,
+            {arm: [report["accuracy"][arm]["by_family"][f]["accuracy"] for f in families] for arm in arms},
+            "accuracy",
+        ),
+        "variants": grouped_bars(
+            "Test accuracy by wording (2 and 3 held out of training)",
+            variants,
+            {arm: [report["accuracy"][arm]["by_variant"][v]["accuracy"] for v in variants] for arm in arms},
+            "accuracy",
+        ),
+        "losses": lines(
+            "Training loss (token-weighted, nats)",
+            {arm: list(enumerate(training[arm]["losses"], start=1)) for arm in training},
+            "update",
+            "loss",
+        ),
+        "updates": distributions("Update time", {arm: training[arm]["update_seconds"] for arm in training}, "seconds"),
+    }

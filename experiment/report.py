@@ -394,41 +394,11 @@ def compute(bundle: Path) -> dict[str, Any]:
     return built
 
 
-def _figures(report: dict[str, Any]) -> dict[str, str]:
-    arms = list(report["accuracy"])
-    families = list(report["accuracy"]["seed"]["by_family"])
-    variants = list(report["accuracy"]["seed"]["by_variant"])
-    training = report["training"]
-    return {
-        "families": figures.grouped_bars(
-            "Test accuracy by family",
-            families,
-            {arm: [report["accuracy"][arm]["by_family"][f]["accuracy"] for f in families] for arm in arms},
-            "accuracy",
-        ),
-        "variants": figures.grouped_bars(
-            "Test accuracy by wording (2 and 3 held out of training)",
-            variants,
-            {arm: [report["accuracy"][arm]["by_variant"][v]["accuracy"] for v in variants] for arm in arms},
-            "accuracy",
-        ),
-        "losses": figures.lines(
-            "Training loss (token-weighted, nats)",
-            {arm: list(enumerate(training[arm]["losses"], start=1)) for arm in training},
-            "update",
-            "loss",
-        ),
-        "updates": figures.distributions(
-            "Update time", {arm: training[arm]["update_seconds"] for arm in training}, "seconds"
-        ),
-    }
-
-
 def render_html(report: dict[str, Any]) -> str:
     environment = jinja2.Environment(
         loader=jinja2.PackageLoader("experiment", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
     )
-    return environment.get_template("report.html").render(report=report, figures=_figures(report))
+    return environment.get_template("report.html").render(report=report, figures=figures.report_figures(report))
 
 
 def write_report(bundle: Path, output: Path) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from server.api.results import ResultController
 from server.errors import BadRequest, Forbidden, IdempotencyConflict, NotFound, TooLarge, Unauthenticated
 from server.lifecycle import Refused
 from server.settings import Settings, from_env
+from server.web import routes as web_routes
+from server.web import template_config as web_templates
 
 log = logging.getLogger("coop.server")
 
@@ -101,6 +103,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             ResultController,
             EvidenceController,
             BlobController,
+            *web_routes(settings),
         ],
         plugins=[SQLAlchemyPlugin(config=config)],
         dependencies={
@@ -110,6 +113,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         },
         guards=[auth.authorize],
         exception_handlers={CoopError: _problem},
+        template_config=web_templates(),
         lifespan=[reaper],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,

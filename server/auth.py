@@ -53,6 +53,8 @@ def _bearer(connection: ASGIConnection) -> str | None:  # type: ignore[type-arg]
 
 
 async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+    if handler.opt.get("web"):
+        return  # the web UI's pages and assets: server.web checks their session cookie, never a bearer token
     ctx = context(connection)
     role = handler.opt.get("role")
     if role is None and (ctx.settings.public_read or connection.url.path.startswith("/schema")):

@@ -1,0 +1,72 @@
+"""The web UI: server-rendered pages (web/templates) with htmx polling their live parts, on the same app as
+the API. Its router carries its own session cookie, CSRF check and sign-in guard, so the bearer-token API
+never sees them; ``server.auth.authorize`` leaves the router's handlers (marked ``opt["web"]``) to it."""
+
+from __future__ import annotations
+
+from litestar import Router
+from litestar.config.csrf import CSRFConfig
+from litestar.exceptions import HTTPException
+from litestar.middleware import DefineMiddleware
+from litestar.middleware.csrf import CSRFMiddleware
+from litestar.middleware.session.base import SessionMiddleware
+from litestar.middleware.session.client_side import ClientSideSessionBackend, CookieBackendConfig
+from litestar.static_files import create_static_files_router
+from litestar.types import ASGIApp, ControllerRouterHandler
+
+from experiment.errors import CoopError
+from server.settings import Settings
+from server.web import access, errors, keys, render
+from server.web.agents import AgentPages
+from server.web.evaluations import EvaluationPages
+from server.web.jobs import JobPages
+from server.web.overview import OverviewPages
+from server.web.render import template_config
+from server.web.report import ReportPages
+from server.web.serving import ServingPages
+from server.web.signin import SignInPages
+from server.web.training import TrainingPages
+
+__all__ = ["routes", "template_config"]
+
+OPT = {"web": True}
+SESSION_HOURS = 12
+
+
+def _sessions(app: ASGIApp, secret: bytes) -> ASGIApp:
+    """Litestar's encrypted cookie session, built when a route's middleware stack is: registering the router
+    deep-copies it, and the backend's AES-GCM key object cannot be copied."""
+    config = CookieBackendConfig(
+        secret=secret, key="coop_session", max_age=SESSION_HOURS * 3600, httponly=True, samesite="lax"
+    )
+    return SessionMiddleware(app=app, backend=ClientSideSessionBackend(config=config))
+
+
+def routes(settings: Settings) -> list[ControllerRouterHandler]:
+    secrets = keys.load(settings.home)
+    csrf = CSRFConfig(secret=secrets.csrf, cookie_name="coop_csrf", cookie_httponly=True, cookie_samesite="strict")
+    pages = Router(
+        path="/",
+        route_handlers=[
+            OverviewPages,
+            TrainingPages,
+            JobPages,
+            AgentPages,
+            EvaluationPages,
+            ServingPages,
+            ReportPages,
+            SignInPages,
+        ],
+        middleware=[DefineMiddleware(_sessions, secret=secrets.session), DefineMiddleware(CSRFMiddleware, config=csrf)],
+        guards=[access.guard],
+        exception_handlers={CoopError: errors.page, HTTPException: errors.page},
+        opt=OPT,
+        include_in_schema=False,
+    )
+    assets = [
+        create_static_files_router(path="/static", directories=[render.STATIC], opt=OPT, include_in_schema=False),
+        create_static_files_router(
+            path="/vendor/htmx", directories=[render.HTMX], name="htmx", opt=OPT, include_in_schema=False
+        ),
+    ]
+    return [pages, *assets]

@@ -1,0 +1,25 @@
+"""The agents: heartbeat age, host facts (their labels) and what each runs now."""
+
+from __future__ import annotations
+
+from litestar import Controller, get
+from litestar.response import Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.settings import Settings
+from server.web import queries, render
+from server.web.access import WebRequest
+
+
+class AgentPages(Controller):
+    path = "/agents"
+
+    @get("/")
+    async def agents(self, request: WebRequest, db_session: AsyncSession, settings: Settings) -> Template:
+        rows = await queries.agents(db_session)
+        return render.page(request, "agents.html", agents=rows, lease_seconds=settings.lease_seconds)
+
+    @get("/live")
+    async def live(self, request: WebRequest, db_session: AsyncSession, settings: Settings) -> Template:
+        rows = await queries.agents(db_session)
+        return render.fragment(request, "fragments/agents.html", agents=rows, lease_seconds=settings.lease_seconds)

@@ -1,0 +1,112 @@
+"""Evaluations: accuracy by arm x family x wording, and every recorded answer with its prompt, output and check."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, get_args
+from urllib.parse import urlencode
+
+from litestar import Controller, get
+from litestar.params import Parameter
+from litestar.response import Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import experiments, results
+from server.errors import BadRequest
+from server.settings import Settings
+from server.web import queries, render
+from server.web.access import WebRequest
+
+PAGE = 50
+ROLES: tuple[str, ...] = get_args(wire.Role)
+ARMS: tuple[str, ...] = get_args(wire.ArmName)
+FAMILIES: tuple[str, ...] = get_args(wire.Family)
+OUTCOMES = {"": None, "correct": True, "wrong": False}
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The answer browser's form, as the page's query string: an empty field means any."""
+
+    role: str
+    arm: str
+    family: str
+    variant: str
+    outcome: str
+
+    def check(self) -> results.AnswerFilter:
+        for name, value, allowed in (
+            ("role", self.role, ROLES),
+            ("arm", self.arm, ("", *ARMS)),
+            ("family", self.family, ("", *FAMILIES)),
+            ("outcome", self.outcome, tuple(OUTCOMES)),
+        ):
+            if value not in allowed:
+                raise BadRequest(f"{name} {value!r} is not one of {', '.join(repr(a) for a in allowed)}")
+        if self.variant and not self.variant.isdigit():
+            raise BadRequest(f"variant {self.variant!r} is not a wording number")
+        return results.AnswerFilter(
+            arm=self.arm or None,
+            role=self.role,
+            family=self.family or None,
+            variant=int(self.variant) if self.variant else None,
+            correct=OUTCOMES[self.outcome],
+        )
+
+    def query(self, offset: int) -> str:
+        fields = {"role": self.role, "arm": self.arm, "family": self.family, "variant": self.variant}
+        return urlencode({**fields, "outcome": self.outcome, "offset": offset})
+
+
+class EvaluationPages(Controller):
+    path = "/experiments/{experiment_id:uuid}"
+
+    @get("/evaluations")
+    async def evaluations(
+        self,
+        request: WebRequest,
+        experiment_id: uuid.UUID,
+        db_session: AsyncSession,
+        role: str = "test",
+        arm: str = "",
+        family: str = "",
+        variant: str = "",
+        outcome: str = "",
+        offset: Annotated[int, Parameter(ge=0)] = 0,
+    ) -> Template:
+        experiment = await experiments.load(db_session, experiment_id)
+        filters = Filters(role, arm, family, variant, outcome)
+        page = await results.answers(db_session, experiment_id, filters.check(), PAGE, offset)
+        return render.page(
+            request,
+            "evaluations.html",
+            tab="evaluations",
+            experiment=experiment,
+            grid=await queries.accuracy(db_session, experiment_id, role),
+            filters=filters,
+            page=page,
+            roles=ROLES,
+            arms=ARMS,
+            families=FAMILIES,
+            outcomes=tuple(OUTCOMES),
+        )
+
+    @get("/answers/{arm:str}/{role:str}/{task_id:str}")
+    async def answer(
+        self,
+        request: WebRequest,
+        experiment_id: uuid.UUID,
+        arm: str,
+        role: str,
+        task_id: str,
+        db_session: AsyncSession,
+        settings: Settings,
+    ) -> Template:
+        experiment = await experiments.load(db_session, experiment_id)
+        row, answer = await queries.answer(db_session, experiment_id, arm, role, task_id)
+        task = await queries.prepared_task(db_session, settings, experiment_id, role, answer.index, task_id)
+        return render.page(
+            request, "answer.html", tab="evaluations", experiment=experiment, row=row, answer=answer, task=task
+        )

@@ -1,0 +1,83 @@
+"""The UI's Jinja environment (templates in web/templates), its filters, and the page response."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from litestar.plugins.jinja import JinjaTemplateEngine
+from litestar.response import Template
+from litestar.template.config import TemplateConfig
+
+from server.web import access
+from server.web.access import WebRequest
+
+WEB = Path(__file__).resolve().parents[2] / "web"
+TEMPLATES = WEB / "templates"
+STATIC = WEB / "static"
+# htmx comes from the npm package that `make setup` installs (package.json pins it).
+HTMX = WEB.parent / "node_modules" / "htmx.org" / "dist"
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def duration(seconds: float) -> str:
+    """A span a person reads at a glance: 42s, 5m 07s, 3h 12m, 2d 04h."""
+    whole = int(abs(seconds))
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def ago(moment: datetime.datetime | None) -> str:
+    return "never" if moment is None else f"{duration((now() - moment).total_seconds())} ago"
+
+
+def stamp(moment: datetime.datetime | None) -> str:
+    return "" if moment is None else moment.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _environment() -> jinja2.Environment:
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    environment.filters.update(duration=duration, ago=ago, stamp=stamp, percent=percent)
+    environment.globals["now"] = now
+    return environment
+
+
+def template_config() -> TemplateConfig[JinjaTemplateEngine]:
+    return TemplateConfig(instance=JinjaTemplateEngine.from_environment(_environment()))
+
+
+def page(request: WebRequest, name: str, status_code: int = 200, **context: Any) -> Template:
+    """A whole page; it shows who is signed in and, once, the notice an action left."""
+    viewer = access.viewer(request)
+    notice = access.take_notice(request) if viewer is not None else None
+    return Template(
+        template_name=name, context={"viewer": viewer, "notice": notice, **context}, status_code=status_code
+    )
+
+
+def fragment(request: WebRequest, name: str, **context: Any) -> Template:
+    """A part of a page that htmx polls; pages include the same template, so they work without JavaScript."""
+    return Template(template_name=name, context={"viewer": access.viewer(request), **context})

@@ -1,0 +1,56 @@
+"""Signing in with an operator token (checked as the API checks bearer tokens) and signing out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from litestar import Controller, get, post
+from litestar.enums import RequestEncodingType
+from litestar.params import Body
+from litestar.response import Redirect, Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server import audit, tokens
+from server.web import access, render
+from server.web.access import WebRequest
+
+
+class SignInForm(msgspec.Struct, frozen=True):
+    token: str
+    next: str = "/"
+
+
+def _local(target: str) -> str:
+    """Where to go after signing in: a path on this coordinator only, never another site."""
+    return target if target.startswith("/") and not target.startswith("//") and "\\" not in target else "/"
+
+
+class SignInPages(Controller):
+    path = "/"
+    opt = access.PUBLIC
+
+    @get("/login", name="login")
+    async def form(self, request: WebRequest, next: str = "/") -> Template:
+        return render.page(request, "login.html", next=_local(next), problem=None)
+
+    @post("/login")
+    async def sign_in(
+        self,
+        request: WebRequest,
+        data: Annotated[SignInForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
+        db_session: AsyncSession,
+    ) -> Redirect | Template:
+        principal = await tokens.lookup(db_session, data.token.strip())
+        if principal is None or principal.role != "operator":
+            problem = "That is not an operator token, or it was revoked. Create one with coop-server token create."
+            return render.page(request, "login.html", status_code=401, next=_local(data.next), problem=problem)
+        access.sign_in(request, principal)
+        audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")
+        await db_session.commit()
+        return Redirect(_local(data.next), status_code=303)
+
+    @post("/logout")
+    async def sign_out(self, request: WebRequest) -> Redirect:
+        request.clear_session()
+        return Redirect("/", status_code=303)

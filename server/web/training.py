@@ -1,0 +1,38 @@
+"""The arms: each trained arm's progress per rank, its update times and the live loss curve."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from litestar import Controller, get
+from litestar.response import Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server import experiments
+from server.lifecycle import EXPERIMENT_FINAL, ExperimentState
+from server.web import charts, queries, render
+from server.web.access import WebRequest
+
+
+async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
+    experiment = await experiments.load(db_session, experiment_id)
+    arms = await queries.training(db_session, experiment)
+    return {
+        "experiment": experiment,
+        "live": ExperimentState(experiment.state) not in EXPERIMENT_FINAL,
+        "arms": arms,
+        "losses": charts.losses({arm.name: arm.losses for arm in arms}),
+    }
+
+
+class TrainingPages(Controller):
+    path = "/experiments/{experiment_id:uuid}/arms"
+
+    @get("/")
+    async def arms(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+        return render.page(request, "arms.html", tab="arms", **await _training(db_session, experiment_id))
+
+    @get("/live")
+    async def live(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+        return render.fragment(request, "fragments/arms.html", **await _training(db_session, experiment_id))
