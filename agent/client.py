@@ -148,6 +148,12 @@ class Coordinator:
     def ledger(self, experiment_id: uuid.UUID) -> list[wire.LedgerEntry]:
         return self._call("GET", f"/api/experiments/{experiment_id}/ledger", list[wire.LedgerEntry])
 
+    def evidence(self, experiment_id: uuid.UUID) -> list[wire.EvidenceFile]:
+        return self._call("GET", f"/api/experiments/{experiment_id}/evidence", list[wire.EvidenceFile])
+
+    def download_blob(self, sha256: str) -> bytes:
+        return self._send("GET", f"/api/blobs/{sha256}").content
+
 
 def forever(call: Callable[[], T], stopping: Callable[[], bool], pause: float = 1.0) -> T | None:
     """Repeat ``call`` while the coordinator is unreachable, until it answers or ``stopping()``; None if stopped."""

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from experiment import wire
+from experiment.canonical import write_new_bytes
 from experiment.errors import CoopError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,11 +83,14 @@ def _trained(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any
     path = Path(_last(events, "completed")["result"])
     run = msgspec.json.decode(path.read_bytes())
     candidate = run["candidate"]
+    model_dir = path.parent / "checkpoints" / candidate["checkpoint"] / "model"
     result = wire.TrainResult(
         step=candidate["step"],
         model_identity=run["parameter_digest"],
         receipt_sha256=candidate["receipt_sha256"],
         final=True,  # `coop train` prints "completed" only after the plan's last update
+        binding=run["binding"],
+        checkpoint_path=model_dir.relative_to(ws.home).as_posix(),
     )
     return Outcome(
         result=msgspec.to_builtins(result),
@@ -111,6 +115,15 @@ def _evaluated(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, A
     return Outcome(result={"answers_sha256": summary["answers_sha256"]}, answers=answers)
 
 
+def _select(job: wire.Assignment, ws: Workspace) -> list[str]:
+    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job))
+
+
+def _verified(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
+    candidate = msgspec.convert(_last(events, "verified")["candidate"], type=wire.SelectResult)
+    return Outcome(result=msgspec.to_builtins(candidate))
+
+
 def _arm(job: wire.Assignment) -> str:
     if job.arm is None:
         raise CoopError(f"{job.kind} job {job.job_id} names no arm")
@@ -121,6 +134,7 @@ HANDLERS: dict[str, Handler] = {
     "prepare": Handler(_prepare, _prepared),
     "train": Handler(_train, _trained),
     "evaluate": Handler(_evaluate, _evaluated),
+    "select": Handler(_select, _verified),
 }
 
 
@@ -160,5 +174,5 @@ def write_plan(entries: Sequence[wire.LedgerEntry], ws: Workspace) -> Path:
         link = ws.root / folder
         if not link.exists():
             link.symlink_to((ws.plans_dir / folder).resolve(), target_is_directory=True)
-    ws.plan.write_bytes(msgspec.toml.encode(_without_nulls(plan)))
+    write_new_bytes(ws.plan, msgspec.toml.encode(_without_nulls(plan)))
     return ws.plan

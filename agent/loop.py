@@ -13,19 +13,21 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
-from agent import jobs
+from agent import evidence, jobs
 from agent.client import Coordinator, Rejected, Unreachable, forever
 from agent.spool import OpenAttempt, Spool
 from experiment import wire
 from experiment.errors import CoopError
 
 log = logging.getLogger("coop.agent")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -238,11 +240,8 @@ class Agent:
         handler = jobs.handler(job.kind)
         ws = self.workspace(job.experiment_id)
         ws.root.mkdir(parents=True, exist_ok=True)
-        if job.kind == "prepare":
-            entries = forever(lambda: self.client.ledger(job.experiment_id), self.stopping.is_set)
-            if entries is None:
-                raise CoopError("the agent stopped before the plan was fetched")
-            jobs.write_plan(entries, ws)
+        entries = self._patiently(lambda: self.client.ledger(job.experiment_id))
+        self._stage(job, ws, entries)
         logs = ws.root / "logs"
         logs.mkdir(exist_ok=True)
         stderr_path = logs / f"{job.kind}-{job.attempt_id}.stderr"
@@ -267,6 +266,9 @@ class Agent:
             reason = f"`coop {job.kind}` exited with {code}: {tail}"
             return wire.AttemptResult(lease_token=job.lease_token, outcome="failed", exit_code=code, reason=reason)
         outcome = handler.collect(job, ws, decoded)
+        plan = next(entry.body["plan"] for entry in entries if entry.kind == "plan")
+        written = evidence.written_by(job, ws, sorted(plan["seed"]["files"]))
+        named = self._patiently(lambda: evidence.upload(self.client, written))
         return wire.AttemptResult(
             lease_token=job.lease_token,
             outcome="succeeded",
@@ -275,7 +277,29 @@ class Agent:
             journal=outcome.journal,
             resource_samples=outcome.resource_samples,
             answers=outcome.answers,
+            evidence=named,
         )
+
+    def _patiently(self, call: Callable[[], T]) -> T:
+        """``call`` once the coordinator answers (it may be restarting); a refusal fails the attempt."""
+        answer = forever(call, self.stopping.is_set)
+        if answer is None:
+            raise CoopError("the agent is stopping")
+        return answer
+
+    def _stage(self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry]) -> None:
+        """Put what the job reads into this host's home: the plan, the prepared inputs, the selection."""
+        jobs.write_plan(entries, ws)
+        if job.kind == "prepare":
+            return
+        prepared = next((entry.identity for entry in entries if entry.kind == "prepared"), None)
+        if prepared is None:
+            raise CoopError(f"a {job.kind} job needs the committed prepared identity; the ledger has none")
+        if not (ws.home / evidence.PREPARED / evidence.MANIFEST).is_file():
+            log.info("fetching the prepared inputs %s from the coordinator", prepared[:16])
+            self._patiently(lambda: evidence.fetch_prepared(self.client, job.experiment_id, ws, prepared))
+        if job.kind == "evaluate" and job.role == "test":
+            evidence.write_selection(entries, ws)
 
     def _forward(
         self, process: subprocess.Popen[bytes], attempt: OpenAttempt

@@ -170,3 +170,19 @@ def load_plan(path: Path) -> Plan:
 def plan_identity(plan: Plan) -> str:
     """The plan's identity: sha256 of its canonical JSON (independent of TOML layout and comments)."""
     return identity(msgspec.to_builtins(plan))
+
+
+def seed_identity(plan: Plan) -> str:
+    """The untouched seed's model identity: the identity of its staged file snapshot (seedmodel.Snapshot's fields)."""
+    if not plan.seed.files or plan.seed.tokenizer_identity is None:
+        raise CoopError(
+            f"plan {plan.name} records no seed file hashes; stage the seed (coop seed-model snapshot) "
+            "and record them in the plan"
+        )
+    return identity(
+        {
+            "files": dict(plan.seed.files),
+            "tokenizer_identity": plan.seed.tokenizer_identity,
+            "parameters": plan.seed.parameters,
+        }
+    )

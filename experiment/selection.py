@@ -11,8 +11,9 @@ import msgspec
 
 from experiment import checkpoint
 from experiment.canonical import identity, read_json, write_new_json
-from experiment.corpus import Prepared, seed_snapshot
+from experiment.corpus import Prepared
 from experiment.errors import CoopError
+from experiment.plan import seed_identity
 
 TRAINED_ARMS = ("clean-single", "damaged-single", "clean-pair")
 SELECTION = "selection.json"
@@ -49,7 +50,7 @@ def _result(run: Path) -> dict[str, object]:
 def candidate_for(prepared: Prepared, arm: str) -> Candidate:
     """The arm's final checkpoint as this host holds it, verified on every rank folder present here."""
     if arm == "seed":
-        return Candidate(arm="seed", model_identity=identity(msgspec.to_builtins(seed_snapshot(prepared.plan))))
+        return Candidate(arm="seed", model_identity=seed_identity(prepared.plan))
     if arm not in TRAINED_ARMS:
         raise CoopError(f"unknown arm {arm!r}")
     final = prepared.plan.training.updates

@@ -32,7 +32,7 @@ ExperimentState = Literal[
     "halted",
 ]
 JobState = Literal["queued", "leased", "running", "succeeded", "failed", "lost", "cancelled"]
-JobKind = Literal["prepare", "train", "evaluate", "serve", "benchmark", "report"]
+JobKind = Literal["prepare", "train", "evaluate", "select", "serve", "benchmark", "report"]
 ArmName = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent"]
@@ -61,6 +61,12 @@ class ExperimentCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_toml: Annotated[str, msgspec.Meta(min_length=1, max_length=1_000_000)]
     # Commit the plan at once (the usual case); False leaves the experiment in draft.
     commit: bool = True
+    # Advance each phase as soon as the last one's jobs succeeded; off: one operator action per phase.
+    autopilot: bool = True
+
+
+class AutopilotSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    on: bool
 
 
 class Experiment(msgspec.Struct, frozen=True):
@@ -70,8 +76,16 @@ class Experiment(msgspec.Struct, frozen=True):
     plan_identity: str
     prepared_identity: str | None
     selection_identity: str | None
+    autopilot: bool
     created_at: datetime.datetime
     updated_at: datetime.datetime
+
+
+class Advanced(msgspec.Struct, frozen=True):
+    """What an advance did: the experiment afterwards and a sentence saying what was queued or committed."""
+
+    experiment: Experiment
+    action: str
 
 
 class Arm(msgspec.Struct, frozen=True):
@@ -133,6 +147,7 @@ class Job(msgspec.Struct, frozen=True):
     attempts_made: int
     max_attempts: int
     spec: dict[str, Any]
+    pinned_agent_id: uuid.UUID | None
     created_at: datetime.datetime
 
 
@@ -250,6 +265,20 @@ class TrainResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_identity: Sha256
     receipt_sha256: Sha256
     final: bool
+    binding: Sha256 | None = None
+    # The final checkpoint's model folder relative to the experiment home (experiment.selection.Candidate.path).
+    checkpoint_path: Annotated[str, msgspec.Meta(max_length=500)] | None = None
+
+
+class SelectResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A select job's result: the arm's final checkpoint as its host verified it (experiment.selection.Candidate)."""
+
+    arm: ArmName
+    model_identity: Sha256
+    path: Annotated[str, msgspec.Meta(max_length=500)]
+    step: Annotated[int, msgspec.Meta(ge=1)]
+    binding: Sha256
+    receipt_sha256: Sha256
 
 
 class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
 from experiment.errors import CoopError
-from server import auth, db, queue
+from server import auth, db, queue, reporter
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
 from server.api.blobs import BlobController
@@ -85,14 +85,19 @@ def create_app(settings: Settings | None = None) -> Litestar:
     context = auth.Context(settings, sessions, config)
 
     @contextlib.asynccontextmanager
-    async def reaper(_: Litestar) -> AsyncIterator[None]:
-        task = asyncio.create_task(_reaper(settings, sessions))
+    async def background(_: Litestar) -> AsyncIterator[None]:
+        tasks = [
+            asyncio.create_task(_reaper(settings, sessions)),
+            asyncio.create_task(reporter.loop(sessions, settings, settings.reap_seconds)),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     return Litestar(
         route_handlers=[
@@ -114,7 +119,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         guards=[auth.authorize],
         exception_handlers={CoopError: _problem},
         template_config=web_templates(),
-        lifespan=[reaper],
+        lifespan=[background],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="coop coordinator", version="0.1.0", path="/schema"),

@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from experiment.errors import CoopError
 from experiment.ledger import verify_ledger
-from server import commitments, db, migrate, tokens
+from server import commitments, db, migrate, operator, tokens
 from server.settings import Settings, from_env
 
 
@@ -67,11 +72,66 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("--name", required=True)
     verify = commands.add_parser("verify-ledger", help="verify an experiment's commitment chain")
     verify.add_argument("experiment_id", type=uuid.UUID)
+    _experiment_parser(commands)
     return parser
+
+
+def _experiment_parser(commands: Any) -> None:
+    experiment = commands.add_parser(
+        "experiment",
+        help="operate an experiment through the coordinator's REST API",
+        description="Coordinator URL from --coordinator or COOP_COORDINATOR; operator token from COOP_TOKEN "
+        "or --token-file.",
+    )
+    experiment.add_argument("--coordinator", default=os.environ.get("COOP_COORDINATOR", "http://127.0.0.1:8000"))
+    experiment.add_argument("--token-file", type=Path, help="a file holding the operator token (else COOP_TOKEN)")
+    actions = experiment.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="create and commit an experiment from a plan")
+    create.add_argument("--plan", type=Path, required=True)
+    create.add_argument("--no-autopilot", dest="autopilot", action="store_false", help="one advance per phase")
+    actions.add_parser("advance", help="queue the next phase's jobs").add_argument("experiment_id", type=uuid.UUID)
+    pilot = actions.add_parser("autopilot", help="switch autopilot on or off")
+    pilot.add_argument("experiment_id", type=uuid.UUID)
+    pilot.add_argument("switch", choices=("on", "off"))
+    follow = actions.add_parser("watch", help="follow an experiment until it ends, then print its verdict")
+    follow.add_argument("experiment_id", type=uuid.UUID)
+
+
+def _operator(args: argparse.Namespace) -> operator.Operator:
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise CoopError(f"cannot read token file {args.token_file}: {exc.strerror}") from exc
+    else:
+        token = os.environ.get("COOP_TOKEN", "")
+    if not token:
+        raise CoopError("an operator token is needed: set COOP_TOKEN or pass --token-file")
+    return operator.Operator(args.coordinator, token)
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    client = _operator(args)
+    if args.action == "create":
+        print(msgspec.json.encode(client.create(args.plan, args.autopilot)).decode())
+    elif args.action == "advance":
+        print(msgspec.json.encode(client.advance(args.experiment_id)).decode())
+    elif args.action == "autopilot":
+        print(msgspec.json.encode(client.autopilot(args.experiment_id, args.switch == "on")).decode())
+    elif args.action == "watch":
+        final = operator.watch(client, args.experiment_id)
+        if final.state != "reported":
+            print(f"experiment {final.id} ended {final.state}", file=sys.stderr)
+            return 1
+        for line in operator.verdict_lines(client.report(args.experiment_id)):
+            print(line)
+    return 0
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "experiment":
+        return _experiment(args)
     settings = from_env()
     _prepare_home(settings)
     if args.command == "migrate":

@@ -1,7 +1,6 @@
-"""The experiment service: creating experiments from a plan and advancing them as jobs finish.
+"""The experiment service: creating experiments from a plan and recording what finished jobs commit.
 
-Guards and transitions are lifecycle.py's; this module decides *when* to apply them and which jobs
-to queue next (prepare, then the three training arms, then the four test evaluations).
+Guards and transitions are lifecycle.py's; which jobs each phase queues is phases.py's.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.errors import CoopError
-from experiment.plan import Plan, parse_plan, plan_identity
-from server import blobs, commitments, models
+from experiment.plan import Plan, parse_plan, plan_identity, seed_identity
+from server import blobs, commitments, evidence, models
 from server.errors import BadRequest, NotFound
 from server.lifecycle import (
     EVALUATED_ARMS,
@@ -74,6 +73,7 @@ async def create(session: AsyncSession, settings: Settings, body: wire.Experimen
         plan_toml=body.plan_toml,
         plan=msgspec.to_builtins(plan),
         plan_identity=plan_identity(plan),
+        autopilot=body.autopilot,
     )
     session.add(experiment)
     await session.flush()
@@ -106,8 +106,14 @@ async def enqueue(
     ledger = await commitments.committed(session, experiment.id)
     guard_job(experiment.state, ledger, body.kind, body.arm, body.role)
     world_size = 1
-    if body.kind == "train" and body.arm is not None:
-        world_size = (await arms_of(session, experiment.id))[body.arm].world_size
+    pinned: uuid.UUID | None = None
+    if body.arm is not None and body.arm != "seed":
+        arm = (await arms_of(session, experiment.id))[body.arm]
+        if body.kind == "train":
+            world_size = arm.world_size
+        else:
+            # Evaluations and selection of a trained arm need its checkpoint: they run on the host holding it.
+            pinned = arm.holder_agent_id
     job = models.Job(
         experiment_id=experiment.id,
         kind=body.kind,
@@ -119,6 +125,7 @@ async def enqueue(
         attempts_made=0,
         max_attempts=settings.max_attempts,
         ranks_open=world_size,
+        pinned_agent_id=pinned,
         queued_at=_now(),
     )
     session.add(job)
@@ -156,10 +163,10 @@ async def job_succeeded(session: AsyncSession, settings: Settings, job: models.J
             session, experiment.id, "prepared", prepared.prepared_identity, {"plan_identity": experiment.plan_identity}
         )
         move_experiment(session, experiment, E.PREPARED, f"prepare job {job.id} succeeded")
-        for arm in TRAINED_ARMS:
-            await enqueue(session, settings, experiment, wire.JobCreate(kind="train", arm=arm))
     elif job.kind == "train":
         await _record_training(session, experiment, job, results)
+    elif job.kind == "select":
+        await _record_verified_checkpoint(session, settings, experiment)
     elif job.kind == "evaluate" and job.role == "test":
         await _record_test_evaluation(session, experiment)
 
@@ -176,6 +183,13 @@ async def _record_training(
     arms = await arms_of(session, experiment.id)
     arm = arms[job.arm or ""]
     arm.final_step, arm.model_identity, arm.receipt_sha256 = final.step, final.model_identity, final.receipt_sha256
+    arm.binding, arm.checkpoint_path = final.binding, final.checkpoint_path
+    rank0 = await session.scalar(
+        select(models.Attempt).where(
+            models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made, models.Attempt.rank == 0
+        )
+    )
+    arm.holder_agent_id = None if rank0 is None else rank0.agent_id
     if experiment.state == E.TRAINING and all(arms[name].model_identity for name in TRAINED_ARMS):
         move_experiment(session, experiment, E.TRAINED, "every arm has a verified final checkpoint")
 
@@ -199,25 +213,79 @@ async def _record_test_evaluation(session: AsyncSession, experiment: models.Expe
     move_experiment(session, experiment, E.TESTED, "every arm was evaluated on the test role")
 
 
+async def _latest_succeeded(session: AsyncSession, experiment_id: uuid.UUID, kind: str) -> dict[str, models.Job]:
+    """Per arm, the last job of ``kind`` that succeeded."""
+    rows = await session.scalars(
+        select(models.Job)
+        .where(
+            models.Job.experiment_id == experiment_id, models.Job.kind == kind, models.Job.state == JobState.SUCCEEDED
+        )
+        .order_by(models.Job.queued_at)
+    )
+    return {job.arm or "": job for job in rows}
+
+
+async def _record_verified_checkpoint(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
+    """Once every trained arm's host verified its final checkpoint (select jobs), commit the selection."""
+    verified = await _latest_succeeded(session, experiment.id, "select")
+    if experiment.state != E.TRAINED or any(arm not in verified for arm in TRAINED_ARMS):
+        return
+    candidates: dict[str, dict[str, Any]] = {}
+    for arm in TRAINED_ARMS:
+        job = verified[arm]
+        result = _convert((await _results(session, job))[0], wire.SelectResult, job)
+        if result.arm != arm:
+            raise Refused("select-result-arm", f"select job {job.id} verified {result.arm}, not {arm}")
+        candidates[arm] = msgspec.to_builtins(result)
+    await commit_selection(session, settings, experiment, candidates)
+
+
 async def select_checkpoints(
     session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.SelectionCreate
 ) -> None:
+    """The operator's selection by REST: the named final checkpoints, as the coordinator recorded them."""
+    arms = await arms_of(session, experiment.id)
+    candidates = {
+        name: {
+            "arm": name,
+            "model_identity": pick.model_identity,
+            "step": pick.step,
+            "path": arms[name].checkpoint_path if name in arms else None,
+            "binding": arms[name].binding if name in arms else None,
+            "receipt_sha256": arms[name].receipt_sha256 if name in arms else None,
+        }
+        for name, pick in body.arms.items()
+    }
+    await commit_selection(session, settings, experiment, candidates)
+
+
+async def commit_selection(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, candidates: dict[str, dict[str, Any]]
+) -> None:
+    """Commit the selection document (experiment.selection.Selection, the seed included) and keep it as the
+    bundle's selection.json: its identity is the one test evaluations and the report check."""
     experiment_target(experiment.state, E.SELECTED)
     arms = await arms_of(session, experiment.id)
     recorded = {name: TrainedArm(name, arm.final_step, arm.model_identity) for name, arm in arms.items()}
-    chosen = {name: (pick.step, pick.model_identity) for name, pick in body.arms.items()}
+    chosen = {name: (int(pick["step"]), str(pick["model_identity"])) for name, pick in candidates.items()}
     guard_selection(recorded, chosen, plan_of(experiment).training.updates)
     document = {
         "plan_identity": experiment.plan_identity,
         "prepared_identity": experiment.prepared_identity,
-        "arms": {name: msgspec.to_builtins(body.arms[name]) for name in TRAINED_ARMS},
+        "arms": {"seed": {"arm": "seed", "model_identity": seed_identity(plan_of(experiment))}}
+        | {name: {k: v for k, v in candidates[name].items() if v is not None} for name in TRAINED_ARMS},
     }
     selection_identity = identity(document)
+    data = canonical_bytes(document) + b"\n"
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    await blobs.store(session, settings, sha256_bytes(data), chunks(), "application/json", len(data))
+    await evidence.attach(session, experiment.id, {"selection.json": sha256_bytes(data)})
     await commitments.append(session, experiment.id, "selection", selection_identity, document)
     experiment.selection_identity = selection_identity
     move_experiment(session, experiment, E.SELECTED, "final checkpoints selected")
-    for arm in EVALUATED_ARMS:
-        await enqueue(session, settings, experiment, wire.JobCreate(kind="evaluate", arm=arm, role="test"))
 
 
 async def start_serving(session: AsyncSession, experiment: models.Experiment, body: wire.ServingCreate) -> None:

@@ -104,6 +104,8 @@ TRAINED_ARMS: tuple[ArmName, ...] = ("clean-single", "damaged-single", "clean-pa
 EVALUATED_ARMS: tuple[ArmName, ...] = ("seed", *TRAINED_ARMS)
 SERVED_ARM: ArmName = "clean-pair"
 DAMAGED_ARM: ArmName = "damaged-single"
+# The job kind the coordinator runs itself (reporter.py); agents never claim it.
+COORDINATOR_KIND = "report"
 
 
 def experiment_target(current: str, target: ExperimentState) -> ExperimentState:
@@ -261,6 +263,13 @@ def guard_job(state: str, ledger: Ledger, kind: str, arm: str | None, role: str 
             )
         if role == "dev" and arm != "seed" and current not in {E.TRAINED, E.SELECTED, E.TESTED, E.SERVING}:
             raise Refused("dev-evaluation-requires-trained-arms", "dev evaluation of a trained arm waits for training")
+    if kind == "select":
+        if arm not in TRAINED_ARMS:
+            raise Refused("select-arm", f"only the trained arms {', '.join(TRAINED_ARMS)} are selected, not {arm}")
+        if current != E.TRAINED:
+            raise Refused("select-requires-trained-arms", f"selection follows training; the experiment is {current}")
+    if kind == COORDINATOR_KIND and current != E.SERVING:
+        raise Refused("report-requires-test-evaluations", f"the report follows the test evaluations; now {current}")
     if kind == "serve":
         guard_serving_arm(arm)
         if current != E.SERVING:

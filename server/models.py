@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
@@ -41,6 +42,8 @@ class Experiment(UUIDv7AuditBase):
     plan_identity: Mapped[str] = mapped_column(String(64), index=True)
     prepared_identity: Mapped[str | None] = mapped_column(String(64), default=None)
     selection_identity: Mapped[str | None] = mapped_column(String(64), default=None)
+    # Advance each phase as soon as the last one's jobs succeeded (the operator can switch it off).
+    autopilot: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class Arm(UUIDv7AuditBase):
@@ -53,6 +56,11 @@ class Arm(UUIDv7AuditBase):
     final_step: Mapped[int | None] = mapped_column(Integer, default=None)
     model_identity: Mapped[str | None] = mapped_column(String(64), default=None)
     receipt_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    binding: Mapped[str | None] = mapped_column(String(64), default=None)
+    # The final checkpoint's model folder, relative to the training host's experiment home.
+    checkpoint_path: Mapped[str | None] = mapped_column(String(500), default=None)
+    # The agent holding the final checkpoint (rank 0's host): evaluations and serving of the arm run there.
+    holder_agent_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("agents.id"), default=None)
 
 
 class Commitment(UUIDv7AuditBase):
@@ -99,6 +107,8 @@ class Job(UUIDv7AuditBase):
     formation_deadline: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
     # Generations that ended because the gang never formed; they do not use up the retry budget.
     formation_timeouts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Only this agent may claim the job (for a gang: rank 0), because it holds the files the job needs.
+    pinned_agent_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("agents.id"), default=None)
     # Ordering key for claims: first queued, first served.
     queued_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
 

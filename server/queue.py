@@ -17,14 +17,14 @@ import secrets
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from experiment import wire
-from server import experiments, lifecycle, models
+from server import experiments, lifecycle, models, phases
 from server.errors import Forbidden, NotFound
-from server.lifecycle import JOB_ACTIVE, JOB_FINAL, JobState, Refused
+from server.lifecycle import COORDINATOR_KIND, JOB_ACTIVE, JOB_FINAL, JobState, Refused
 from server.settings import Settings
 
 J = JobState
@@ -57,7 +57,8 @@ async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence
         )
         .exists()
     )
-    kind_filter = [candidate.kind.in_(list(kinds))] if kinds else []
+    # Report jobs are the coordinator's own (phases.py, reporter.py); agents never claim them.
+    kind_filter = [candidate.kind.in_(list(kinds)) if kinds else true(), candidate.kind != COORDINATOR_KIND]
     open_gang = (
         select(candidate.id)
         .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, *kind_filter)
@@ -80,7 +81,11 @@ async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence
         return job_id
     queued = (
         select(candidate.id)
-        .where(candidate.state == J.QUEUED.value, *kind_filter)
+        .where(
+            candidate.state == J.QUEUED.value,
+            or_(candidate.pinned_agent_id.is_(None), candidate.pinned_agent_id == agent.id),
+            *kind_filter,
+        )
         .order_by(candidate.queued_at, candidate.id)
         .limit(1)
         .with_for_update(skip_locked=True)
@@ -168,7 +173,15 @@ async def _settle(session: AsyncSession, settings: Settings, job: models.Job, en
     generation = await _generation(session, job)
     outcome = J(ended.state)
     if outcome in {J.LOST, J.FAILED, J.CANCELLED}:
-        for sibling in generation:
+        running = [sibling for sibling in generation if sibling.state in ACTIVE]
+        if outcome == J.FAILED and running and job.cancel_requested_at is None:
+            # A gang rank fails when a peer's host vanishes (its collective breaks). Whether this generation
+            # was lost or failed is known once every rank ended: the peers still running finish or fail on
+            # their own, and a vanished one's lease expires (lost, so the job is retried).
+            return
+        if any(sibling.state == J.LOST.value for sibling in generation):
+            outcome = J.LOST
+        for sibling in running:
             if sibling.state in ACTIVE:
                 lifecycle.move_attempt(
                     session,
@@ -186,10 +199,14 @@ async def _settle(session: AsyncSession, settings: Settings, job: models.Job, en
         if target == J.LOST and tried < job.max_attempts:
             lifecycle.move_job(session, job, J.QUEUED, f"retry {tried + 1} of {job.max_attempts}")
             job.ranks_open, job.master_addr, job.master_port = job.world_size, None, None
+            if job.world_size > 1:
+                # Each rank resumes from its own checkpoints: the retry's rank 0 is claimed on rank 0's host.
+                job.pinned_agent_id = next(a.agent_id for a in generation if a.rank == 0)
         return
     if job.ranks_open == 0 and all(a.state == J.SUCCEEDED.value for a in generation):
         lifecycle.move_job(session, job, J.SUCCEEDED, f"every rank of attempt {job.attempts_made} succeeded")
         await experiments.job_succeeded(session, settings, job)
+        await phases.autopilot(session, settings, await experiments.load(session, job.experiment_id))
 
 
 async def _requeue_unformed(session: AsyncSession, settings: Settings, now: datetime.datetime) -> int:

@@ -16,6 +16,7 @@ def experiment(row: models.Experiment) -> wire.Experiment:
         plan_identity=row.plan_identity,
         prepared_identity=row.prepared_identity,
         selection_identity=row.selection_identity,
+        autopilot=row.autopilot,
         created_at=row.created_at,
         updated_at=row.updated_at,
     )
@@ -46,6 +47,7 @@ def job(row: models.Job) -> wire.Job:
         attempts_made=row.attempts_made,
         max_attempts=row.max_attempts,
         spec=row.spec,
+        pinned_agent_id=row.pinned_agent_id,
         created_at=row.created_at,
     )
 

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, commitments, experiments, models, views
+from server import audit, commitments, experiments, models, phases, views
 from server.settings import Settings
 from server.tokens import Principal
 
@@ -101,6 +101,33 @@ class ExperimentController(Controller):
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         await experiments.select_checkpoints(db_session, settings, experiment, data)
         audit.record(db_session, principal, "experiment.select", f"experiment:{experiment.id}")
+        await phases.autopilot(db_session, settings, experiment)
+        return await _view(db_session, experiment)
+
+    @post("/{experiment_id:uuid}/advance", operation_id="advanceExperiment", opt=OPERATOR, status_code=200)
+    async def advance(
+        self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings, principal: Principal
+    ) -> wire.Advanced:
+        """Queue the next phase's jobs (409 with rule ``phase-running`` while the current phase runs)."""
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        action = await phases.advance(db_session, settings, experiment)
+        audit.record(db_session, principal, "experiment.advance", f"experiment:{experiment.id}", queued=action)
+        return wire.Advanced(await _view(db_session, experiment), action)
+
+    @post("/{experiment_id:uuid}/autopilot", operation_id="setAutopilot", opt=OPERATOR, status_code=200)
+    async def autopilot(
+        self,
+        experiment_id: uuid.UUID,
+        data: wire.AutopilotSet,
+        db_session: AsyncSession,
+        settings: Settings,
+        principal: Principal,
+    ) -> wire.Experiment:
+        """Switch autopilot on or off; switched on, it advances at once if the current phase is done."""
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        phases.set_autopilot(experiment, data.on)
+        audit.record(db_session, principal, "experiment.autopilot", f"experiment:{experiment.id}", on=data.on)
+        await phases.autopilot(db_session, settings, experiment)
         return await _view(db_session, experiment)
 
     @post("/{experiment_id:uuid}/serving", operation_id="commitServing", opt=OPERATOR)

@@ -192,6 +192,9 @@ def trained_experiment(api: Api, a: str, b: str) -> dict[str, Any]:
         assert api.finish(token, job, **train_result(job["arm"])).status_code == 200
     rank0, rank1 = api.claim(a), api.claim(b)
     assert rank0 is not None and rank1 is not None and rank0["arm"] == "clean-pair"
+    # From here on the tests drive each phase themselves (no dev evaluations or select jobs queued).
+    off = api.operator_post(f"/api/experiments/{experiment['id']}/autopilot", {"on": False})
+    assert off.status_code == 200 and not off.json()["autopilot"], off.text
     for token, job in ((a, rank0), (b, rank1)):
         assert api.finish(token, job, **train_result("clean-pair")).status_code == 200
     return experiment
@@ -204,6 +207,14 @@ def selection_body() -> dict[str, Any]:
             for arm in ("clean-single", "damaged-single", "clean-pair")
         }
     }
+
+
+def select_and_advance(api: Api, experiment_id: str) -> None:
+    """Commit the selection by REST, then the operator's advance queues the four test evaluations."""
+    selected = api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body())
+    assert selected.status_code == 201 and selected.json()["state"] == "selected", selected.text
+    advanced = api.operator_post(f"/api/experiments/{experiment_id}/advance", {})
+    assert advanced.status_code == 200 and advanced.json()["action"].startswith("queued evaluate test"), advanced.text
 
 
 def report_body(report: dict[str, Any]) -> dict[str, Any]:
@@ -238,11 +249,11 @@ def tested_experiment(api: Api) -> tuple[str, str]:
     """A tested experiment (selection committed, four test evaluations recorded) and agent a's token."""
     a, b = api.agent("a"), api.agent("b")
     experiment_id = trained_experiment(api, a, b)["id"]
-    selected = api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body())
-    assert selected.status_code == 201 and selected.json()["state"] == "selected", selected.text
+    select_and_advance(api, experiment_id)
     for _ in range(4):
-        job = api.claim(a)
-        assert job is not None and job["kind"] == "evaluate" and job["role"] == "test"
-        assert api.finish(a, job, answers_sha256=sha(f"answers {job['arm']}")).status_code == 200
+        # A trained arm's evaluation is pinned to the host holding its checkpoint: either agent may get one.
+        token, job = next((t, j) for t in (a, b) if (j := api.claim(t)) is not None)
+        assert job["kind"] == "evaluate" and job["role"] == "test"
+        assert api.finish(token, job, answers_sha256=sha(f"answers {job['arm']}")).status_code == 200
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
     return experiment_id, a

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiment.canonical import canonical_bytes
+from experiment.canonical import canonical_bytes, sha256_bytes
 from experiment.ledger import decode_ledger, verify_ledger
 from server.settings import Settings
 from tests.integration.coordinator.support import (
@@ -19,7 +19,7 @@ from tests.integration.coordinator.support import (
     bearer,
     prepared_experiment,
     running,
-    selection_body,
+    select_and_advance,
     sha,
     train_result,
 )
@@ -105,19 +105,20 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
         runs = upload(token, _files(f"runs/{job['arm']}/rank-0/", ("result.json", "run.json")))
         assert api.report(token, job, result=train_result(job["arm"]), evidence=runs).status_code == 200
     ranks = [api.claim(a), api.claim(b)]
+    assert api.operator_post(f"/api/experiments/{experiment_id}/autopilot", {"on": False}).status_code == 200
     for token, job in zip((a, b), ranks, strict=True):
         assert job is not None
         runs = upload(token, _files(f"runs/clean-pair/rank-{job['rank']}/", ("result.json", "run.json")))
         assert api.report(token, job, result=train_result("clean-pair"), evidence=runs).status_code == 200
-    assert api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body()).status_code == 201
-    selection = upload(api.operator, {"selection.json": b'{"selection": true}\n'})
-    attached = api.operator_post(f"/api/experiments/{experiment_id}/evidence", {"files": selection})
-    assert attached.status_code == 201, attached.text
+    select_and_advance(api, experiment_id)
+    # The committed selection is the bundle's selection.json, written by the coordinator; it is never replaced.
+    committed = next(e for e in api.get(f"/api/experiments/{experiment_id}/ledger") if e["kind"] == "selection")
+    assert sha256_bytes(canonical_bytes(committed["body"])) == committed["identity"]
     conflict = api.operator_post(
         f"/api/experiments/{experiment_id}/evidence", {"files": upload(api.operator, {"selection.json": b"{}\n"})}
     )
     assert conflict.status_code == 409 and conflict.json()["rule"] == "evidence-path-conflict"
-    uploaded["selection.json"] = b'{"selection": true}\n'
+    uploaded["selection.json"] = canonical_bytes(committed["body"]) + b"\n"
     missing = api.operator_post(f"/api/experiments/{experiment_id}/evidence", {"files": {"serving/x.json": sha("x")}})
     assert missing.status_code == 409 and missing.json()["rule"] == "evidence-blob-not-uploaded"
     dotted = api.operator_post(f"/api/experiments/{experiment_id}/evidence", {"files": {"runs/../x": sha("x")}})
@@ -128,7 +129,7 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
     with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
     assert sorted(members) == sorted([*uploaded, "ledger.json"])
-    assert all(members[path] == data for path, data in uploaded.items())
+    assert {p: d for p, d in members.items() if p in uploaded} == uploaded
     ledger = decode_ledger(members["ledger.json"], "evidence.tar")
     verify_ledger(ledger)
     assert [e.kind for e in ledger] == ["plan", "prepared", "selection"]

@@ -108,9 +108,12 @@ def test_losing_one_rank_ends_both_attempts_and_retries_the_gang(
         states = {(x["number"], x["rank"]): x["state"] for x in api.get(f"{job_path}/attempts")}
         assert states == {(1, 0): "lost", (1, 1): "cancelled"}
         assert api.get(job_path)["state"] == "queued"
-        retry = [api.claim(b), api.claim(a)]
-        assert all(r is not None and r["number"] == 2 for r in retry)
-        assert retry[0] is not None and retry[0]["master_addr"] == "10.1.0.2"  # the new rank 0's address
+        # Each rank resumes from its own checkpoints: the retry's rank 0 waits for rank 0's host.
+        assert api.claim(b) is None
+        retry = [api.claim(a), api.claim(b)]
+        assert [(r or {}).get("number") for r in retry] == [2, 2]
+        assert [(r or {}).get("rank") for r in retry] == [0, 1]
+        assert retry[1] is not None and retry[1]["master_addr"] == "10.1.0.1"  # rank 0's address
 
 
 def test_gang_succeeds_only_when_both_ranks_report_the_same_final_checkpoint(api: Api) -> None:

@@ -14,7 +14,7 @@ from tests.integration.coordinator.support import (
     prepared_experiment,
     report_body,
     running,
-    selection_body,
+    select_and_advance,
     sha,
     train_result,
     trained_experiment,
@@ -80,13 +80,13 @@ def _evaluated(api: Api) -> tuple[str, str]:
     """Test answers for all four arms: arm number k gets index i right when (i + k) % 3 != 0."""
     a, b = api.agent("a"), api.agent("b")
     experiment_id = trained_experiment(api, a, b)["id"]
-    assert api.operator_post(f"/api/experiments/{experiment_id}/selection", selection_body()).status_code == 201
+    select_and_advance(api, experiment_id)
     families = ("lookup", "filter", "total", "sort")
     for k in range(4):
-        job = api.claim(a)
-        assert job is not None and job["kind"] == "evaluate"
+        token, job = next((t, j) for t in (a, b) if (j := api.claim(t)) is not None)
+        assert job["kind"] == "evaluate"
         answers = [answer(i, (i + k) % 3 != 0, families[i % 4], (i // 4) % 4) for i in range(12)]
-        reply = api.report(a, job, result={"answers_sha256": sha(job["arm"])}, answers=answers)
+        reply = api.report(token, job, result={"answers_sha256": sha(job["arm"])}, answers=answers)
         assert reply.status_code == 200, reply.text
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
     return experiment_id, a

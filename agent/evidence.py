@@ -1,0 +1,88 @@
+"""What crosses between hosts through the coordinator: evidence files up, prepared inputs and the selection down.
+
+Each job uploads the small files it wrote (docs/evidence.md) as content-addressed blobs and names them in its
+result; model weights never leave the host. A host that did not prepare downloads the prepared files, checks
+each against its blob's sha256, the manifest against the committed prepared identity and every role file
+against the manifest, before any job of it runs. A test evaluation gets the committed selection document.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from agent.client import Coordinator
+from agent.jobs import Workspace
+from experiment import wire
+from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
+from experiment.errors import CoopError
+
+PREPARED = "prepared"
+MANIFEST = "manifest.json"
+SELECTION = "selection.json"
+
+
+def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> dict[str, Path]:
+    """The bundle paths a succeeded job contributes, each with the local file that holds it."""
+    home = ws.home
+    if job.kind == "prepare":
+        files = {f"{PREPARED}/{p.name}": p for p in sorted((home / PREPARED).iterdir()) if p.is_file()}
+        # The seed's small files (tokenizer, template, config) let anyone re-tokenize; the weights stay here.
+        files |= {f"seed/{name}": ws.model_dir / name for name in seed_files if not name.endswith(".safetensors")}
+        return files
+    if job.kind == "train":
+        run = home / "runs" / str(job.arm) / f"rank-{job.rank}"
+        return {f"runs/{job.arm}/rank-{job.rank}/{name}": run / name for name in ("result.json", "run.json")}
+    if job.kind == "evaluate":
+        folder = home / "evaluations" / str(job.role) / str(job.arm)
+        return {f"evaluations/{job.role}/{job.arm}/{p.name}": p for p in sorted(folder.iterdir()) if p.is_file()}
+    return {}
+
+
+def upload(client: Coordinator, files: dict[str, Path]) -> dict[str, str]:
+    """Upload each file as a blob (idempotent: a blob already stored is not stored again); path -> sha256."""
+    named = {}
+    for path, local in files.items():
+        data = local.read_bytes()
+        digest = sha256_bytes(data)
+        client.upload_blob(digest, data)
+        named[path] = digest
+    return named
+
+
+def fetch_prepared(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace, prepared_identity: str) -> None:
+    """Download the committed prepared inputs into this host's home (nothing is written unless all verify)."""
+    listed = [f for f in client.evidence(experiment_id) if f.path.startswith(f"{PREPARED}/")]
+    files: dict[str, bytes] = {}
+    for item in listed:
+        data = client.download_blob(item.sha256)
+        if sha256_bytes(data) != item.sha256:
+            raise CoopError(f"the coordinator sent {item.path} with sha256 {sha256_bytes(data)}, not {item.sha256}")
+        files[item.path.removeprefix(f"{PREPARED}/")] = data
+    if MANIFEST not in files:
+        raise CoopError("the coordinator holds no prepared/manifest.json for this experiment")
+    manifest = json.loads(files[MANIFEST])
+    if identity(manifest) != prepared_identity:
+        raise CoopError(
+            f"the downloaded manifest's identity {identity(manifest)[:16]} is not the committed prepared identity "
+            f"{prepared_identity[:16]}"
+        )
+    for role, entry in manifest["roles"].items():
+        role_file = files.get(str(entry["file"]))
+        if role_file is None or sha256_bytes(role_file) != entry["sha256"]:
+            raise CoopError(f"the downloaded prepared {role} file does not match the manifest")
+    for name, data in files.items():
+        write_new_bytes(ws.home / PREPARED / name, data)
+
+
+def write_selection(entries: list[wire.LedgerEntry], ws: Workspace) -> Path:
+    """The committed selection document as the home's selection.json (an identical one may already be there)."""
+    committed = next((entry for entry in entries if entry.kind == "selection"), None)
+    if committed is None:
+        raise CoopError("the experiment's ledger has no committed selection; test evaluations wait for it")
+    path = ws.home / SELECTION
+    write_new_bytes(path, canonical_bytes(committed.body) + b"\n")
+    if identity(read_json(path)) != committed.identity:
+        raise CoopError(f"{path} does not carry the committed selection identity {committed.identity[:16]}")
+    return path

@@ -1,0 +1,151 @@
+"""The operator's commands over REST (``coop-server experiment ...``): create, advance, autopilot, watch.
+
+``watch`` follows an experiment until it is reported, failed or halted: a progress bar per job on a
+terminal, JSON-lines events otherwise, then the primary verdict with its three conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from experiment import wire
+from experiment.errors import CoopError
+
+FINAL = {"reported", "failed", "halted"}
+
+
+class Operator:
+    def __init__(self, base_url: str, token: str) -> None:
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"})
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            response = self.http.request(method, path, json=body, timeout=60.0)
+        except httpx.TransportError as exc:
+            raise CoopError(f"the coordinator at {self.http.base_url} did not answer: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                problem = response.json()
+                detail = f"{problem.get('detail')}" + (f" (rule {problem['rule']})" if problem.get("rule") else "")
+            except ValueError:
+                detail = response.text[:500]
+            raise CoopError(f"{method} {path}: HTTP {response.status_code}: {detail}")
+        return response.json()
+
+    def create(self, plan: Path, autopilot: bool) -> wire.Experiment:
+        try:
+            text = plan.read_text()
+        except OSError as exc:
+            raise CoopError(f"cannot read plan {plan}: {exc.strerror}") from exc
+        body = {"plan_toml": text, "autopilot": autopilot}
+        return msgspec.convert(self._json("POST", "/api/experiments", body), type=wire.Experiment)
+
+    def advance(self, experiment_id: uuid.UUID) -> wire.Advanced:
+        reply = self._json("POST", f"/api/experiments/{experiment_id}/advance")
+        return msgspec.convert(reply, type=wire.Advanced)
+
+    def autopilot(self, experiment_id: uuid.UUID, on: bool) -> wire.Experiment:
+        reply = self._json("POST", f"/api/experiments/{experiment_id}/autopilot", {"on": on})
+        return msgspec.convert(reply, type=wire.Experiment)
+
+    def experiment(self, experiment_id: uuid.UUID) -> wire.Experiment:
+        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}"), type=wire.Experiment)
+
+    def jobs(self, experiment_id: uuid.UUID) -> list[wire.Job]:
+        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/jobs"), type=list[wire.Job])
+
+    def progress(self, job: wire.Job) -> tuple[int, int]:
+        """(done, total) updates of a train job's current attempt, from its rank-0 step events."""
+        attempts = self._json("GET", f"/api/jobs/{job.id}/attempts")
+        current = [a for a in attempts if a["number"] == job.attempts_made and a["rank"] == 0]
+        if not current:
+            return 0, 0
+        events = self._json("GET", f"/api/attempts/{current[0]['id']}/events")
+        steps = [e["body"] for e in events if e["kind"] == "step"]
+        if not steps:
+            return 0, 0
+        return int(steps[-1].get("done", 0)), int(steps[-1].get("total", 0))
+
+    def report(self, experiment_id: uuid.UUID) -> dict[str, Any]:
+        reply: dict[str, Any] = self._json("GET", f"/api/experiments/{experiment_id}/report")
+        return reply
+
+
+def _label(job: wire.Job) -> str:
+    return " ".join(part for part in (job.kind, job.role, job.arm) if part)
+
+
+def watch(operator: Operator, experiment_id: uuid.UUID, poll: float = 2.0) -> wire.Experiment:
+    """Follow the experiment until it ends; progress bars on a terminal, JSON lines otherwise."""
+    if sys.stdout.isatty():
+        return _watch_terminal(operator, experiment_id, poll)
+    return _watch_lines(operator, experiment_id, poll, lambda line: print(line, flush=True))
+
+
+def _snapshot(operator: Operator, experiment_id: uuid.UUID) -> tuple[wire.Experiment, list[tuple[wire.Job, int, int]]]:
+    experiment = operator.experiment(experiment_id)
+    rows = []
+    for job in operator.jobs(experiment_id):
+        done, total = operator.progress(job) if job.kind == "train" and job.state == "running" else (0, 0)
+        rows.append((job, done, total))
+    return experiment, rows
+
+
+def _watch_lines(
+    operator: Operator, experiment_id: uuid.UUID, poll: float, out: Callable[[str], None]
+) -> wire.Experiment:
+    seen: dict[str, str] = {}
+    while True:
+        experiment, rows = _snapshot(operator, experiment_id)
+        status = {"experiment": experiment.state} | {
+            f"{_label(job)} [{str(job.id)[-6:]}]": job.state + (f" {done}/{total}" if total else "")
+            for job, done, total in rows
+        }
+        for key, value in status.items():
+            if seen.get(key) != value:
+                out(json.dumps({"event": "progress", "what": key, "state": value, "at": round(time.time(), 1)}))
+        seen = status
+        if experiment.state in FINAL:
+            return experiment
+        time.sleep(poll)
+
+
+def _watch_terminal(operator: Operator, experiment_id: uuid.UUID, poll: float) -> wire.Experiment:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns) as bars:
+        phase = bars.add_task("experiment: draft", total=None)
+        tasks: dict[uuid.UUID, Any] = {}
+        while True:
+            experiment, rows = _snapshot(operator, experiment_id)
+            bars.update(phase, description=f"experiment: {experiment.state}")
+            for job, done, total in rows:
+                finished = job.state in {"succeeded", "failed", "cancelled"}
+                description = f"  {_label(job)}: {job.state}"
+                if job.id not in tasks:
+                    tasks[job.id] = bars.add_task(description, total=total or 1)
+                size = total or 1
+                bars.update(tasks[job.id], description=description, total=size, completed=size if finished else done)
+            if experiment.state in FINAL:
+                return experiment
+            time.sleep(poll)
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    primary = report["primary"]
+    verdict = primary["verdict"]
+    lines = [f"primary verdict ({primary['comparison']}): {'PASSED' if verdict['passed'] else 'NOT PASSED'}"]
+    for condition in verdict["conditions"]:
+        mark = "ok  " if condition["passed"] else "FAIL"
+        lines.append(f"  {mark} {condition['name']}: {condition['value']} (threshold {condition['threshold']})")
+    return lines
