@@ -1,35 +1,70 @@
 #!/usr/bin/env bash
-# The science of the local plan end to end, without the coordinator: prepare, the three arms (singles in
-# parallel, then the pair as two ranks through torchrun), select, four test evaluations, bundle, report.
-# Every run gets a fresh home under .coop/, so nothing recorded earlier is touched.
+# `make run`: the whole experiment of plans/local.toml through the coordinator and two local CPU agents.
+# A coordinator on SQLite under .coop/run-TIME/coordinator, agents host-a and host-b (gloo, one thread each),
+# the experiment created with autopilot on: prepare -> the singles in parallel -> the pair as a two-host
+# gang -> dev evaluations -> select -> four test evaluations -> serving commitment -> report.
+# Every run gets a fresh folder, so nothing recorded earlier is touched. COOP_EXIT_WHEN_DONE=1 exits once
+# the report is written; otherwise the coordinator stays up for the web UI until Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin=.venv/bin
+bin=$PWD/.venv/bin
 seed=seeds/tiny
-plan=plans/local.toml
-home=.coop/home-$(date -u +%Y%m%dT%H%M%SZ)
-export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+plan=${COOP_PLAN:-plans/local.toml}
+port=${COOP_PORT:-8765}
+url=http://127.0.0.1:$port
+run=$PWD/.coop/run-$(date -u +%Y%m%dT%H%M%SZ)
+export COOP_HOME=$run/coordinator OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 COOP_REAP_SECONDS=1
+mkdir -p "$run"
 started=$(date +%s)
-mkdir -p "$home"
-log() { echo "[$(( $(date +%s) - started ))s] $*"; }
+log() { echo "[$(($(date +%s) - started))s] $*"; }
 
-log "plan: $($bin/coop plan show $plan | tail -n 1 | cut -c1-120)"
-$bin/coop prepare --plan $plan --home "$home" --model-dir $seed | tail -n 1
-log "training clean-single and damaged-single in parallel"
-$bin/coop train --home "$home" --model-dir $seed --arm clean-single > "$home/train-clean-single.log" & a=$!
-$bin/coop train --home "$home" --model-dir $seed --arm damaged-single > "$home/train-damaged-single.log" & b=$!
-wait $a; wait $b
-tail -qn 1 "$home/train-clean-single.log" "$home/train-damaged-single.log"
-log "training clean-pair: two ranks through torchrun"
-$bin/torchrun --nproc-per-node 2 -m experiment.cli train --home "$home" --model-dir $seed --arm clean-pair \
-  > "$home/train-clean-pair.log"
-grep '"completed"' "$home/train-clean-pair.log"
-$bin/coop select --home "$home" | tail -n 1
-for arm in seed clean-single damaged-single clean-pair; do
-  log "test evaluation: $arm"
-  $bin/coop evaluate --home "$home" --model-dir $seed --arm $arm --role test --selection "$home/selection.json" \
-    | tail -n 1
+pids=()
+stop() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap stop EXIT
+trap 'exit 130' INT TERM
+
+if [ ! -f "$seed/model.safetensors" ]; then
+  log "building the local seed into $seed (about 16 CPU-minutes, once)"
+  "$bin/coop" seed-model build --out "$seed"
+fi
+
+"$bin/coop-server" migrate > /dev/null
+operator=$("$bin/coop-server" token create --role operator --name operator 2> /dev/null)
+"$bin/coop-server" serve --port "$port" > "$run/coordinator.log" 2>&1 &
+pids+=($!)
+"$bin/python" - "$url" <<'PY' || { echo "the coordinator did not start; see $run/coordinator.log" >&2; exit 1; }
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen(sys.argv[1] + "/api/agents", timeout=2)
+        sys.exit(0)
+    except OSError:
+        time.sleep(0.2)
+sys.exit(1)
+PY
+log "coordinator at $url (SQLite under $COOP_HOME)"
+
+for host in host-a host-b; do
+  token=$("$bin/coop-server" token create --role agent --name "$host" 2> /dev/null)
+  "$bin/coop-agent" run --coordinator "$url" --token "$token" --name "$host" --advertise-address 127.0.0.1 \
+    --work-dir "$run/$host" --model-dir "$seed" --heartbeat-seconds 5 --claim-wait-seconds 5 \
+    > "$run/$host.log" 2>&1 &
+  pids+=($!)
 done
-$bin/coop bundle --home "$home" --model-dir $seed --out "$home/evidence" | tail -n 1
-$bin/coop report --home "$home/evidence" --output "$home/report.json" | tail -n 1
-log "done: report $home/report.json and $home/report.html"
+log "agents host-a and host-b started (logs in $run)"
+
+export COOP_COORDINATOR=$url COOP_TOKEN=$operator
+experiment=$("$bin/coop-server" experiment create --plan "$plan" | "$bin/python" -c 'import json,sys; print(json.load(sys.stdin)["id"])')
+log "experiment $experiment created from $plan (autopilot on)"
+"$bin/coop-server" experiment watch "$experiment"
+report=$(ls "$COOP_HOME"/reports/"$experiment"/*/attempt-*/report.json | tail -n 1)
+log "done: report $report (and report.html beside it; the evidence bundle in $(dirname "$report")/evidence)"
+echo "web UI: $url/   answers: $url/api/experiments/$experiment/answers?role=test"
+if [ "${COOP_EXIT_WHEN_DONE:-0}" = 1 ]; then
+  exit 0
+fi
+echo "the coordinator stays up for the web UI; Ctrl-C to stop"
+wait "${pids[0]}"

@@ -61,6 +61,8 @@ def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire
 
 async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]) -> None:
     """Look for expired leases every ``reap_seconds``; an error is logged and the loop goes on."""
+    async with sessions() as session, session.begin():
+        await queue.renew_after_restart(session, settings)
     while True:
         await asyncio.sleep(settings.reap_seconds)
         try:

@@ -268,6 +268,18 @@ async def reap(session: AsyncSession, settings: Settings) -> int:
     return count + await _requeue_unformed(session, settings, now)
 
 
+async def renew_after_restart(session: AsyncSession, settings: Settings) -> int:
+    """At coordinator start: no agent could heartbeat while it was down, so every running lease gets a full
+    term again before the reaper looks (a host that really vanished still loses its lease one term later)."""
+    renewed = await session.execute(
+        update(models.Attempt)
+        .where(models.Attempt.state.in_(ACTIVE))
+        .values(lease_expires_at=_now() + datetime.timedelta(seconds=settings.lease_seconds))
+        .execution_options(synchronize_session=False)
+    )
+    return int(renewed.rowcount or 0)  # type: ignore[attr-defined]
+
+
 async def owned_attempt(
     session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, lease_token: str | None
 ) -> tuple[models.Job, models.Attempt]:
