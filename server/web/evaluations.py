@@ -16,7 +16,7 @@ from experiment import wire
 from server import experiments, results
 from server.errors import BadRequest
 from server.settings import Settings
-from server.web import queries, render
+from server.web import answers, render
 from server.web.access import WebRequest
 
 PAGE = 50
@@ -84,7 +84,7 @@ class EvaluationPages(Controller):
             "evaluations.html",
             tab="evaluations",
             experiment=experiment,
-            grid=await queries.accuracy(db_session, experiment_id, role),
+            grid=await answers.accuracy(db_session, experiment_id, role),
             filters=filters,
             page=page,
             roles=ROLES,
@@ -105,8 +105,8 @@ class EvaluationPages(Controller):
         settings: Settings,
     ) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
-        row, answer = await queries.answer(db_session, experiment_id, arm, role, task_id)
-        task = await queries.prepared_task(db_session, settings, experiment_id, role, answer.index, task_id)
+        row, answer = await answers.answer(db_session, experiment_id, arm, role, task_id)
+        task = await answers.prepared_task(db_session, settings, experiment_id, role, answer.index, task_id)
         return render.page(
             request, "answer.html", tab="evaluations", experiment=experiment, row=row, answer=answer, task=task
         )

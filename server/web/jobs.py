@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any
 
-import msgspec
 from litestar import Controller, get, post
 from litestar.enums import RequestEncodingType
 from litestar.params import Body
@@ -18,10 +17,7 @@ from server import audit, experiments, queue
 from server.lifecycle import JOB_FINAL, JobState, Refused
 from server.web import access, queries, render
 from server.web.access import WebRequest
-
-
-class Confirmation(msgspec.Struct, frozen=True):
-    confirm: str = ""
+from server.web.forms import Confirmation
 
 
 def _final(job_state: str) -> bool:

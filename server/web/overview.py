@@ -15,12 +15,13 @@ from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, commitments, experiments
+from server import audit, commitments, experiments, phases
 from server.errors import BadRequest
-from server.lifecycle import EXPERIMENT_FINAL, ExperimentState
+from server.lifecycle import EXPERIMENT_FINAL, ExperimentState, Refused
 from server.settings import Settings
 from server.web import access, queries, render
 from server.web.access import WebRequest
+from server.web.forms import Confirmation, Switch
 
 
 @dataclass
@@ -30,6 +31,21 @@ class CreateForm:
     plan_toml: str = ""
     plan_file: UploadFile | None = None
     commit: str = ""
+    autopilot: str = ""
+
+
+# Advancing from these states queues a step that cannot be taken back; the operator confirms it first.
+IRREVERSIBLE = {
+    ExperimentState.TRAINED: (
+        "From trained, advancing queues the dev evaluations and then, on the next advance, the selection of "
+        "each trained arm's final checkpoint. Once the selection is committed it is final: no other checkpoint "
+        "of these arms can be evaluated on the test tasks."
+    ),
+    ExperimentState.SELECTED: (
+        "From selected, advancing queues the test evaluations of the four arms. Their answers are recorded "
+        "once and never replaced: this is the experiment's one look at the test tasks."
+    ),
+}
 
 
 async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
@@ -47,7 +63,7 @@ async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[st
 class OverviewPages(Controller):
     path = "/"
 
-    @get("/", name="home")
+    @get("/")
     async def home(self, request: WebRequest, db_session: AsyncSession) -> Template:
         return render.page(request, "experiments.html", experiments=await queries.experiment_list(db_session))
 
@@ -68,8 +84,9 @@ class OverviewPages(Controller):
                 raise BadRequest(f"{data.plan_file.filename} is not UTF-8 text; choose the plan's .toml file") from exc
         if not text.strip():
             raise BadRequest("paste a plan or choose a plan file")
+        fields = {"plan_toml": text, "commit": bool(data.commit), "autopilot": bool(data.autopilot)}
         try:
-            body = msgspec.convert({"plan_toml": text, "commit": bool(data.commit)}, type=wire.ExperimentCreate)
+            body = msgspec.convert(fields, type=wire.ExperimentCreate)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"the plan cannot be used: {exc}") from exc
         experiment = await experiments.create(db_session, settings, body)
@@ -78,10 +95,73 @@ class OverviewPages(Controller):
         access.notify(request, f"created experiment {experiment.name} ({experiment.state})")
         return Redirect(f"/experiments/{experiment.id}", status_code=303)
 
-    @get("/experiments/{experiment_id:uuid}", name="experiment")
+    @get("/experiments/{experiment_id:uuid}")
     async def overview(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
         return render.page(request, "overview.html", tab="overview", **await _status(db_session, experiment_id))
 
     @get("/experiments/{experiment_id:uuid}/status")
     async def status(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
         return render.fragment(request, "fragments/status.html", **await _status(db_session, experiment_id))
+
+    @post("/experiments/{experiment_id:uuid}/advance", opt=access.ACTION)
+    async def advance(
+        self,
+        request: WebRequest,
+        experiment_id: uuid.UUID,
+        data: Annotated[Confirmation, Body(media_type=RequestEncodingType.URL_ENCODED)],
+        db_session: AsyncSession,
+        settings: Settings,
+    ) -> Redirect | Template:
+        operator = access.operator(request)
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        back = f"/experiments/{experiment_id}"
+        warning = IRREVERSIBLE.get(ExperimentState(experiment.state))
+        if warning is not None and data.confirm != "yes":
+            return render.page(
+                request,
+                "confirm.html",
+                tab="overview",
+                experiment=experiment,
+                title=f"Advance {experiment.name} from {experiment.state}?",
+                explanation=warning,
+                action=f"{back}/advance",
+                fields={},
+                button="Advance",
+                back=back,
+            )
+        try:
+            message = await phases.advance(db_session, settings, experiment)
+        except Refused as exc:
+            await db_session.rollback()
+            access.notify(request, f"Refused: {exc.detail}")
+            return Redirect(back, status_code=303)
+        audit.record(db_session, operator, "experiment.advance", f"experiment:{experiment.id}", queued=message)
+        await db_session.commit()
+        access.notify(request, message)
+        return Redirect(back, status_code=303)
+
+    @post("/experiments/{experiment_id:uuid}/autopilot", opt=access.ACTION)
+    async def autopilot(
+        self,
+        request: WebRequest,
+        experiment_id: uuid.UUID,
+        data: Annotated[Switch, Body(media_type=RequestEncodingType.URL_ENCODED)],
+        db_session: AsyncSession,
+        settings: Settings,
+    ) -> Redirect:
+        """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
+        operator = access.operator(request)
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        back = f"/experiments/{experiment_id}"
+        phases.set_autopilot(experiment, data.value)
+        audit.record(db_session, operator, "experiment.autopilot", f"experiment:{experiment.id}", on=data.value)
+        try:
+            advanced = await phases.autopilot(db_session, settings, experiment)
+        except Refused as exc:
+            await db_session.rollback()
+            access.notify(request, f"Refused: {exc.detail}")
+            return Redirect(back, status_code=303)
+        await db_session.commit()
+        state = "on" if data.value else "off"
+        access.notify(request, f"autopilot {state}" + (f"; {advanced}" if advanced else ""))
+        return Redirect(back, status_code=303)

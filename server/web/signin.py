@@ -30,7 +30,7 @@ class SignInPages(Controller):
     path = "/"
     opt = access.PUBLIC
 
-    @get("/login", name="login")
+    @get("/login")
     async def form(self, request: WebRequest, next: str = "/") -> Template:
         return render.page(request, "login.html", next=_local(next), problem=None)
 

@@ -11,13 +11,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import experiments
 from server.lifecycle import EXPERIMENT_FINAL, ExperimentState
-from server.web import charts, queries, render
+from server.web import charts, progress, render
 from server.web.access import WebRequest
 
 
 async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
     experiment = await experiments.load(db_session, experiment_id)
-    arms = await queries.training(db_session, experiment)
+    arms = await progress.training(db_session, experiment)
     return {
         "experiment": experiment,
         "live": ExperimentState(experiment.state) not in EXPERIMENT_FINAL,

@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 import httpx
 
+from server.lifecycle import EVALUATED_ARMS
 from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import LOCAL_PLAN, make_token
+from tests.integration.coordinator.support import LOCAL_PLAN, make_token, selection_body, train_result
 
 T = TypeVar("T")
 
@@ -44,11 +45,18 @@ class Agent:
         return response.json()
 
     def claim(self, *kinds: str) -> dict[str, Any]:
-        body = {"wait_seconds": 2.0, "kinds": list(kinds) or None}
+        assignment = self.try_claim(*kinds)
+        assert assignment is not None, f"no {kinds or 'job'} to claim"
+        return assignment
+
+    def try_claim(self, *kinds: str) -> dict[str, Any] | None:
+        """Lease and start one job of these kinds, if one is queued for this agent."""
+        body = {"wait_seconds": 0.5, "kinds": list(kinds) or None}
         assignment: dict[str, Any] | None = self._ok(
             self.http.post("/api/agents/claim", json=body, headers=self.headers)
         )["assignment"]
-        assert assignment is not None, f"no {kinds or 'job'} to claim"
+        if assignment is None:
+            return None
         self._ok(
             self.http.post(
                 f"/api/attempts/{assignment['attempt_id']}/start",
@@ -97,8 +105,28 @@ def operator_post(coordinator: Coordinator, path: str, body: dict[str, Any]) -> 
     return response.json()
 
 
-def create_experiment(coordinator: Coordinator) -> dict[str, Any]:
-    return operator_post(coordinator, "/api/experiments", {"plan_toml": LOCAL_PLAN.read_text(), "commit": True})
+def create_experiment(coordinator: Coordinator, autopilot: bool = True) -> dict[str, Any]:
+    body = {"plan_toml": LOCAL_PLAN.read_text(), "commit": True, "autopilot": autopilot}
+    return operator_post(coordinator, "/api/experiments", body)
+
+
+def tested_experiment(coordinator: Coordinator) -> str:
+    """An experiment whose four test evaluations are committed, stepped by hand (autopilot off) by two agents."""
+    experiment = create_experiment(coordinator, autopilot=False)["id"]
+    a, b = Agent(coordinator, "host-a"), Agent(coordinator, "host-b")
+    prepare = a.claim("prepare")
+    a.finish(prepare, result={"prepared_identity": sha("prepared")})
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    for agent in (a, b, a, b):  # the singles, then the pair's two ranks as one gang
+        job = agent.claim("train")
+        agent.finish(job, result=train_result(job["arm"]))
+    operator_post(coordinator, f"/api/experiments/{experiment}/selection", selection_body())
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    for _ in EVALUATED_ARMS:
+        # A trained arm's evaluation runs on the host holding its checkpoint: either agent may get one.
+        agent, job = next((agent, job) for agent in (a, b) if (job := agent.try_claim("evaluate")) is not None)
+        agent.finish(job, result={"answers_sha256": sha(f"answers {job['arm']}")})
+    return str(experiment)
 
 
 def step(arm: str, done: int, loss: float) -> dict[str, Any]:

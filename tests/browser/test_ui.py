@@ -4,13 +4,16 @@ experiment, watch it progress without reloading, read answers and the report."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from playwright.sync_api import Page, expect
 
 from tests.browser.conftest import screenshot
-from tests.browser.support import Agent, create_experiment, operator_post, sha, step
+from tests.browser.support import Agent, create_experiment, operator_post, sha, step, tested_experiment
 from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import LOCAL_PLAN, answer
+from tests.integration.coordinator.support import LOCAL_PLAN, answer, report_body, train_result
+
+REPORT = Path(__file__).parent / "data" / "report-local.json"
 
 
 def sign_in(page: Page, coordinator: Coordinator) -> None:
@@ -106,7 +109,7 @@ def test_an_answer_opens_with_its_prompt_output_and_check(page: Page, coordinato
             "variant": a["variant"],
             "input_dependent": a["input_dependent"],
             "prompt": f"Task {a['index']}: answer with one JSON object.",
-            "expected": {"a": a["index"]},
+            "expected": {"ids": [f"A{100 + a['index']}"]},
             "prompt_ids": a["prompt_ids"],
         }
         for a in answers
@@ -138,3 +141,70 @@ def test_the_report_page_waits_for_the_recorded_report(page: Page, coordinator: 
     page.get_by_role("link", name="Serving").click()
     expect(page.get_by_text("No serving results yet")).to_be_visible()
     screenshot(page, "report-pending")
+
+
+def test_advancing_is_refused_while_a_phase_runs_and_confirmed_before_selection(
+    page: Page, coordinator: Coordinator
+) -> None:
+    sign_in(page, coordinator)
+    page.get_by_label("or choose a plan file").set_input_files(LOCAL_PLAN)
+    page.get_by_label("Autopilot", exact=False).uncheck()
+    page.get_by_role("button", name="Create experiment").click()
+    expect(page.get_by_test_id("autopilot")).to_have_text("off")
+    a, b = Agent(coordinator, "host-a"), Agent(coordinator, "host-b")
+    prepare = a.claim("prepare")
+    a.finish(prepare, result={"prepared_identity": sha("prepared")})
+    expect(page.get_by_test_id("state")).to_have_text("prepared")
+
+    page.get_by_role("button", name="Advance to the next phase").click()
+    expect(page.get_by_role("status")).to_contain_text(
+        "queued train clean-single, train damaged-single, train clean-pair"
+    )
+    page.get_by_role("button", name="Advance to the next phase").click()
+    expect(page.get_by_role("status")).to_contain_text("Refused: the training phase is still running")
+
+    for agent in (a, b, a, b):  # the singles, then the pair's two ranks as one gang
+        job = agent.claim("train")
+        agent.finish(job, result=train_result(job["arm"]))
+    expect(page.get_by_test_id("state")).to_have_text("trained")
+
+    page.get_by_role("button", name="Advance to the next phase").click()
+    expect(page.get_by_role("heading", name="Advance local from trained?")).to_be_visible()
+    screenshot(page, "confirm-advance")
+    page.get_by_role("button", name="Advance", exact=True).click()
+    expect(page.get_by_role("status")).to_contain_text("queued evaluate dev seed")
+
+    page.get_by_role("button", name="Turn autopilot on").click()
+    expect(page.get_by_role("status")).to_contain_text("autopilot on")
+    expect(page.get_by_test_id("autopilot")).to_have_text("on")
+
+
+def test_the_report_page_shows_the_recorded_reports_verdict_and_comparisons(
+    page: Page, coordinator: Coordinator
+) -> None:
+    experiment = tested_experiment(coordinator)
+    page.goto(f"/experiments/{experiment}/report")
+    expect(page.get_by_text("No report recorded yet")).to_be_visible()
+
+    serving = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
+    operator_post(coordinator, f"/api/experiments/{experiment}/serving", serving)
+    report = json.loads(REPORT.read_text())  # what `coop report` wrote for a local run
+    operator_post(coordinator, f"/api/experiments/{experiment}/report", report_body(report))
+    page.reload()
+    verdict = report["primary"]["verdict"]
+    expect(page.get_by_test_id("verdict")).to_have_text("PASSED" if verdict["passed"] else "NOT PASSED")
+    conditions = page.get_by_role("table").first
+    for condition in verdict["conditions"]:
+        row = conditions.get_by_role("row", name=condition["name"])
+        expect(row).to_contain_text(f"{condition['value']:.6g}")
+        expect(row).to_contain_text("pass" if condition["passed"] else "fail")
+    paired = report["primary"]["paired"]
+    expect(
+        page.get_by_text(f"Wins {paired['wins']}, losses {paired['losses']} over {paired['n']} items")
+    ).to_be_visible()
+    comparisons = page.get_by_role("table").filter(has_text="comparison (arm vs baseline)")
+    for name, row in report["descriptive"].items():
+        if "wins" in row:
+            expect(comparisons.get_by_role("row", name=name)).to_contain_text(f"{row['gain']:+.3f}")
+    expect(page.locator("figure.chart svg")).to_have_count(4)
+    screenshot(page, "report")

@@ -1,0 +1,113 @@
+"""Evaluation reads for the UI: accuracy by arm x family x wording, one answer, and its prepared task."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import case, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import blobs, evidence, models
+from server.errors import NotFound
+from server.lifecycle import EVALUATED_ARMS
+from server.settings import Settings
+
+
+@dataclass(frozen=True)
+class Cell:
+    correct: int = 0
+    n: int = 0
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.n if self.n else None
+
+    def __add__(self, other: Cell) -> Cell:
+        return Cell(self.correct + other.correct, self.n + other.n)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Accuracy by arm x family x wording (variant), with the totals by family and by arm."""
+
+    arms: list[str]
+    families: list[str]
+    variants: list[int]
+    cells: dict[tuple[str, str, int], Cell]
+
+    def cell(self, arm: str, family: str, variant: int) -> Cell:
+        return self.cells.get((arm, family, variant), Cell())
+
+    def family(self, arm: str, family: str) -> Cell:
+        return sum((self.cell(arm, family, v) for v in self.variants), Cell())
+
+    def overall(self, arm: str) -> Cell:
+        return sum((self.family(arm, f) for f in self.families), Cell())
+
+
+async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, role: str) -> Grid:
+    rows = await session.execute(
+        select(
+            models.Answer.arm,
+            models.Answer.family,
+            models.Answer.variant,
+            func.count(models.Answer.id),
+            func.sum(case((models.Answer.correct, 1), else_=0)),
+        )
+        .where(models.Answer.experiment_id == experiment_id, models.Answer.role == role)
+        .group_by(models.Answer.arm, models.Answer.family, models.Answer.variant)
+    )
+    cells = {(arm, family, variant): Cell(int(correct), int(n)) for arm, family, variant, n, correct in rows.tuples()}
+    arms: list[str] = [arm for arm in EVALUATED_ARMS if any(key[0] == arm for key in cells)]
+    families = [family for family in ("lookup", "filter", "total", "sort") if any(key[1] == family for key in cells)]
+    return Grid(arms, families, sorted({key[2] for key in cells}), cells)
+
+
+async def answer(
+    session: AsyncSession, experiment_id: uuid.UUID, arm: str, role: str, task_id: str
+) -> tuple[models.Answer, wire.AnswerRecord]:
+    row = await session.scalar(
+        select(models.Answer).where(
+            models.Answer.experiment_id == experiment_id,
+            models.Answer.arm == arm,
+            models.Answer.role == role,
+            models.Answer.task_id == task_id,
+        )
+    )
+    if row is None:
+        raise NotFound(f"no {role} answer of {arm} to task {task_id} is recorded")
+    return row, msgspec.convert(row.body, type=wire.AnswerRecord)
+
+
+class PreparedTask(msgspec.Struct, frozen=True):
+    """The fields of a prepared task line (experiment.corpus.TaskItem) the answer page shows."""
+
+    id: str
+    prompt: str
+    expected: dict[str, Any]
+
+
+# The prepared role files in the evidence bundle (experiment.corpus.ROLE_FILES under prepared/); importing
+# experiment.corpus would load the model libraries into the coordinator.
+ROLE_FILES = {"dev": "prepared/dev.jsonl", "test": "prepared/test.jsonl"}
+
+
+async def prepared_task(
+    session: AsyncSession, settings: Settings, experiment_id: uuid.UUID, role: str, index: int, task_id: str
+) -> PreparedTask | None:
+    """The task's prompt and expected answer, where the prepare job uploaded its role file; else None."""
+    path = ROLE_FILES.get(role)
+    listed = next((f for f in await evidence.listing(session, experiment_id) if f.path == path), None)
+    if listed is None:
+        return None
+    _, file = await blobs.find(session, settings, listed.sha256)
+    with file.open("rb") as lines:
+        line = next((line for number, line in enumerate(lines) if number == index), None)
+    if line is None:
+        return None
+    task = msgspec.json.decode(line, type=PreparedTask)
+    return task if task.id == task_id else None

@@ -1,0 +1,140 @@
+"""Training progress for the arms page: per rank, the updates done (live ``step`` events, completed by the
+step journal of the result), when the last one came and how long updates take; rank 0's loss per update."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server import experiments, models
+from server.lifecycle import TRAINED_ARMS
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int
+    loss: float
+    seconds: float
+    at: datetime.datetime
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    attempt: int
+    state: str
+    done: int
+    total: int
+    updated_at: datetime.datetime | None
+    median_seconds: float | None
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 0.0
+
+
+@dataclass(frozen=True)
+class ArmProgress:
+    name: str
+    world_size: int
+    job: models.Job | None
+    ranks: list[RankProgress]
+    final_step: int | None
+    model_identity: str | None
+    # Rank 0's loss per update; a retry's steps replace the earlier generation's.
+    losses: list[tuple[int, float]]
+
+
+def _step(body: dict[str, Any], at: datetime.datetime, key: str) -> Step | None:
+    try:
+        return Step(int(body[key]), float(body["loss"]), float(body["seconds"]), at)
+    except (KeyError, TypeError, ValueError):
+        return None  # an event from another command version: progress shows what it can
+
+
+async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, dict[int, Step]]:
+    """Per attempt, its updates: the live ``step`` events, completed by the step journal of its result."""
+    found: dict[uuid.UUID, dict[int, Step]] = {attempt_id: {} for attempt_id in attempt_ids}
+    events = await session.execute(
+        select(models.Event.attempt_id, models.Event.at, models.Event.body).where(
+            models.Event.attempt_id.in_(attempt_ids), models.Event.kind == "step"
+        )
+    )
+    for attempt_id, at, body in events.tuples():
+        step = _step(body, at, "done")
+        if attempt_id is not None and step is not None:
+            found[attempt_id][step.step] = step
+    journal = await session.execute(
+        select(models.Measurement.attempt_id, models.Measurement.at, models.Measurement.body).where(
+            models.Measurement.attempt_id.in_(attempt_ids), models.Measurement.kind == "step"
+        )
+    )
+    for attempt_id, at, body in journal.tuples():
+        step = _step(body, at, "step")
+        if step is not None:
+            found[attempt_id].setdefault(step.step, step)
+    return found
+
+
+async def training(session: AsyncSession, experiment: models.Experiment) -> list[ArmProgress]:
+    updates = experiments.plan_of(experiment).training.updates
+    arms = await experiments.arms_of(session, experiment.id)
+    jobs = {
+        job.arm: job
+        for job in await session.scalars(
+            select(models.Job)
+            .where(models.Job.experiment_id == experiment.id, models.Job.kind == "train")
+            .order_by(models.Job.queued_at, models.Job.id)
+        )
+    }
+    job_ids = [job.id for job in jobs.values()]
+    attempts = list(
+        await session.scalars(
+            select(models.Attempt)
+            .where(models.Attempt.job_id.in_(job_ids))
+            .order_by(models.Attempt.number, models.Attempt.rank)
+        )
+    )
+    steps = await _steps(session, [attempt.id for attempt in attempts])
+    progress = []
+    for name in TRAINED_ARMS:
+        arm, job = arms[name], jobs.get(name)
+        mine = [attempt for attempt in attempts if job is not None and attempt.job_id == job.id]
+        losses: dict[int, float] = {}
+        for attempt in mine:
+            if attempt.rank == 0:
+                losses.update((s.step, s.loss) for s in steps[attempt.id].values())
+        current = [attempt for attempt in mine if job is not None and attempt.number == job.attempts_made]
+        ranks = []
+        for attempt in current:
+            done = steps[attempt.id]
+            ranks.append(
+                RankProgress(
+                    rank=attempt.rank,
+                    attempt=attempt.number,
+                    state=attempt.state,
+                    done=max(done, default=0),
+                    total=updates,
+                    updated_at=max((s.at for s in done.values()), default=None),
+                    median_seconds=statistics.median(s.seconds for s in done.values()) if done else None,
+                )
+            )
+        progress.append(
+            ArmProgress(
+                name=name,
+                world_size=arm.world_size,
+                job=job,
+                ranks=ranks,
+                final_step=arm.final_step,
+                model_identity=arm.model_identity,
+                losses=sorted(losses.items()),
+            )
+        )
+    return progress
