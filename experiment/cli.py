@@ -11,7 +11,19 @@ from pathlib import Path
 import msgspec
 import transformers
 
-from experiment import bundle, checkpoint, corpus, evaluation, report, seedmodel, selection, training
+from experiment import (
+    benchmark,
+    bundle,
+    checkpoint,
+    corpus,
+    evaluation,
+    probe,
+    replica,
+    report,
+    seedmodel,
+    selection,
+    training,
+)
 from experiment.canonical import identity
 from experiment.errors import CoopError
 from experiment.plan import load_plan, plan_identity
@@ -129,6 +141,34 @@ def _checkpoint_adopt(args: argparse.Namespace) -> None:
         events.emit({"event": "adopted", "run": str(args.run_dir), "pointer": msgspec.to_builtins(pointer)})
 
 
+def _replica(args: argparse.Namespace) -> None:
+    spec = replica.ReplicaSpec(
+        model_dir=args.model_dir,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        device=args.device or replica.detect_device(),
+        python=replica.vllm_python(),
+        kv_cache_gib=args.kv_cache_gib,
+    )
+    with Events() as events:
+        replica.run_foreground(spec, events.emit, args.startup_timeout, args.grace, sys.stderr)
+
+
+def _probe(args: argparse.Namespace) -> None:
+    token = probe.read_token(args.token_file)
+    with Events() as events:
+        probe.run(args.home, args.model_dir, args.replica, args.bind, args.port, token, events.emit)
+
+
+def _benchmark(args: argparse.Namespace) -> None:
+    token = probe.read_token(args.token_file)
+    with Events() as events:
+        benchmark.run_phase(
+            args.home, args.endpoint, args.phase, token, args.output, events.emit, stop_after=args.stop_after
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coop", description="The two-GPU learning and serving experiment.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +234,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     adopt.add_argument("--step", type=int, required=True)
     adopt.set_defaults(handler=_checkpoint_adopt)
+
+    serve = commands.add_parser("replica", help="run a vLLM replica of a model folder until SIGTERM")
+    serve.add_argument("--model-dir", type=Path, required=True, help="the seed folder or a checkpoint's model folder")
+    serve.add_argument("--served-model-name", required=True, help="the model's identity (its parameter digest)")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
+    serve.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: KV cache space")
+    serve.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to become healthy")
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL on stop")
+    serve.set_defaults(handler=_replica)
+
+    front = commands.add_parser("probe", help="the private POST /infer service in front of one replica")
+    front.add_argument("--home", type=Path, required=True, help="the prepared home (its dev tasks)")
+    front.add_argument("--model-dir", type=Path, required=True, help="the seed folder (the tokenizer)")
+    front.add_argument("--replica", required=True, help="the replica's URL, e.g. http://127.0.0.1:8000")
+    front.add_argument("--bind", default="127.0.0.1")
+    front.add_argument("--port", type=int, required=True)
+    front.add_argument("--token-file", type=Path, help=f"the serving token; default: ${probe.TOKEN_ENV}")
+    front.set_defaults(handler=_probe)
+
+    bench = commands.add_parser("benchmark", help="one serving benchmark phase over the plan's workload")
+    bench.add_argument("--endpoint", action="append", required=True, help="a probe URL; repeat for two")
+    bench.add_argument("--phase", choices=benchmark.PHASES, required=True)
+    bench.add_argument("--home", type=Path, required=True)
+    bench.add_argument("--token-file", type=Path, help=f"the serving token; default: ${probe.TOKEN_ENV}")
+    bench.add_argument("--output", type=Path, required=True, help="the phase's JSON (a new file)")
+    bench.add_argument(
+        "--stop-after", type=int, help="failure phase: completions after which the supervisor stops a replica"
+    )
+    bench.set_defaults(handler=_benchmark)
     return parser
 
 

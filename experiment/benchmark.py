@@ -1,0 +1,427 @@
+"""The serving benchmark: the plan's workload (the first dev tasks) through one or two probes at the plan's
+client concurrency, health-aware round-robin routing, retries with the same request id, every attempt
+recorded, and vLLM's benchmark metric names."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import msgspec
+import numpy
+
+from experiment.canonical import write_new_json
+from experiment.corpus import load_prepared
+from experiment.errors import CoopError
+from experiment.plan import ServingPlan, plan_identity
+from experiment.probe import InferAnswer
+from experiment.progress import Emit
+
+Phase = Literal["single", "pair", "failure"]
+PHASES: tuple[Phase, ...] = ("single", "pair", "failure")
+ENDPOINTS = {"single": 1, "pair": 2, "failure": 2}
+HEALTH_INTERVAL = 0.25  # seconds between health checks of every endpoint
+ATTEMPT_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
+NO_ENDPOINT_WAIT = 60.0  # seconds an attempt waits for some endpoint to be healthy before it fails
+
+
+class Attempt(msgspec.Struct, frozen=True):
+    request_id: str
+    task_id: str
+    attempt: int  # 1-based
+    endpoint: str | None  # None: no endpoint was healthy
+    started: float  # seconds since the phase started
+    ended: float
+    status: int | None  # the HTTP status; None when no answer came
+    error: str | None
+    cached: bool
+
+
+class Completion(msgspec.Struct, frozen=True):
+    request_id: str
+    task_id: str
+    endpoint: str
+    attempts: int
+    started: float  # the first attempt's start, seconds since the phase started
+    ended: float
+    e2el_ms: float  # from the first attempt's start to the answer, retries included
+    model: str
+    output_ids: list[int]
+    output_tokens: int
+    correct: bool
+    cached: bool
+
+
+class Failure(msgspec.Struct, frozen=True):
+    request_id: str
+    task_id: str
+    attempts: int
+    error: str
+
+
+class Metrics(msgspec.Struct, frozen=True):
+    requests: int
+    completed: int
+    failed: int  # requests lost: no attempt succeeded
+    retries: int  # attempts after the first
+    first_attempt_failures: int
+    cache_hits: int
+    correct: int
+    duration: float  # seconds, first request sent to last answer
+    total_output_tokens: int
+    request_throughput: float  # completed requests per second
+    output_throughput: float  # output tokens per second
+    mean_e2el_ms: float | None
+    median_e2el_ms: float | None
+    p95_e2el_ms: float | None
+    p99_e2el_ms: float | None
+
+
+class Workload(msgspec.Struct, frozen=True):
+    tasks: int
+    concurrency: int
+    max_attempts: int
+    max_new_tokens: int
+    task_ids: list[str]
+
+
+class PhaseResult(msgspec.Struct, frozen=True):
+    phase: str
+    run_id: str
+    started_at: str  # UTC, ISO 8601
+    endpoints: list[str]
+    models: list[str]  # every model identity that answered
+    plan_identity: str
+    prepared_identity: str
+    workload: Workload
+    stop_after: int | None  # failure phase: the completions after which a replica is to be stopped
+    metrics: Metrics
+    attempts: list[Attempt]
+    completions: list[Completion]
+    failures: list[Failure]
+
+
+class Router:
+    """Round robin over the endpoints last known healthy; a failed one is skipped until healthy again."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        if not endpoints:
+            raise ValueError("a router needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self.healthy = set(endpoints)
+        self._turn = 0
+
+    def pick(self, avoid: str | None = None) -> str | None:
+        """The next healthy endpoint in turn, other than ``avoid`` while another is healthy; None if none is."""
+        candidates = [e for e in self.endpoints if e in self.healthy]
+        if len(candidates) > 1 and avoid in candidates:
+            candidates.remove(avoid)
+        if not candidates:
+            return None
+        for step in range(len(self.endpoints)):
+            endpoint = self.endpoints[(self._turn + step) % len(self.endpoints)]
+            if endpoint in candidates:
+                self._turn = (self.endpoints.index(endpoint) + 1) % len(self.endpoints)
+                return endpoint
+        return None  # unreachable: candidates are endpoints
+
+    def mark_down(self, endpoint: str) -> bool:
+        """True when this changed the endpoint's state."""
+        if endpoint in self.healthy:
+            self.healthy.discard(endpoint)
+            return True
+        return False
+
+    def mark_up(self, endpoint: str) -> bool:
+        if endpoint not in self.healthy:
+            self.healthy.add(endpoint)
+            return True
+        return False
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return round(float(numpy.percentile(values, q)), 3) if values else None
+
+
+def metrics(requests: int, attempts: list[Attempt], completions: list[Completion], duration: float) -> Metrics:
+    latencies = [c.e2el_ms for c in completions]
+    tokens = sum(c.output_tokens for c in completions)
+    first_failures = sum(1 for a in attempts if a.attempt == 1 and a.status != 200)
+    return Metrics(
+        requests=requests,
+        completed=len(completions),
+        failed=requests - len(completions),
+        retries=sum(1 for a in attempts if a.attempt > 1),
+        first_attempt_failures=first_failures,
+        cache_hits=sum(c.cached for c in completions),
+        correct=sum(c.correct for c in completions),
+        duration=round(duration, 6),
+        total_output_tokens=tokens,
+        request_throughput=round(len(completions) / duration, 6) if duration > 0 else 0.0,
+        output_throughput=round(tokens / duration, 6) if duration > 0 else 0.0,
+        mean_e2el_ms=round(sum(latencies) / len(latencies), 3) if latencies else None,
+        median_e2el_ms=_percentile(latencies, 50),
+        p95_e2el_ms=_percentile(latencies, 95),
+        p99_e2el_ms=_percentile(latencies, 99),
+    )
+
+
+def _retryable(status: int | None) -> bool:
+    """No answer, a server-side error or a timeout: another endpoint may answer. Other 4xx are final."""
+    return status is None or status >= 500 or status in (408, 429)
+
+
+class _Run:
+    def __init__(
+        self, endpoints: list[str], token: str, serving: ServingPlan, task_ids: list[str], emit: Emit, phase: str
+    ) -> None:
+        self.router = Router(endpoints)
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.serving = serving
+        self.task_ids = task_ids
+        self.emit = emit
+        self.phase = phase
+        self.run_id = uuid.uuid4().hex[:16]
+        self.attempts: list[Attempt] = []
+        self.completions: list[Completion] = []
+        self.failures: list[Failure] = []
+        self.began = 0.0
+        self.stop_after: int | None = None
+        self._stop_announced = False
+
+    def _now(self) -> float:
+        return time.monotonic() - self.began
+
+    async def _healthy(self, client: httpx.AsyncClient, endpoint: str) -> bool:
+        try:
+            reply = await client.get(f"{endpoint}/health", headers=self.headers, timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    def _down(self, endpoint: str, reason: str) -> None:
+        if self.router.mark_down(endpoint):
+            self.emit({"event": "endpoint-down", "endpoint": endpoint, "reason": reason, "at": round(self._now(), 3)})
+
+    async def watch_health(self, client: httpx.AsyncClient) -> None:
+        while True:
+            for endpoint in self.router.endpoints:
+                if await self._healthy(client, endpoint):
+                    if self.router.mark_up(endpoint):
+                        self.emit({"event": "endpoint-up", "endpoint": endpoint, "at": round(self._now(), 3)})
+                else:
+                    self._down(endpoint, "health check failed")
+            await asyncio.sleep(HEALTH_INTERVAL)
+
+    async def _endpoint(self, avoid: str | None) -> str | None:
+        deadline = time.monotonic() + NO_ENDPOINT_WAIT
+        while (endpoint := self.router.pick(avoid)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return endpoint
+
+    async def request(self, client: httpx.AsyncClient, index: int, task_id: str) -> None:
+        request_id = f"{self.run_id}-{index:04d}"
+        first_start: float | None = None
+        error = "no attempt made"
+        avoid: str | None = None
+        for attempt in range(1, self.serving.max_attempts + 1):
+            started = self._now()
+            first_start = started if first_start is None else first_start
+            endpoint = await self._endpoint(avoid)
+            if endpoint is None:
+                error = f"no endpoint was healthy for {NO_ENDPOINT_WAIT:.0f} s"
+                self._record(request_id, task_id, attempt, None, started, None, error, False)
+                continue
+            status, answer, error = await self._post(client, endpoint, request_id, task_id)
+            self._record(request_id, task_id, attempt, endpoint, started, status, error, bool(answer and answer.cached))
+            if answer is not None:
+                self._complete(request_id, task_id, endpoint, attempt, first_start, answer)
+                return
+            self.emit(
+                {"event": "attempt-failed", "request_id": request_id, "endpoint": endpoint, "status": status}
+                | {"error": error, "attempt": attempt}
+            )
+            if not _retryable(status):
+                break
+            self._down(endpoint, f"request failed: {error}")
+            avoid = endpoint
+        self.failures.append(Failure(request_id=request_id, task_id=task_id, attempts=attempt, error=error))
+        self._progress()
+
+    async def _post(
+        self, client: httpx.AsyncClient, endpoint: str, request_id: str, task_id: str
+    ) -> tuple[int | None, InferAnswer | None, str]:
+        try:
+            reply = await client.post(
+                f"{endpoint}/infer",
+                json={"request_id": request_id, "task_id": task_id},
+                headers=self.headers,
+                timeout=ATTEMPT_TIMEOUT,
+            )
+        except httpx.HTTPError as exc:
+            return None, None, f"{type(exc).__name__}: {exc}"
+        if reply.status_code != 200:
+            return reply.status_code, None, f"HTTP {reply.status_code}: {reply.text[:300]}"
+        try:
+            answer = msgspec.json.decode(reply.content, type=InferAnswer)
+        except msgspec.DecodeError as exc:
+            return reply.status_code, None, f"malformed answer: {exc}"
+        if answer.request_id != request_id or answer.task_id != task_id:
+            return reply.status_code, None, "the answer is for another request"
+        return reply.status_code, answer, ""
+
+    def _record(
+        self,
+        request_id: str,
+        task_id: str,
+        attempt: int,
+        endpoint: str | None,
+        started: float,
+        status: int | None,
+        error: str,
+        cached: bool,
+    ) -> None:
+        self.attempts.append(
+            Attempt(
+                request_id=request_id,
+                task_id=task_id,
+                attempt=attempt,
+                endpoint=endpoint,
+                started=round(started, 6),
+                ended=round(self._now(), 6),
+                status=status,
+                error=error or None,
+                cached=cached,
+            )
+        )
+
+    def _complete(
+        self, request_id: str, task_id: str, endpoint: str, attempts: int, started: float, answer: InferAnswer
+    ) -> None:
+        ended = self._now()
+        self.completions.append(
+            Completion(
+                request_id=request_id,
+                task_id=task_id,
+                endpoint=endpoint,
+                attempts=attempts,
+                started=round(started, 6),
+                ended=round(ended, 6),
+                e2el_ms=round((ended - started) * 1000, 3),
+                model=answer.model,
+                output_ids=answer.output_ids,
+                output_tokens=len(answer.output_ids),
+                correct=answer.check.correct,
+                cached=answer.cached,
+            )
+        )
+        self._progress()
+        if self.stop_after is not None and not self._stop_announced and len(self.completions) >= self.stop_after:
+            self._stop_announced = True
+            self.emit({"event": "stop-replica", "phase": self.phase, "completed": len(self.completions)})
+
+    def _progress(self) -> None:
+        self.emit(
+            {
+                "event": "benchmark",
+                "phase": self.phase,
+                "done": len(self.completions) + len(self.failures),
+                "total": len(self.task_ids),
+                "completed": len(self.completions),
+                "failed": len(self.failures),
+                "retries": sum(1 for a in self.attempts if a.attempt > 1),
+            }
+        )
+
+    async def run(self) -> float:
+        """Run the workload; the phase's duration in seconds."""
+        limits = httpx.Limits(max_connections=4 * self.serving.concurrency + 8)
+        async with httpx.AsyncClient(limits=limits) as client:
+            for endpoint in self.router.endpoints:
+                if not await self._healthy(client, endpoint):
+                    raise CoopError(f"endpoint {endpoint} is not healthy (GET /health); the phase needs it at start")
+            queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+            for index, task_id in enumerate(self.task_ids):
+                queue.put_nowait((index, task_id))
+
+            async def worker() -> None:
+                while not queue.empty():
+                    index, task_id = queue.get_nowait()
+                    await self.request(client, index, task_id)
+
+            self.began = time.monotonic()
+            watcher = asyncio.create_task(self.watch_health(client))
+            try:
+                await asyncio.gather(*(worker() for _ in range(self.serving.concurrency)))
+            finally:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            return max((c.ended for c in self.completions), default=self._now())
+
+
+def run_phase(
+    home: Path,
+    endpoints: list[str],
+    phase: Phase,
+    token: str,
+    output: Path,
+    emit: Emit,
+    stop_after: int | None = None,
+) -> PhaseResult:
+    """``coop benchmark``: one phase; its JSON is a new file (an existing one is never overwritten)."""
+    if output.exists():
+        raise CoopError(f"{output} already exists; a benchmark phase is never overwritten")
+    endpoints = [e.rstrip("/") for e in endpoints]
+    if len(endpoints) != ENDPOINTS[phase] or len(set(endpoints)) != len(endpoints):
+        raise CoopError(f"the {phase} phase takes {ENDPOINTS[phase]} distinct endpoint(s), got {len(endpoints)}")
+    for endpoint in endpoints:
+        if not endpoint.startswith(("http://", "https://")):
+            raise CoopError(f"endpoint {endpoint} is not an http(s) URL")
+    prepared = load_prepared(home)
+    serving = prepared.plan.serving
+    if phase == "failure":
+        stop_after = serving.workload_tasks // 4 if stop_after is None else stop_after
+        if not 1 <= stop_after < serving.workload_tasks:
+            raise CoopError(f"--stop-after must be between 1 and {serving.workload_tasks - 1}")
+    elif stop_after is not None:
+        raise CoopError("--stop-after is for the failure phase only")
+    task_ids = [item.id for item in prepared.task_items("dev")[: serving.workload_tasks]]
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    runner = _Run(endpoints, token, serving, task_ids, emit, phase)
+    runner.stop_after = stop_after
+    emit(
+        {"event": "benchmark-started", "phase": phase, "run_id": runner.run_id, "endpoints": endpoints}
+        | {"requests": len(task_ids), "concurrency": serving.concurrency, "stop_after": stop_after}
+    )
+    duration = asyncio.run(runner.run())
+    attempts = sorted(runner.attempts, key=lambda a: (a.started, a.request_id, a.attempt))
+    completions = sorted(runner.completions, key=lambda c: c.request_id)
+    result = PhaseResult(
+        phase=phase,
+        run_id=runner.run_id,
+        started_at=started_at,
+        endpoints=endpoints,
+        models=sorted({c.model for c in completions}),
+        plan_identity=plan_identity(prepared.plan),
+        prepared_identity=prepared.identity,
+        workload=Workload(
+            tasks=len(task_ids),
+            concurrency=serving.concurrency,
+            max_attempts=serving.max_attempts,
+            max_new_tokens=serving.max_new_tokens,
+            task_ids=task_ids,
+        ),
+        stop_after=stop_after,
+        metrics=metrics(len(task_ids), attempts, completions, duration),
+        attempts=attempts,
+        completions=completions,
+        failures=sorted(runner.failures, key=lambda f: f.request_id),
+    )
+    write_new_json(output, msgspec.to_builtins(result))
+    emit({"event": "benchmarked", "phase": phase, "output": str(output), **msgspec.to_builtins(result.metrics)})
+    return result

@@ -1,0 +1,340 @@
+"""The probe: a private HTTP service in front of one replica. ``POST /infer`` answers one prepared dev task,
+greedy, with the evaluation's prompt ids, stopping rule, decoding and strict check, the model's identity,
+and a bounded retry cache keyed by request id."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Annotated, Any, Generic, TypeVar
+
+import httpx
+import msgspec
+import uvicorn
+from litestar import Litestar, Request, get, post
+from litestar.exceptions import HTTPException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+
+from experiment import evaluation, seedmodel, tasks
+from experiment.corpus import TaskItem, load_prepared
+from experiment.errors import CoopError
+from experiment.progress import Emit
+
+MAX_BODY_BYTES = 1024
+TOKEN_ENV = "COOP_SERVING_TOKEN"
+REPLICA_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+
+RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class InferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: RequestId
+    task_id: TaskId
+
+
+class InferAnswer(msgspec.Struct, frozen=True):
+    request_id: str
+    task_id: str
+    model: str  # the replica's served model name: the model's identity
+    output_ids: list[int]  # through the first EOS when there is one, as the evaluation records them
+    text: str  # the evaluation's decoding: every generated token but the terminating EOS
+    ended_with_eos: bool
+    hit_token_limit: bool
+    check: tasks.Check
+    cached: bool  # True: a retry of a request id this probe answered (or is answering) already
+    replica_seconds: float
+
+
+class ProbeHealth(msgspec.Struct, frozen=True):
+    status: str
+    model: str
+    replica: str
+    tasks: int
+
+
+class CacheConflict(Exception):
+    """A request id already used for another task."""
+
+
+T = TypeVar("T")
+
+
+class RetryCache(Generic[T]):
+    """Least-recently-used map of request id -> (task id, value), at most ``capacity`` ids."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("a retry cache holds at least one request id")
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[str, T]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, request_id: str, task_id: str) -> T | None:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        if entry[0] != task_id:
+            raise CacheConflict(f"request id {request_id} was used for task {entry[0]}, not {task_id}")
+        self._entries.move_to_end(request_id)
+        return entry[1]
+
+    def store(self, request_id: str, task_id: str, value: T) -> None:
+        self._entries[request_id] = (task_id, value)
+        self._entries.move_to_end(request_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def discard(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+
+def read_token(token_file: Path | None) -> str:
+    """The serving token: the file's content, else ``COOP_SERVING_TOKEN``."""
+    if token_file is not None:
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CoopError(f"cannot read the serving token file {token_file}: {exc}") from exc
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if len(token) < 16:
+        raise CoopError(f"the serving token (--token-file or {TOKEN_ENV}) must be at least 16 characters")
+    return token
+
+
+class ReplicaError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+class ProbeService:
+    """The probe's logic, apart from HTTP: tasks, the replica client, the retry cache."""
+
+    def __init__(
+        self,
+        items: list[TaskItem],
+        tokenizer: Any,
+        replica: str,
+        max_new_tokens: int,
+        cache_size: int,
+        client: httpx.AsyncClient,
+        ignore_eos: bool = False,
+    ) -> None:
+        self.items = {item.id: item for item in items}
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+        self.replica = replica.rstrip("/")
+        self.max_new_tokens = max_new_tokens
+        self.cache: RetryCache[asyncio.Future[InferAnswer]] = RetryCache(cache_size)
+        self.client = client
+        # Benchmarks only (bench/serving.py), never the CLI: every request generates max_new_tokens tokens.
+        self.ignore_eos = ignore_eos
+        self.model: str | None = None
+
+    async def identity(self) -> str:
+        """The replica's one served model name, from its ``/v1/models``."""
+        try:
+            reply = await self.client.get(f"{self.replica}/v1/models", timeout=5.0)
+            reply.raise_for_status()
+            names = [str(entry["id"]) for entry in reply.json()["data"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise ReplicaError(503, f"replica {self.replica} is not answering: {exc}") from exc
+        if len(names) != 1:
+            raise ReplicaError(502, f"replica {self.replica} serves {len(names)} models, not one")
+        self.model = names[0]
+        return names[0]
+
+    async def health(self) -> ProbeHealth:
+        try:
+            reply = await self.client.get(f"{self.replica}/health", timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise ReplicaError(503, f"replica {self.replica} is not answering: {exc}") from exc
+        if reply.status_code != 200:
+            raise ReplicaError(503, f"replica {self.replica} is not healthy (HTTP {reply.status_code})")
+        model = await self.identity()
+        return ProbeHealth(status="ok", model=model, replica=self.replica, tasks=len(self.items))
+
+    async def infer(self, request: InferRequest) -> InferAnswer:
+        item = self.items.get(request.task_id)
+        if item is None:
+            raise HTTPException(status_code=404, detail=f"task {request.task_id} is not a prepared dev task")
+        try:
+            pending = self.cache.lookup(request.request_id, request.task_id)
+        except CacheConflict as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        if pending is not None:
+            answer = await asyncio.shield(pending)
+            return msgspec.structs.replace(answer, cached=True)
+        future: asyncio.Future[InferAnswer] = asyncio.get_running_loop().create_future()
+        self.cache.store(request.request_id, request.task_id, future)
+        try:
+            answer = await self._generate(request, item)
+        except BaseException as exc:
+            # A failed attempt is not remembered: the client's retry with the same id tries again.
+            self.cache.discard(request.request_id)
+            future.set_exception(exc if isinstance(exc, Exception) else ReplicaError(503, "the request was cancelled"))
+            future.exception()  # waiters see it; nobody else has to
+            raise
+        future.set_result(answer)
+        return answer
+
+    async def _generate(self, request: InferRequest, item: TaskItem) -> InferAnswer:
+        model = self.model if self.model is not None else await self.identity()
+        body = {
+            "model": model,
+            "prompt": item.prompt_ids,
+            "max_tokens": self.max_new_tokens,
+            "temperature": 0.0,
+            "stop_token_ids": [self.eos_id],  # the evaluation's one stopping token
+            "skip_special_tokens": False,
+            "return_token_ids": True,
+            "ignore_eos": self.ignore_eos,
+        }
+        began = time.monotonic()
+        try:
+            reply = await self.client.post(f"{self.replica}/v1/completions", json=body, timeout=REPLICA_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise ReplicaError(503, f"replica {self.replica} is not answering: {exc}") from exc
+        seconds = time.monotonic() - began
+        if reply.status_code == 404:
+            self.model = None  # the replica may serve another model now; the next health check says which
+        if reply.status_code != 200:
+            raise ReplicaError(502, f"replica {self.replica} answered HTTP {reply.status_code}: {reply.text[:300]}")
+        try:
+            choice = reply.json()["choices"][0]
+            prompt_ids = [int(t) for t in choice["prompt_token_ids"]]
+            output_ids = [int(t) for t in choice["token_ids"]]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ReplicaError(502, f"replica {self.replica} sent a completion without token ids: {exc}") from exc
+        if prompt_ids != item.prompt_ids:
+            raise ReplicaError(502, f"replica {self.replica} changed the prompt token ids of task {item.id}")
+        generation = self._generation(output_ids)
+        text = evaluation.answer_text(self.tokenizer, generation)
+        return InferAnswer(
+            request_id=request.request_id,
+            task_id=item.id,
+            model=model,
+            output_ids=generation.output_ids,
+            text=text,
+            ended_with_eos=generation.ended_with_eos,
+            hit_token_limit=generation.hit_token_limit,
+            check=tasks.check(text, item.expected),
+            cached=False,
+            replica_seconds=round(seconds, 6),
+        )
+
+    def _generation(self, output_ids: list[int]) -> evaluation.Generation:
+        """The evaluation's reading of generated ids: through the first EOS, else up to the token limit."""
+        if len(output_ids) > self.max_new_tokens:
+            raise ReplicaError(502, f"replica {self.replica} generated more than {self.max_new_tokens} tokens")
+        if self.eos_id in output_ids and not self.ignore_eos:
+            kept = output_ids[: output_ids.index(self.eos_id) + 1]
+            return evaluation.Generation(output_ids=kept, ended_with_eos=True, hit_token_limit=False)
+        return evaluation.Generation(
+            output_ids=output_ids, ended_with_eos=False, hit_token_limit=len(output_ids) >= self.max_new_tokens
+        )
+
+
+def _authorize(request: Request[Any, Any, Any], token: str) -> None:
+    given = request.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        raise HTTPException(
+            status_code=401, detail="a valid serving token is required", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+def create_app(service: ProbeService, token: str) -> Litestar:
+    @post("/infer", status_code=200, request_max_body_size=MAX_BODY_BYTES, operation_id="infer")
+    async def infer(request: Request[Any, Any, Any]) -> InferAnswer:
+        _authorize(request, token)
+        try:
+            body = await request.body()
+        except RequestEntityTooLarge as exc:
+            raise HTTPException(status_code=413, detail=f"the request body is over {MAX_BODY_BYTES} bytes") from exc
+        try:
+            parsed = msgspec.json.decode(body, type=InferRequest)
+        except msgspec.ValidationError as exc:
+            raise HTTPException(status_code=400, detail=f"invalid request: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise HTTPException(status_code=400, detail=f"the request body is not JSON: {exc}") from exc
+        try:
+            return await service.infer(parsed)
+        except ReplicaError as exc:
+            raise HTTPException(status_code=exc.status, detail=exc.detail) from exc
+
+    @get("/health", operation_id="health")
+    async def health(request: Request[Any, Any, Any]) -> ProbeHealth:
+        _authorize(request, token)
+        try:
+            return await service.health()
+        except ReplicaError as exc:
+            raise HTTPException(status_code=503, detail=exc.detail) from exc
+
+    async def close_client() -> None:
+        await service.client.aclose()
+
+    return Litestar(route_handlers=[infer, health], openapi_config=None, on_shutdown=[close_client])
+
+
+def build_service(home: Path, model_dir: Path, replica: str, ignore_eos: bool = False) -> ProbeService:
+    """The probe of a prepared home: its dev tasks, and the tokenizer the home was prepared with."""
+    prepared = load_prepared(home)
+    recorded = prepared.manifest.get("tokenizer_identity")
+    found = seedmodel.tokenizer_identity(model_dir)
+    if found != recorded:
+        raise CoopError(f"the tokenizer in {model_dir} is not the one {home} was prepared with")
+    serving = prepared.plan.serving
+    return ProbeService(
+        items=prepared.task_items("dev"),
+        tokenizer=seedmodel.load_tokenizer(model_dir),
+        replica=replica,
+        max_new_tokens=serving.max_new_tokens,
+        cache_size=serving.retry_cache_size,
+        client=httpx.AsyncClient(),
+        ignore_eos=ignore_eos,
+    )
+
+
+async def _serve(app: Litestar, host: str, port: int, emit: Emit, info: dict[str, Any]) -> None:
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        emit({"event": "listening", **info})
+    await serving
+    if not server.started:
+        raise CoopError(f"the probe could not listen on {host}:{port}")
+    emit({"event": "stopped", **info})
+
+
+def run(
+    home: Path, model_dir: Path, replica: str, host: str, port: int, token: str, emit: Emit, ignore_eos: bool = False
+) -> None:
+    """``coop probe``: serve until SIGTERM/SIGINT (uvicorn's graceful shutdown), then exit 0."""
+    service = build_service(home, model_dir, replica, ignore_eos)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    info = {"url": url, "replica": service.replica, "tasks": len(service.items)}
+
+    def noted(number: int, frame: object) -> None:
+        del number, frame  # uvicorn re-raises the signal it shut down for; it has been handled
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request to the replica
+    previous = {sig: signal.signal(sig, noted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        asyncio.run(_serve(create_app(service, token), host, port, emit, info))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

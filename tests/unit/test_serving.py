@@ -1,0 +1,188 @@
+"""The pure parts of serving: the retry cache, routing, metrics, the replica's command line and the token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from experiment import replica
+from experiment.benchmark import Attempt, Completion, Router, metrics
+from experiment.errors import CoopError
+from experiment.probe import CacheConflict, RetryCache, read_token
+
+TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
+
+
+def test_retry_cache_returns_the_stored_value_for_the_same_id_and_task() -> None:
+    cache: RetryCache[str] = RetryCache(4)
+    cache.store("r1", "t1", "answer")
+    assert cache.lookup("r1", "t1") == "answer"
+    assert cache.lookup("r2", "t1") is None
+
+
+def test_retry_cache_refuses_a_reused_id_with_another_task() -> None:
+    cache: RetryCache[str] = RetryCache(4)
+    cache.store("r1", "t1", "answer")
+    with pytest.raises(CacheConflict, match="r1 was used for task t1, not t2"):
+        cache.lookup("r1", "t2")
+
+
+def test_retry_cache_evicts_the_least_recently_used_id() -> None:
+    cache: RetryCache[int] = RetryCache(2)
+    cache.store("a", "t", 1)
+    cache.store("b", "t", 2)
+    assert cache.lookup("a", "t") == 1  # a is now the most recent
+    cache.store("c", "t", 3)
+    assert len(cache) == 2
+    assert cache.lookup("b", "t") is None
+    assert cache.lookup("a", "t") == 1 and cache.lookup("c", "t") == 3
+
+
+def test_retry_cache_holds_at_most_its_capacity() -> None:
+    cache: RetryCache[int] = RetryCache(256)
+    for n in range(1000):
+        cache.store(f"r{n}", "t", n)
+    assert len(cache) == 256
+    assert cache.lookup("r743", "t") is None and cache.lookup("r744", "t") == 744
+
+
+def test_retry_cache_forgets_a_discarded_id() -> None:
+    cache: RetryCache[int] = RetryCache(2)
+    cache.store("a", "t", 1)
+    cache.discard("a")
+    cache.discard("never stored")
+    assert cache.lookup("a", "other task") is None
+
+
+def test_router_takes_healthy_endpoints_in_turn() -> None:
+    router = Router(["a", "b"])
+    assert [router.pick() for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_router_skips_a_failed_endpoint_until_it_is_healthy_again() -> None:
+    router = Router(["a", "b"])
+    assert router.mark_down("b") is True
+    assert router.mark_down("b") is False
+    assert [router.pick() for _ in range(3)] == ["a", "a", "a"]
+    assert router.mark_up("b") is True
+    assert {router.pick(), router.pick()} == {"a", "b"}
+
+
+def test_router_retries_elsewhere_while_another_endpoint_is_healthy() -> None:
+    router = Router(["a", "b"])
+    assert all(router.pick(avoid="a") == "b" for _ in range(3))
+    router.mark_down("b")
+    assert router.pick(avoid="a") == "a"  # the only healthy one, even if it failed before
+    router.mark_down("a")
+    assert router.pick() is None
+
+
+def _attempt(request: str, number: int, status: int | None) -> Attempt:
+    return Attempt(
+        request_id=request,
+        task_id="t",
+        attempt=number,
+        endpoint="a",
+        started=0.0,
+        ended=1.0,
+        status=status,
+        error=None if status == 200 else "down",
+        cached=False,
+    )
+
+
+def _completion(request: str, e2el_ms: float, tokens: int, cached: bool = False) -> Completion:
+    return Completion(
+        request_id=request,
+        task_id="t",
+        endpoint="a",
+        attempts=1,
+        started=0.0,
+        ended=e2el_ms / 1000,
+        e2el_ms=e2el_ms,
+        model="m",
+        output_ids=list(range(tokens)),
+        output_tokens=tokens,
+        correct=tokens == 2,
+        cached=cached,
+    )
+
+
+def test_metrics_use_vllm_benchmark_names_and_definitions() -> None:
+    attempts = [_attempt("r1", 1, 200), _attempt("r2", 1, None), _attempt("r2", 2, 200), _attempt("r3", 1, 503)]
+    attempts.append(_attempt("r3", 2, 503))
+    completions = [_completion("r1", 100.0, 2), _completion("r2", 300.0, 4, cached=True)]
+    result = metrics(3, attempts, completions, duration=2.0)
+    assert result.completed == 2 and result.failed == 1 and result.requests == 3
+    assert result.retries == 2 and result.first_attempt_failures == 2
+    assert result.cache_hits == 1 and result.correct == 1
+    assert result.request_throughput == 1.0
+    assert result.total_output_tokens == 6 and result.output_throughput == 3.0
+    assert result.mean_e2el_ms == 200.0 and result.median_e2el_ms == 200.0
+    assert result.p95_e2el_ms == pytest.approx(290.0) and result.p99_e2el_ms == pytest.approx(298.0)
+
+
+def test_metrics_of_a_phase_without_completions_have_no_latency() -> None:
+    result = metrics(2, [_attempt("r1", 1, None)], [], duration=1.0)
+    assert result.completed == 0 and result.failed == 2
+    assert result.mean_e2el_ms is None and result.p99_e2el_ms is None
+    assert result.request_throughput == 0.0
+
+
+def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
+    spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="digest", port=8000, python="/vllm/python")
+    args = replica.command(spec)
+    assert args[:3] == ["/vllm/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = " ".join(args[3:])
+    for expected in (
+        f"--model {TINY}",
+        "--served-model-name digest",
+        "--generation-config vllm",
+        "--no-enable-prefix-caching",
+        "--dtype float32",
+        "--enforce-eager",
+    ):
+        assert expected in flags
+    env = replica.environment(spec, {"VLLM_BATCH_INVARIANT": "1"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_BATCH_INVARIANT" not in env
+
+
+def test_replica_on_gpu_is_batch_invariant() -> None:
+    spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, device="cuda", python="/p")
+    assert "--enforce-eager" not in replica.command(spec)
+    env = replica.environment(spec, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_dir": Path("/nonexistent")}, "not a model folder"),
+        ({"served_model_name": "has space"}, "served model name"),
+        ({"port": 70000}, "not a TCP port"),
+    ],
+)
+def test_replica_refuses_bad_input(change: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"model_dir": TINY, "served_model_name": "d", "port": 8000, **change}
+    spec = replica.ReplicaSpec(**fields)  # type: ignore[arg-type]
+    with pytest.raises(CoopError, match=message):
+        replica.validate(spec)
+
+
+def test_vllm_python_must_exist() -> None:
+    with pytest.raises(CoopError, match="make vllm-venv"):
+        replica.vllm_python({"COOP_VLLM_PYTHON": "/nonexistent/python"})
+
+
+def test_token_comes_from_the_file_else_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-serving-token-of-enough-length\n")
+    assert read_token(token) == "a-serving-token-of-enough-length"
+    monkeypatch.setenv("COOP_SERVING_TOKEN", "another-token-long-enough")
+    assert read_token(None) == "another-token-long-enough"
+    monkeypatch.setenv("COOP_SERVING_TOKEN", "short")
+    with pytest.raises(CoopError, match="at least 16"):
+        read_token(None)
+    with pytest.raises(CoopError, match="cannot read"):
+        read_token(tmp_path / "missing")
