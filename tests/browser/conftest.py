@@ -51,8 +51,8 @@ def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
     home = tmp_path / "coordinator"
     home.mkdir()
     server = Coordinator(home)
-    off_thread(server.start)
     try:
+        off_thread(server.start)  # a start that fails still stops the process it began
         yield server
     finally:
         server.close()
