@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coop-agent %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
     if not args.token:
         print("coop-agent: give --token or set COOP_AGENT_TOKEN", file=sys.stderr)
         sys.exit(2)

@@ -151,7 +151,10 @@ class Agent:
                 if directive.deadline is not None:
                     grace = max(0.0, (directive.deadline - _now()).total_seconds())
                 with self._lock:
-                    if self._stop is None and current is not None and directive.attempt_id == current.attempt_id:
+                    # The reply may be about an attempt that ended while it travelled: stop only the one named,
+                    # if it is still the one running (a stop for the last job must not reach the next).
+                    running = self._current
+                    if self._stop is None and running is not None and directive.attempt_id == running.attempt_id:
                         self._stop = _Stop(directive.reason or "stopped by the coordinator", time.monotonic() + grace)
 
     def _send_loop(self) -> None:
@@ -282,10 +285,13 @@ class Agent:
 
     def _patiently(self, call: Callable[[], T]) -> T:
         """``call`` once the coordinator answers (it may be restarting); a refusal fails the attempt."""
-        answer = forever(call, self.stopping.is_set)
-        if answer is None:
-            raise CoopError("the agent is stopping")
-        return answer
+        while not self.stopping.is_set():
+            try:
+                return call()
+            except Unreachable as exc:
+                log.warning("the coordinator is unreachable; retrying: %s", exc)
+                self.stopping.wait(1.0)
+        raise CoopError("the agent is stopping")
 
     def _stage(self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry]) -> None:
         """Put what the job reads into this host's home: the plan, the prepared inputs, the selection."""

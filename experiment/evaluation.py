@@ -26,6 +26,12 @@ Role = Literal["dev", "test"]
 BATCH_SIZE = 16
 
 
+def batch_size_for(device: str) -> int:
+    """Padded batches pay off on a GPU; on a CPU a batch runs to its longest answer, and one prompt at a time
+    is about twice as fast with identical output ids (bench/evaluate.py, bench/results/evaluate-cpu.json)."""
+    return BATCH_SIZE if device == "cuda" else 1
+
+
 class Generation(msgspec.Struct, frozen=True):
     output_ids: list[int]  # the generated tokens, through the first EOS when there is one
     ended_with_eos: bool
@@ -176,10 +182,12 @@ def evaluate(
     selection_path: Path | None,
     emit: Emit,
     stop_after: int | None = None,
-    batch_size: int = BATCH_SIZE,
+    batch_size: int | None = None,
 ) -> Summary | None:
+    """Answer every task of ``role``; ``batch_size`` defaults to the device's faster choice (batch_size_for)."""
     prepared = load_prepared(home)
     plan = prepared.plan
+    batch_size = batch_size or batch_size_for(plan.runtime.device)
     candidate, selection_identity = _gate(prepared, arm, role, selection_path)
     out = evaluation_dir(home, role, arm)
     if (out / "evaluation.json").exists():

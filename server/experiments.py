@@ -39,6 +39,9 @@ from server.settings import Settings
 
 E = ExperimentState
 T = TypeVar("T")
+# experiment.selection.Candidate's fields, every one present (null where unknown): the committed document is
+# then exactly what experiment.selection writes and reads, so both compute the same selection identity.
+CANDIDATE_FIELDS = wire.SelectResult.__struct_fields__
 
 
 def _now() -> datetime.datetime:
@@ -272,8 +275,12 @@ async def commit_selection(
     document = {
         "plan_identity": experiment.plan_identity,
         "prepared_identity": experiment.prepared_identity,
-        "arms": {"seed": {"arm": "seed", "model_identity": seed_identity(plan_of(experiment))}}
-        | {name: {k: v for k, v in candidates[name].items() if v is not None} for name in TRAINED_ARMS},
+        "arms": {
+            name: {field: pick.get(field) for field in CANDIDATE_FIELDS}
+            for name, pick in (
+                {"seed": {"arm": "seed", "model_identity": seed_identity(plan_of(experiment))}} | candidates
+            ).items()
+        },
     }
     selection_identity = identity(document)
     data = canonical_bytes(document) + b"\n"
