@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import safetensors.torch
 import torch
 
 from experiment.canonical import canonical_bytes, read_json, sha256_bytes, sha256_file, write_new_bytes, write_new_json
@@ -47,6 +48,18 @@ def _files_under(folder: Path) -> dict[str, str]:
     return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _save_model(model: torch.nn.Module, folder: Path) -> None:
+    """The weights and configs as a Hugging Face model folder, on every rank. (transformers' save_pretrained
+    writes nothing on a rank other than 0 once torch.distributed is initialised; each host needs its own copy.)
+    ``save_model`` stores tied weights once, as from_pretrained expects."""
+    config: Any = getattr(model, "config")  # noqa: B009 (a transformers model)
+    config.save_pretrained(folder)
+    generation: Any = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+    safetensors.torch.save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def save(
     run_dir: Path,
     step: int,
@@ -65,8 +78,7 @@ def save(
     if staging.exists():
         shutil.rmtree(staging)  # an unfinished write of a previous, interrupted attempt
     (staging / MODEL_DIR).mkdir(parents=True)
-    save_pretrained: Any = getattr(model, "save_pretrained")  # noqa: B009 (a transformers model)
-    save_pretrained(staging / MODEL_DIR, safe_serialization=True)
+    _save_model(model, staging / MODEL_DIR)
     for source in sorted(tokenizer_dir.iterdir()):
         if source.is_file() and source.name not in MODEL_FILES and not source.name.endswith(".safetensors"):
             shutil.copyfile(source, staging / MODEL_DIR / source.name)

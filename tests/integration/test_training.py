@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experiment import corpus, seedmodel, training
+from experiment import corpus, distributed, seedmodel, training
 from experiment.plan import load_plan
 from tests.conftest import write_plan
 from tests.processes import coop_train, free_port, launch, rank_env
@@ -144,7 +144,10 @@ def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, smal
         assert result["world_size"] == 2 and result["rank"] == rank
         assert [r["step"] for r in result["journal"]] == [1, 2, 3, 4]
         assert all(r["documents"] == 4 for r in result["journal"])
-        assert (training.run_dir(pair, "clean-pair", rank) / "checkpoints" / "step-000004" / "model").is_dir()
+        # Every rank keeps a loadable copy of the weights (each host resumes and serves from its own).
+        folder = training.run_dir(pair, "clean-pair", rank) / "checkpoints" / "step-000004" / "model"
+        model = seedmodel.load_model(folder)
+        assert distributed.parameter_digest(model) == result["parameter_digest"]
 
 
 def test_single_arm_refuses_a_world_of_two(home: Path, small_seed: Seed, tmp_path: Path) -> None:
