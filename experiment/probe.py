@@ -196,7 +196,8 @@ class ProbeService:
             "prompt": item.prompt_ids,
             "max_tokens": self.max_new_tokens,
             "temperature": 0.0,
-            "stop_token_ids": [self.eos_id],  # the evaluation's one stopping token
+            # The evaluation's one stopping token (an explicit stop token would stop even with ignore_eos).
+            "stop_token_ids": [] if self.ignore_eos else [self.eos_id],
             "skip_special_tokens": False,
             "return_token_ids": True,
             "ignore_eos": self.ignore_eos,

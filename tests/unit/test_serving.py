@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
-from experiment import replica
+from experiment import replica, seedmodel
 from experiment.benchmark import Attempt, Completion, Router, metrics
 from experiment.errors import CoopError
-from experiment.probe import CacheConflict, RetryCache, read_token
+from experiment.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
 
 TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
 
@@ -186,3 +187,27 @@ def test_token_comes_from_the_file_else_the_environment(tmp_path: Path, monkeypa
         read_token(None)
     with pytest.raises(CoopError, match="cannot read"):
         read_token(tmp_path / "missing")
+
+
+def _service(ignore_eos: bool = False) -> ProbeService:
+    tokenizer = seedmodel.load_tokenizer(TINY)
+    return ProbeService([], tokenizer, "http://127.0.0.1:9", 4, 8, httpx.AsyncClient(), ignore_eos=ignore_eos)
+
+
+def test_probe_reads_generated_ids_as_the_evaluation_does() -> None:
+    service = _service()
+    eos = service.eos_id
+    ended = service._generation([7, eos, 9])
+    assert ended.output_ids == [7, eos] and ended.ended_with_eos and not ended.hit_token_limit
+    limited = service._generation([7, 8, 9, 10])
+    assert limited.output_ids == [7, 8, 9, 10] and limited.hit_token_limit and not limited.ended_with_eos
+    short = service._generation([7])
+    assert not short.hit_token_limit and not short.ended_with_eos
+    with pytest.raises(ReplicaError):
+        service._generation([7] * 5)
+
+
+def test_probe_for_benchmarks_keeps_tokens_after_eos() -> None:
+    service = _service(ignore_eos=True)
+    forced = service._generation([7, service.eos_id, 9, 10])
+    assert forced.output_ids == [7, service.eos_id, 9, 10] and forced.hit_token_limit
