@@ -1,0 +1,233 @@
+"""The whole experiment through a real coordinator and two real agents (separate work dirs, so the prepared
+inputs, the selection and the evidence cross between them only through the coordinator), through two faults:
+a coordinator restart during training and a host killed with SIGKILL during the pair's training."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from experiment import seedmodel
+from experiment.canonical import canonical_bytes, sha256_bytes
+from experiment.ledger import decode_ledger, verify_ledger
+from experiment.report import compute
+from tests.conftest import write_plan
+from tests.integration.agent.support import AgentProcess, Coordinator, wait_for
+from tests.processes import coop_train
+
+pytestmark = pytest.mark.slow
+
+# Long enough (24 updates, a checkpoint every 4) for a kill to land between checkpoints of the pair.
+COUNTS: dict[str, Any] = {"train": 184, "replay": 8, "updates": 24, "checkpoint_steps": [4, 8, 12, 16, 20, 24]}
+ARMS = ("seed", "clean-single", "damaged-single", "clean-pair")
+
+
+@dataclass
+class Run:
+    server: Coordinator
+    agents: dict[str, AgentProcess]
+    experiment: dict[str, Any]
+
+
+def _start(tmp: Path, seed: tuple[Path, seedmodel.Snapshot]) -> Run:
+    home = tmp / "coordinator"
+    home.mkdir(parents=True)
+    # A short lease, so that a vanished host is declared lost within seconds.
+    server = Coordinator(home, COOP_LEASE_SECONDS="4", COOP_HEARTBEAT_SECONDS="0.5")
+    server.start()
+    agents = {}
+    for name in ("host-a", "host-b"):
+        agents[name] = AgentProcess(server, name, tmp / name, seed[0], server.agent_token(name))
+        agents[name].start()
+    plan = write_plan(tmp / "plan.toml", seed[1], **COUNTS)
+    return Run(server, agents, server.create_experiment(plan))
+
+
+def _stop(run: Run) -> None:
+    for agent in run.agents.values():
+        agent.stop()
+    run.server.close()
+
+
+def _state(run: Run) -> str:
+    state: str = run.server.get(f"/api/experiments/{run.experiment['id']}")["state"]
+    return state
+
+
+def _wait_state(run: Run, states: set[str], seconds: float) -> str:
+    def ended() -> str | None:
+        state = _state(run)
+        failed = [j for j in run.server.jobs(run.experiment["id"]) if j["state"] == "failed"]
+        assert not failed, (failed, {name: a.log()[-3000:] for name, a in run.agents.items()})
+        return state if state in states else None
+
+    return wait_for(ended, seconds, f"the experiment to become {states}")
+
+
+def _attempts(run: Run, kind: str, arm: str | None = None) -> list[dict[str, Any]]:
+    found = []
+    for job in run.server.jobs(run.experiment["id"]):
+        if job["kind"] == kind and (arm is None or job["arm"] == arm):
+            found += run.server.get(f"/api/jobs/{job['id']}/attempts")
+    return found
+
+
+@dataclass
+class Faults:
+    pair_job: str
+    killed_host: str
+
+
+@pytest.fixture(scope="module")
+def finished(
+    tmp_path_factory: pytest.TempPathFactory, small_seed: tuple[Path, seedmodel.Snapshot]
+) -> Iterator[tuple[Run, Faults]]:
+    """One experiment to the report, with two faults on the way: the coordinator restarts while the singles
+    train, and the host of the pair's rank 1 is killed (SIGKILL, agent and commands) between checkpoints."""
+    run = _start(tmp_path_factory.mktemp("experiment"), small_seed)
+    try:
+        wait_for(lambda: len(_rank_steps(run, "clean-single", 0)) >= 3, 600, "the singles to train a few steps")
+        run.server.stop()  # the agents keep training and spool their events
+        wait_for(lambda: any(a.spool().get("pending", 0) > 0 for a in run.agents.values()), 60, "spooled events")
+        run.server.start()
+        wait_for(lambda: len(_rank_steps(run, "clean-pair", 1)) >= 5, 600, "the pair to pass its first checkpoint")
+        pair = next(j for j in run.server.jobs(run.experiment["id"]) if j["arm"] == "clean-pair")
+        (rank1,) = [x for x in run.server.get(f"/api/jobs/{pair['id']}/attempts") if x["rank"] == 1]
+        killed = next(name for name in run.agents if _agent_id(run, name) == rank1["agent_id"])
+        _kill_host(run.agents[killed])
+        wait_for(
+            lambda: any(x["state"] == "lost" for x in run.server.get(f"/api/jobs/{pair['id']}/attempts")),
+            60,
+            "the killed rank's lease to expire",
+        )
+        run.agents[killed].start()  # the host comes back with its work dir (and its checkpoints)
+        _wait_state(run, {"reported"}, 1200)
+        yield run, Faults(pair["id"], killed)
+    finally:
+        _stop(run)
+
+
+def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finished: tuple[Run, Faults]) -> None:
+    run, _ = finished
+    server, experiment_id = run.server, run.experiment["id"]
+    ledger = server.get(f"/api/experiments/{experiment_id}/ledger")
+    assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "serving", "report"]
+    # The singles trained in parallel on the two hosts; the pair's ranks ran one on each.
+    agents = {a["id"]: a["name"] for a in server.get("/api/agents")}
+    singles = {
+        agents[a["agent_id"]] for arm in ("clean-single", "damaged-single") for a in _attempts(run, "train", arm)
+    }
+    assert singles == {"host-a", "host-b"}
+    assert {agents[a["agent_id"]] for a in _attempts(run, "train", "clean-pair")} == {"host-a", "host-b"}
+    # Only one host prepared; the other fetched and verified the prepared inputs before its first job.
+    assert len({a["agent_id"] for a in _attempts(run, "prepare")}) == 1
+    assert all(
+        (run.agents[name].work_dir / "experiments" / experiment_id / "home" / "prepared").is_dir()
+        for name in run.agents
+    )
+
+    report = server.get(f"/api/experiments/{experiment_id}/report")
+    assert sha256_bytes(canonical_bytes(report)) == ledger[-1]["identity"]
+    verdict = report["primary"]["verdict"]
+    assert [c["name"] for c in verdict["conditions"]] == [
+        "gain >= min_gain",
+        "p_value <= max_p_value",
+        "retention upper bound <= max_retention_upper_nats",
+    ]
+    assert report["candidates"] == {arm: entry["model_identity"] for arm, entry in ledger[2]["body"]["arms"].items()}
+    # The exported evidence recomputes to the same report.
+    response = server.http.get(f"/api/experiments/{experiment_id}/evidence.tar")
+    assert response.status_code == 200
+    bundle = server.home.parent / "exported"
+    with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
+        tar.extractall(bundle, filter="data")
+    verify_ledger(decode_ledger((bundle / "ledger.json").read_bytes(), "ledger.json"))
+    # The same report, but for the ledger it read: the export's ledger also holds the report's own entry.
+    recomputed = compute(bundle)
+    assert (report["ledger_entries"], recomputed["ledger_entries"]) == (5, 6)
+    assert {**recomputed, "ledger_entries": 5} == report
+
+
+def test_every_final_test_answer_is_readable_through_the_api(finished: tuple[Run, Faults]) -> None:
+    run, _ = finished
+    server, experiment_id = run.server, run.experiment["id"]
+    tests_per_arm = 16  # tests/conftest.py SMALL_COUNTS
+    page = server.get(f"/api/experiments/{experiment_id}/answers?role=test&limit=1000")
+    assert page["total"] == len(ARMS) * tests_per_arm == len(page["items"])
+    for arm in ARMS:
+        answers = [item["answer"] for item in page["items"] if item["arm"] == arm]
+        assert [a["index"] for a in answers] == list(range(tests_per_arm))
+        assert all(a["output_ids"] and "correct" in a["check"] for a in answers)
+
+
+def _kill_host(agent: AgentProcess) -> None:
+    """The host vanishes: the agent and every process it started die at once (SIGKILL, no goodbye)."""
+    assert agent.process is not None
+    children = psutil.Process(agent.process.pid).children(recursive=True)
+    agent.process.kill()
+    # The agent starts each command in its own process group (never the test's own): kill those groups too.
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            group = os.getpgid(child.pid)
+            if group != os.getpgid(0):
+                os.killpg(group, signal.SIGKILL)
+    agent.process.wait(timeout=10)
+    agent.process = None
+
+
+def _rank_steps(run: Run, arm: str, rank: int) -> list[int]:
+    steps: list[int] = []
+    for attempt in _attempts(run, "train", arm):
+        if attempt["rank"] == rank:
+            events = run.server.get(f"/api/attempts/{attempt['id']}/events")
+            steps += [e["body"]["step"] for e in events if e["kind"] == "step"]
+    return steps
+
+
+def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
+    finished: tuple[Run, Faults], tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot]
+) -> None:
+    run, faults = finished
+    attempts = run.server.get(f"/api/jobs/{faults.pair_job}/attempts")
+    first = {x["rank"]: x["state"] for x in attempts if x["number"] == 1}
+    assert first[1] == "lost" and first[0] in {"failed", "cancelled"}, attempts  # rank 0 saw its peer vanish
+    retry = [x for x in attempts if x["number"] == 2]
+    assert sorted((x["rank"], x["state"]) for x in retry) == [(0, "succeeded"), (1, "succeeded")]
+    assert {x["rank"]: x["agent_id"] for x in retry} == {x["rank"]: x["agent_id"] for x in attempts if x["number"] == 1}
+    for attempt in retry:
+        (started,) = [e for e in run.server.get(f"/api/attempts/{attempt['id']}/events") if e["kind"] == "started"]
+        assert started["body"]["resumed_from_step"] in COUNTS["checkpoint_steps"]
+    # The same prepared inputs trained without interruption, directly through two gloo ranks.
+    home = tmp_path / "home"
+    prepared = run.agents["host-a"].work_dir / "experiments" / run.experiment["id"] / "home" / "prepared"
+    shutil.copytree(prepared, home / "prepared")
+    ranks = coop_train(home, small_seed[0], "clean-pair", 2)
+    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    digest = json.loads((home / "runs" / "clean-pair" / "rank-0" / "result.json").read_text())["parameter_digest"]
+    arms = {a["name"]: a for a in run.server.get(f"/api/experiments/{run.experiment['id']}/arms")}
+    assert arms["clean-pair"]["model_identity"] == digest
+
+
+def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[Run, Faults]) -> None:
+    run, _ = finished
+    for arm in ("clean-single", "damaged-single"):
+        assert _rank_steps(run, arm, 0) == list(range(1, COUNTS["updates"] + 1))
+    for agent in run.agents.values():
+        assert set(agent.spool()) == {"acknowledged"}
+
+
+def _agent_id(run: Run, name: str) -> str:
+    agent: str = next(a["id"] for a in run.server.get("/api/agents") if a["name"] == name)
+    return agent
