@@ -141,6 +141,12 @@ def _checkpoint_adopt(args: argparse.Namespace) -> None:
         events.emit({"event": "adopted", "run": str(args.run_dir), "pointer": msgspec.to_builtins(pointer)})
 
 
+def _checkpoint_verify(args: argparse.Namespace) -> None:
+    candidate = selection.candidate_for(corpus.load_prepared(args.home), args.arm)
+    with Events() as events:
+        events.emit({"event": "verified", "candidate": msgspec.to_builtins(candidate)})
+
+
 def _replica(args: argparse.Namespace) -> None:
     spec = replica.ReplicaSpec(
         model_dir=args.model_dir,
@@ -234,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     adopt.add_argument("--step", type=int, required=True)
     adopt.set_defaults(handler=_checkpoint_adopt)
+    check = ckpt.add_parser("verify", help="verify an arm's final checkpoint on this host and print its candidate")
+    check.add_argument("--home", type=Path, required=True)
+    check.add_argument("--arm", choices=selection.TRAINED_ARMS, required=True)
+    check.set_defaults(handler=_checkpoint_verify)
 
     serve = commands.add_parser("replica", help="run a vLLM replica of a model folder until SIGTERM")
     serve.add_argument("--model-dir", type=Path, required=True, help="the seed folder or a checkpoint's model folder")
