@@ -9,8 +9,8 @@ import io
 import json
 import os
 import shutil
-import sqlite3
 import signal
+import sqlite3
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
