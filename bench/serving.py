@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -164,6 +165,7 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=60)
         vllm.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     def best(name: str, concurrency: int) -> dict[str, Any]:
         mine = [r for r in runs if r["server"] == name and r["concurrency"] == concurrency]
