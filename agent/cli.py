@@ -30,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--claim-wait-seconds", type=float, default=20.0, help="long poll of each claim")
     run.add_argument("--batch-seconds", type=float, default=1.0, help="the longest an event waits to be sent")
     run.add_argument("--grace-seconds", type=float, default=30.0, help="TERM to KILL when no deadline is given")
-    run.add_argument("--kind", action="append", default=[], choices=sorted(jobs.HANDLERS), help="only these kinds")
+    run.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        choices=sorted({*jobs.HANDLERS, *jobs.IN_PROCESS}),
+        help="only these kinds",
+    )
     return parser
 
 

@@ -34,6 +34,9 @@ def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> di
     if job.kind == "train":
         run = home / "runs" / str(job.arm) / f"rank-{job.rank}"
         return {f"runs/{job.arm}/rank-{job.rank}/{name}": run / name for name in ("result.json", "run.json")}
+    if job.kind == "benchmark":
+        phase = str(job.spec["phase"])
+        return {f"serving/{phase}.json": home / "serving" / f"{phase}.json"}
     if job.kind == "evaluate":
         folder = home / "evaluations" / str(job.role) / str(job.arm)
         return {f"evaluations/{job.role}/{job.arm}/{p.name}": p for p in sorted(folder.iterdir()) if p.is_file()}

@@ -44,6 +44,7 @@ class Outcome:
     journal: list[wire.StepRecord] = field(default_factory=list)
     resource_samples: list[wire.ResourceSample] = field(default_factory=list)
     answers: list[wire.AnswerRecord] = field(default_factory=list)
+    serving: list[wire.ServingPhase] = field(default_factory=list)
 
 
 Argv = Callable[[wire.Assignment, Workspace], list[str]]
@@ -124,6 +125,29 @@ def _verified(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, An
     return Outcome(result=msgspec.to_builtins(candidate))
 
 
+def _replica_start(job: wire.Assignment, ws: Workspace) -> list[str]:
+    # The replica serves this host's copy of the selected checkpoint: verify it first (loop.py starts it).
+    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job))
+
+
+def serving_token_file(ws: Workspace) -> Path:
+    return ws.root / "serving-token"
+
+
+def _benchmark(job: wire.Assignment, ws: Workspace) -> list[str]:
+    phase = str(job.spec["phase"])
+    argv = coop("benchmark", "--phase", phase, "--home", ws.home, "--token-file", serving_token_file(ws))
+    for endpoint in job.spec["endpoints"]:
+        argv += ["--endpoint", str(endpoint)]
+    return [*argv, "--output", str(ws.home / "serving" / f"{phase}.json")]
+
+
+def _benchmarked(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
+    report = msgspec.json.decode(Path(_last(events, "benchmarked")["output"]).read_bytes())
+    phase = wire.ServingPhase(phase=job.spec["phase"], report=report)
+    return Outcome(result={"phase": phase.phase, "metrics": report["metrics"]}, serving=[phase])
+
+
 def _arm(job: wire.Assignment) -> str:
     if job.arm is None:
         raise CoopError(f"{job.kind} job {job.job_id} names no arm")
@@ -135,13 +159,17 @@ HANDLERS: dict[str, Handler] = {
     "train": Handler(_train, _trained),
     "evaluate": Handler(_evaluate, _evaluated),
     "select": Handler(_select, _verified),
+    "replica-start": Handler(_replica_start, _verified),
+    "benchmark": Handler(_benchmark, _benchmarked),
 }
+# Run by the agent itself, not as a command: stopping the replica and probe it keeps (services.py).
+IN_PROCESS = frozenset({"replica-stop"})
 
 
 def handler(kind: str) -> Handler:
     found = HANDLERS.get(kind)
     if found is None:
-        raise CoopError(f"this agent runs {', '.join(sorted(HANDLERS))} jobs, not {kind}")
+        raise CoopError(f"this agent runs {', '.join(sorted({*HANDLERS, *IN_PROCESS}))} jobs, not {kind}")
     return found
 
 

@@ -22,6 +22,7 @@ import psutil
 
 from agent import evidence, jobs
 from agent.client import Coordinator, Rejected, Unreachable, forever
+from agent.services import Services
 from agent.spool import OpenAttempt, Spool
 from experiment import wire
 from experiment.errors import CoopError
@@ -98,6 +99,7 @@ class Agent:
         self._current: OpenAttempt | None = None
         self._stop: _Stop | None = None
         self._lock = threading.Lock()
+        self.services = Services(settings.grace_seconds)
 
     # The threads ----------------------------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class Agent:
             log.info("registered as %s (%s)", agent.name, agent.id)
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             self._claim_loop()
+        self.services.stop_all()
         self.drain(timeout=10.0)
 
     def _claim_loop(self) -> None:
@@ -240,6 +243,11 @@ class Agent:
         log.info("attempt %s %s", job.attempt_id, result.outcome)
 
     def _run(self, job: wire.Assignment, attempt: OpenAttempt) -> wire.AttemptResult:
+        if job.kind in jobs.IN_PROCESS:
+            was_running = self.services.stop(str(job.experiment_id))
+            return wire.AttemptResult(
+                lease_token=job.lease_token, outcome="succeeded", exit_code=0, result={"stopped": was_running}
+            )
         handler = jobs.handler(job.kind)
         ws = self.workspace(job.experiment_id)
         ws.root.mkdir(parents=True, exist_ok=True)
@@ -269,6 +277,8 @@ class Agent:
             reason = f"`coop {job.kind}` exited with {code}: {tail}"
             return wire.AttemptResult(lease_token=job.lease_token, outcome="failed", exit_code=code, reason=reason)
         outcome = handler.collect(job, ws, decoded)
+        if job.kind == "replica-start":
+            outcome = self._start_replica(job, ws, entries, outcome)
         plan = next(entry.body["plan"] for entry in entries if entry.kind == "plan")
         written = evidence.written_by(job, ws, sorted(plan["seed"]["files"]))
         named = self._patiently(lambda: evidence.upload(self.client, written))
@@ -280,8 +290,34 @@ class Agent:
             journal=outcome.journal,
             resource_samples=outcome.resource_samples,
             answers=outcome.answers,
+            serving=outcome.serving,
             evidence=named,
         )
+
+    def _start_replica(
+        self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry], verified: jobs.Outcome
+    ) -> jobs.Outcome:
+        """Serve this host's verified copy of the selected checkpoint behind a probe; both outlive the job."""
+        selected = next(entry.body for entry in entries if entry.kind == "selection")["arms"][str(job.arm)]
+        if verified.result["model_identity"] != selected["model_identity"]:
+            raise CoopError(f"this host's {job.arm} checkpoint is not the selected one; it is not served")
+        replica = self.services.start(
+            str(job.experiment_id),
+            coop=jobs.coop()[:3],
+            model_dir=ws.home / str(verified.result["path"]),
+            seed_dir=ws.model_dir,
+            home=ws.home,
+            model_identity=str(selected["model_identity"]),
+            bind="127.0.0.1" if self.settings.advertise_address in {"127.0.0.1", "localhost"} else "0.0.0.0",
+            advertise=self.settings.advertise_address,
+            token_file=jobs.serving_token_file(ws),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            logs=ws.root / "logs" / f"replica-{job.attempt_id}",
+            cwd=jobs.ROOT,
+            stopping=self.stopping,
+        )
+        result = {"model_identity": replica.model_identity, "replica_url": replica.replica_url}
+        return jobs.Outcome(result=result | {"probe_url": replica.probe_url, "rank": job.spec["rank"]})
 
     def _patiently(self, call: Callable[[], T]) -> T:
         """``call`` once the coordinator answers (it may be restarting); a refusal fails the attempt."""
@@ -296,6 +332,9 @@ class Agent:
     def _stage(self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry]) -> None:
         """Put what the job reads into this host's home: the plan, the prepared inputs, the selection."""
         jobs.write_plan(entries, ws)
+        token = job.spec.get("serving_token")
+        if token is not None:
+            _write_secret(jobs.serving_token_file(ws), str(token))
         if job.kind == "prepare":
             return
         prepared = next((entry.identity for entry in entries if entry.kind == "prepared"), None)
@@ -364,6 +403,15 @@ class Agent:
                     killed = True
         process.wait()
         return decoded, stopped
+
+
+def _write_secret(path: Path, secret: str) -> None:
+    """The serving token, readable by this user only (the same token again is a no-op)."""
+    if path.exists() and path.read_text().strip() == secret:
+        return
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secret + "\n")
 
 
 def _signal(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

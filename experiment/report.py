@@ -12,7 +12,7 @@ from typing import Any
 import jinja2
 import msgspec
 
-from experiment import figures, stats, tasks
+from experiment import figures, servingcheck, stats, tasks
 from experiment.bundle import SEED
 from experiment.canonical import canonical_bytes, sha256_file, write_new_bytes
 from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
@@ -340,6 +340,13 @@ def compute(bundle: Path) -> dict[str, Any]:
             "selection": selection_identity(selection),
         },
     )
+    ledger_path = bundle / "ledger.json"
+    served = ledger_path.exists() and any(e.kind == "serving" for e in read_ledger(ledger_path))
+    serving = (
+        servingcheck.section(bundle, prepared, selection.arms["clean-pair"].model_identity, _require)
+        if served or (bundle / "serving").is_dir()
+        else None
+    )
     training = _check_runs(prepared, selection, documents)
     evaluations = _evaluations(prepared, selection, tokenizer, test)
 
@@ -380,6 +387,7 @@ def compute(bundle: Path) -> dict[str, Any]:
         "training": training,
         "pair_over_single_median_update": training["clean-pair"]["median_update_seconds"]
         / training["clean-single"]["median_update_seconds"],
+        "serving": serving,
         "checks": [
             "seed tokenizer files match the plan",
             "dev and test tasks regenerated from the plan's seed",
@@ -388,6 +396,7 @@ def compute(bundle: Path) -> dict[str, Any]:
             "ranks agree on final digests",
             "candidates equal the selection",
             "every answer re-checked and re-decoded",
+            *(["serving: selected model only, no cache hits, none lost, same tokens, stop seen"] if serving else []),
         ],
     }
     built: dict[str, Any] = msgspec.to_builtins(report)

@@ -32,7 +32,7 @@ ExperimentState = Literal[
     "halted",
 ]
 JobState = Literal["queued", "leased", "running", "succeeded", "failed", "lost", "cancelled"]
-JobKind = Literal["prepare", "train", "evaluate", "select", "serve", "benchmark", "report"]
+JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"]
 ArmName = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent"]

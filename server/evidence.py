@@ -44,7 +44,7 @@ def writable_prefixes(job: models.Job, attempt: models.Attempt) -> tuple[str, ..
         return (f"runs/{job.arm}/rank-{attempt.rank}/",)
     if job.kind == "evaluate":
         return (f"evaluations/{job.role}/{job.arm}/",)
-    if job.kind in {"serve", "benchmark"}:
+    if job.kind == "benchmark":
         return ("serving/",)
     return ()
 

@@ -104,13 +104,18 @@ async def commit_plan(session: AsyncSession, settings: Settings, experiment: mod
 
 
 async def enqueue(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.JobCreate
+    session: AsyncSession,
+    settings: Settings,
+    experiment: models.Experiment,
+    body: wire.JobCreate,
+    *,
+    pinned: uuid.UUID | None = None,
 ) -> models.Job:
+    """Queue a job the protocol allows now; ``pinned`` names the only agent that may claim it."""
     ledger = await commitments.committed(session, experiment.id)
     guard_job(experiment.state, ledger, body.kind, body.arm, body.role)
     world_size = 1
-    pinned: uuid.UUID | None = None
-    if body.arm is not None and body.arm != "seed":
+    if pinned is None and body.arm is not None and body.arm != "seed":
         arm = (await arms_of(session, experiment.id))[body.arm]
         if body.kind == "train":
             world_size = arm.world_size
@@ -138,7 +143,8 @@ async def enqueue(
     return job
 
 
-async def _results(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
+async def results_of(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
+    """The results of the job's current attempt generation, by rank."""
     rows = await session.scalars(
         select(models.Attempt)
         .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
@@ -157,7 +163,7 @@ def _convert(data: dict[str, Any], kind: type[T], job: models.Job) -> T:
 async def job_succeeded(session: AsyncSession, settings: Settings, job: models.Job) -> None:
     """Advance the experiment after every rank of ``job`` succeeded."""
     experiment = await load(session, job.experiment_id, lock=True)
-    results = await _results(session, job)
+    results = await results_of(session, job)
     if job.kind == "prepare":
         prepared = _convert(results[0], wire.PrepareResult, job)
         experiment_target(experiment.state, E.PREPARED)
@@ -187,12 +193,16 @@ async def _record_training(
     arm = arms[job.arm or ""]
     arm.final_step, arm.model_identity, arm.receipt_sha256 = final.step, final.model_identity, final.receipt_sha256
     arm.binding, arm.checkpoint_path = final.binding, final.checkpoint_path
-    rank0 = await session.scalar(
-        select(models.Attempt).where(
-            models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made, models.Attempt.rank == 0
-        )
+    # Every rank's host holds an identical copy of the final checkpoint. The arm's evaluations and selection
+    # run on the rank host holding the fewest other arms, so that the hosts share the evaluation work.
+    ranks = await session.scalars(
+        select(models.Attempt)
+        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
+        .order_by(models.Attempt.rank)
     )
-    arm.holder_agent_id = None if rank0 is None else rank0.agent_id
+    held = [other.holder_agent_id for other in arms.values() if other is not arm]
+    hosts = [attempt.agent_id for attempt in ranks]
+    arm.holder_agent_id = min(hosts, key=lambda host: (held.count(host), hosts.index(host)), default=None)
     if experiment.state == E.TRAINING and all(arms[name].model_identity for name in TRAINED_ARMS):
         move_experiment(session, experiment, E.TRAINED, "every arm has a verified final checkpoint")
 
@@ -208,7 +218,7 @@ async def _record_test_evaluation(session: AsyncSession, experiment: models.Expe
     )
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for job in done:
-        by_arm[job.arm or ""] = await _results(session, job)
+        by_arm[job.arm or ""] = await results_of(session, job)
     if experiment.state != E.SELECTED or any(arm not in by_arm for arm in EVALUATED_ARMS):
         return
     body = {"arms": {arm: by_arm[arm] for arm in EVALUATED_ARMS}}
@@ -236,7 +246,7 @@ async def _record_verified_checkpoint(session: AsyncSession, settings: Settings,
     candidates: dict[str, dict[str, Any]] = {}
     for arm in TRAINED_ARMS:
         job = verified[arm]
-        result = _convert((await _results(session, job))[0], wire.SelectResult, job)
+        result = _convert((await results_of(session, job))[0], wire.SelectResult, job)
         if result.arm != arm:
             raise Refused("select-result-arm", f"select job {job.id} verified {result.arm}, not {arm}")
         candidates[arm] = msgspec.to_builtins(result)

@@ -241,7 +241,7 @@ def guard_job(state: str, ledger: Ledger, kind: str, arm: str | None, role: str 
     current = ExperimentState(state)
     if current in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {current}; it takes no new jobs")
-    if kind in {"train", "evaluate", "serve"} and arm is None:
+    if kind in {"train", "evaluate", "replica-start", "replica-stop"} and arm is None:
         raise Refused("job-needs-arm", f"a {kind} job names its arm")
     if kind == "train":
         if arm not in TRAINED_ARMS:
@@ -270,7 +270,7 @@ def guard_job(state: str, ledger: Ledger, kind: str, arm: str | None, role: str 
             raise Refused("select-requires-trained-arms", f"selection follows training; the experiment is {current}")
     if kind == COORDINATOR_KIND and current != E.SERVING:
         raise Refused("report-requires-test-evaluations", f"the report follows the test evaluations; now {current}")
-    if kind == "serve":
+    if kind in {"replica-start", "replica-stop", "benchmark"}:
         guard_serving_arm(arm)
         if current != E.SERVING:
             raise Refused("serving-requires-serving-commitment", "serving jobs wait for the serving commitment")

@@ -9,7 +9,9 @@ UI); with autopilot on, the coordinator does the same as soon as every job of a 
                          holding its checkpoint (their success commits the selection: state selected)
     selected             the four test evaluations
     tested               the serving commitment: the selected clean-pair final checkpoint (no job)
-    serving              the report, run by the coordinator itself on the stored evidence
+    serving              a replica on each host of the pair, the single, pair and failure benchmarks (the
+                         failure phase stops rank 1's replica midway: serving.py), both replicas stopped,
+                         then the report, run by the coordinator itself on the stored evidence
 
 Autopilot stops where a job failed or was cancelled: a failed job is final and deterministic, so the
 operator reads its reason and advances again (which queues the missing jobs) once the cause is fixed.
@@ -24,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, models
+from server import experiments, models, serving
 from server.lifecycle import (
     EVALUATED_ARMS,
     EXPERIMENT_FINAL,
@@ -48,12 +50,17 @@ class Want:
     kind: wire.JobKind
     arm: wire.ArmName | None = None
     role: wire.Role | None = None
+    # Serving jobs differ by spec: the replica's rank, the benchmark's phase.
+    spec: tuple[tuple[str, str | int], ...] = ()
 
     def matches(self, job: models.Job) -> bool:
-        return (job.kind, job.arm, job.role) == (self.kind, self.arm, self.role)
+        return (job.kind, job.arm, job.role) == (self.kind, self.arm, self.role) and all(
+            job.spec.get(key) == value for key, value in self.spec
+        )
 
     def __str__(self) -> str:
-        return " ".join(part for part in (self.kind, self.role, self.arm) if part)
+        labels = [part for part in (self.kind, self.role, self.arm) if part]
+        return " ".join([*labels, *(f"{key} {value}" for key, value in self.spec)])
 
 
 _TRAINING = [[Want("train", arm) for arm in TRAINED_ARMS]]
@@ -67,7 +74,15 @@ STAGES: dict[ExperimentState, list[list[Want]]] = {
         [Want("select", arm) for arm in TRAINED_ARMS],
     ],
     E.SELECTED: [[Want("evaluate", arm, "test") for arm in EVALUATED_ARMS]],
-    E.SERVING: [[Want("report")]],
+    E.SERVING: [
+        [
+            Want("replica-start", SERVED_ARM, spec=(("rank", 0),)),
+            Want("replica-start", SERVED_ARM, spec=(("rank", 1),)),
+        ],
+        *([Want("benchmark", SERVED_ARM, spec=(("phase", phase),))] for phase in ("single", "pair", "failure")),
+        [Want("replica-stop", SERVED_ARM, spec=(("rank", 0),)), Want("replica-stop", SERVED_ARM, spec=(("rank", 1),))],
+        [Want("report")],
+    ],
 }
 
 
@@ -116,7 +131,10 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
     if not missing:
         raise Refused("phase-complete", f"every job of the {state} phase succeeded; nothing is left to queue")
     for want in missing:
-        await experiments.enqueue(session, settings, experiment, wire.JobCreate(want.kind, want.arm, want.role))
+        if want.kind in serving.KINDS:
+            await serving.enqueue(session, settings, experiment, want.kind, dict(want.spec))
+        else:
+            await experiments.enqueue(session, settings, experiment, wire.JobCreate(want.kind, want.arm, want.role))
     return "queued " + ", ".join(str(want) for want in missing)
 
 

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from experiment import wire
-from server import experiments, lifecycle, models, phases
+from server import experiments, lifecycle, models, phases, serving
 from server.errors import Forbidden, NotFound
 from server.lifecycle import COORDINATOR_KIND, JOB_ACTIVE, JOB_FINAL, JobState, Refused
 from server.settings import Settings
@@ -146,7 +146,9 @@ async def claim(
         kind=job.kind,  # type: ignore[arg-type]
         arm=job.arm,  # type: ignore[arg-type]
         role=job.role,  # type: ignore[arg-type]
-        spec=job.spec,
+        # The probes' bearer token goes only to the agent of a serving job, and is stored nowhere.
+        spec=job.spec
+        | ({"serving_token": serving.token(settings, job.experiment_id)} if job.kind in serving.KINDS else {}),
         number=job.attempts_made,
         rank=rank,
         world_size=job.world_size,

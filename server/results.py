@@ -44,8 +44,8 @@ async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt
     if body.answers:
         await _record_answers(session, job, attempt, body.answers)
     if body.serving:
-        if job.kind not in {"serve", "benchmark"}:
-            raise BadRequest(f"a {job.kind} job reports no serving phases; only serve and benchmark jobs do")
+        if job.kind != "benchmark":
+            raise BadRequest(f"a {job.kind} job reports no serving phases; only benchmark jobs do")
         session.add_all(
             models.ServingResult(
                 experiment_id=job.experiment_id, attempt_id=attempt.id, phase=phase.phase, body=phase.report

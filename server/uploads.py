@@ -9,18 +9,24 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import evidence, idempotency, models, queue, results, views
+from server import evidence, idempotency, models, queue, results, serving, views
 from server.idempotency import Stored
 from server.settings import Settings
 
 
 async def events(
-    session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, body: wire.EventBatch, key: str | None
+    session: AsyncSession,
+    settings: Settings,
+    agent: models.Agent,
+    attempt_id: uuid.UUID,
+    body: wire.EventBatch,
+    key: str | None,
 ) -> Stored:
     job, attempt = await queue.owned_attempt(session, agent, attempt_id, body.lease_token)
     checked = idempotency.require_key(key, idempotency.expected_key(job.id, attempt.id, body.sequence))
 
     async def work() -> tuple[int, bytes]:
+        await serving.on_events(session, settings, job, {event.kind for event in body.events})
         received = datetime.datetime.now(datetime.UTC)
         session.add_all(
             models.Event(

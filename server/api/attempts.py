@@ -74,11 +74,12 @@ class AttemptController(Controller):
         attempt_id: uuid.UUID,
         data: wire.EventBatch,
         db_session: AsyncSession,
+        settings: Settings,
         principal: Principal,
         agent: models.Agent,
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
-        stored = await uploads.events(db_session, agent, attempt_id, data, idempotency_key)
+        stored = await uploads.events(db_session, settings, agent, attempt_id, data, idempotency_key)
         if not stored.replay:
             audit.record(db_session, principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence)
         return _stored(stored)

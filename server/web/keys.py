@@ -51,8 +51,14 @@ def derive(secret: bytes, purpose: str) -> bytes:
     return hmac.new(secret, purpose.encode(), hashlib.sha256).digest()
 
 
-def load(home: Path) -> Keys:
+def load_secret(home: Path) -> bytes:
+    """The coordinator home's secret (the web keys and the serving tokens are derived from it)."""
     secret = _read_or_create(home / FILE)
     if len(secret) < SECRET_BYTES:
         raise CoopError(f"{home / FILE} holds fewer than {SECRET_BYTES} bytes; delete it and restart to make a new one")
+    return secret
+
+
+def load(home: Path) -> Keys:
+    secret = load_secret(home)
     return Keys(session=derive(secret, "coop web session"), csrf=derive(secret, "coop web csrf").hex())

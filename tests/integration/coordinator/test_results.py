@@ -133,10 +133,15 @@ def test_serving_results_and_the_report_are_stored_and_read_back(api: Api) -> No
         f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     )
     assert serving.status_code == 201
-    queued = api.operator_post(f"/api/experiments/{experiment_id}/jobs", {"kind": "serve", "arm": "clean-pair"})
+    queued = api.operator_post(
+        f"/api/experiments/{experiment_id}/jobs",
+        {"kind": "benchmark", "arm": "clean-pair", "spec": {"phase": "single"}},
+    )
     assert queued.status_code == 201
     job = api.claim(a)
-    assert job is not None and job["kind"] == "serve"
+    assert job is not None and job["kind"] == "benchmark"
+    assert len(job["spec"]["serving_token"]) == 64  # handed to the claiming agent only
+    assert "serving_token" not in api.get(f"/api/jobs/{job['job_id']}")["spec"]
     phases = [{"phase": "single", "report": {"requests": 100}}, {"phase": "failure", "report": {"lost": 0}}]
     assert api.report(a, job, serving=phases).status_code == 200
     listed = api.get(f"/api/experiments/{experiment_id}/serving-results")

@@ -1,0 +1,139 @@
+"""The services an agent keeps running beside its jobs: a vLLM replica and the probe in front of it.
+
+A replica-start job starts both (``coop replica`` and ``coop probe``, each in its own process group), waits
+until the probe's ``/health`` names the served model, and reports their URLs; they outlive the job. A
+replica-stop job, or the agent's own shutdown, stops them: TERM, the grace period, then KILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from experiment.errors import CoopError
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self, grace: float) -> int | None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait(timeout=30)
+
+
+@dataclass
+class Replica:
+    model_identity: str
+    replica_url: str
+    probe_url: str
+    services: tuple[Service, Service]
+
+
+def _spawn(name: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> Service:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=out, start_new_session=True)
+    return Service(name, process)
+
+
+def _wait_healthy(service: Service, url: str, token: str, seconds: float, stopping: threading.Event) -> None:
+    deadline = time.monotonic() + seconds
+    headers = {"Authorization": f"Bearer {token}"}
+    while time.monotonic() < deadline and not stopping.is_set():
+        if service.process.poll() is not None:
+            raise CoopError(f"the {service.name} exited with {service.process.returncode} before it was healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", headers=headers, timeout=2.0).status_code == 200:
+                return
+        stopping.wait(0.5)
+    raise CoopError(f"the {service.name} at {url} was not healthy within {seconds:g}s")
+
+
+class Services:
+    """Replicas by experiment; at most one per experiment on a host."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._replicas: dict[str, Replica] = {}
+        self._lock = threading.Lock()
+
+    def start(
+        self,
+        key: str,
+        *,
+        coop: list[str],
+        model_dir: Path,
+        seed_dir: Path,
+        home: Path,
+        model_identity: str,
+        bind: str,
+        advertise: str,
+        token_file: Path,
+        env: dict[str, str],
+        logs: Path,
+        cwd: Path,
+        stopping: threading.Event,
+        startup_seconds: float = 900.0,
+    ) -> Replica:
+        with self._lock:
+            if key in self._replicas:
+                raise CoopError(f"a replica of experiment {key} already runs on this host")
+        replica_port, probe_port = free_port(bind), free_port(bind)
+        replica_url = f"http://127.0.0.1:{replica_port}"
+        argv = [*coop, "replica", "--model-dir", str(model_dir), "--served-model-name", model_identity]
+        replica = _spawn(
+            "replica", [*argv, "--port", str(replica_port), "--grace", str(self.grace)], cwd, env, logs / "replica.log"
+        )
+        probe_argv = [*coop, "probe", "--home", str(home), "--model-dir", str(seed_dir), "--replica", replica_url]
+        probe_argv += ["--bind", bind, "--port", str(probe_port), "--token-file", str(token_file)]
+        probe = _spawn("probe", probe_argv, cwd, env, logs / "probe.log")
+        started = Replica(model_identity, replica_url, f"http://{advertise}:{probe_port}", (replica, probe))
+        token = token_file.read_text().strip()
+        try:
+            _wait_healthy(probe, f"http://127.0.0.1:{probe_port}", token, startup_seconds, stopping)
+        except CoopError:
+            for service in (probe, replica):
+                service.stop(self.grace)
+            raise
+        with self._lock:
+            self._replicas[key] = started
+        return started
+
+    def stop(self, key: str) -> bool:
+        """Stop the experiment's replica and probe; False when none runs here."""
+        with self._lock:
+            replica = self._replicas.pop(key, None)
+        if replica is None:
+            return False
+        probe, vllm = replica.services[1], replica.services[0]
+        vllm.stop(self.grace)  # the replica first: the probe then answers 503, as a stopped host would
+        probe.stop(self.grace)
+        return True
+
+    def stop_all(self) -> None:
+        for key in list(self._replicas):
+            self.stop(key)
