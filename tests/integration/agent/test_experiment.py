@@ -34,7 +34,15 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 TINY = ROOT / "seeds" / "tiny"  # vLLM serves it (the seconds-fast test seed is too small for its kernels)
 
 # Long enough (24 updates, a checkpoint every 4) for a kill to land between checkpoints of the pair.
-COUNTS: dict[str, Any] = {"train": 184, "replay": 8, "updates": 24, "checkpoint_steps": [4, 8, 12, 16, 20, 24]}
+# A serving workload long enough (16 requests, the stop after 4) for the coordinator's stop to land midway.
+COUNTS: dict[str, Any] = {
+    "train": 184,
+    "replay": 8,
+    "updates": 24,
+    "checkpoint_steps": [4, 8, 12, 16, 20, 24],
+    "dev": 16,
+    "workload_tasks": 16,
+}
 ARMS = ("seed", "clean-single", "damaged-single", "clean-pair")
 
 
