@@ -43,15 +43,15 @@ def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> di
     return {}
 
 
-def upload(client: Coordinator, files: dict[str, Path]) -> dict[str, str]:
-    """Upload each file as a blob (idempotent: a blob already stored is not stored again); path -> sha256."""
-    named = {}
+def as_blobs(files: dict[str, Path]) -> tuple[dict[str, str], dict[str, bytes]]:
+    """The files as blobs: path -> sha256 (for the result), and sha256 -> bytes (for the spool to upload)."""
+    named: dict[str, str] = {}
+    blobs: dict[str, bytes] = {}
     for path, local in files.items():
         data = local.read_bytes()
-        digest = sha256_bytes(data)
-        client.upload_blob(digest, data)
-        named[path] = digest
-    return named
+        named[path] = sha256_bytes(data)
+        blobs[named[path]] = data
+    return named, blobs
 
 
 def fetch_prepared(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace, prepared_identity: str) -> None:

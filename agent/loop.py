@@ -23,7 +23,7 @@ import psutil
 from agent import evidence, jobs
 from agent.client import Coordinator, Rejected, Unreachable, forever
 from agent.services import Services
-from agent.spool import OpenAttempt, Spool
+from agent.spool import BLOB_PREFIX, OpenAttempt, Spool
 from experiment import wire
 from experiment.errors import CoopError
 
@@ -174,6 +174,8 @@ class Agent:
                 try:
                     if upload.kind == "events":
                         self.client.upload_events(upload.attempt_id, upload.key, upload.body)
+                    elif upload.kind == "blob":  # idempotent by content: a blob stored before is not stored again
+                        self.client.upload_blob(upload.key.rsplit(BLOB_PREFIX, 1)[1], upload.body)
                     else:
                         self.client.upload_result(upload.attempt_id, upload.key, upload.body)
                 except Unreachable as exc:
@@ -232,22 +234,23 @@ class Agent:
         self.spool.open_attempt(job.attempt_id, job.job_id, job.lease_token)
         with self._lock:
             self._current, self._stop = attempt, None
+        blobs: dict[str, bytes] = {}
         try:
-            result = self._run(job, attempt)
+            result, blobs = self._run(job, attempt)
         except (CoopError, OSError) as exc:
             result = wire.AttemptResult(lease_token=job.lease_token, outcome="failed", reason=str(exc)[:4000])
         finally:
             with self._lock:
                 self._current, self._stop = None, None
-        self.spool.add_result(attempt, result)
+        self.spool.add_result(attempt, result, blobs)
         log.info("attempt %s %s", job.attempt_id, result.outcome)
 
-    def _run(self, job: wire.Assignment, attempt: OpenAttempt) -> wire.AttemptResult:
+    def _run(self, job: wire.Assignment, attempt: OpenAttempt) -> tuple[wire.AttemptResult, dict[str, bytes]]:
+        """The attempt's result, and the evidence blobs it names (the spool uploads them before the result)."""
         if job.kind in jobs.IN_PROCESS:
             was_running = self.services.stop(str(job.experiment_id))
-            return wire.AttemptResult(
-                lease_token=job.lease_token, outcome="succeeded", exit_code=0, result={"stopped": was_running}
-            )
+            body = {"stopped": was_running}
+            return wire.AttemptResult(lease_token=job.lease_token, outcome="succeeded", exit_code=0, result=body), {}
         handler = jobs.handler(job.kind)
         ws = self.workspace(job.experiment_id)
         ws.root.mkdir(parents=True, exist_ok=True)
@@ -269,20 +272,21 @@ class Agent:
             decoded, stopped = self._forward(process, attempt)
         code = process.returncode
         if stopped is not None:
+            reason = stopped[:4000]
             return wire.AttemptResult(
-                lease_token=job.lease_token, outcome="cancelled", exit_code=code, reason=stopped[:4000]
-            )
+                lease_token=job.lease_token, outcome="cancelled", exit_code=code, reason=reason
+            ), {}
         if code != 0:
             tail = stderr_path.read_text(errors="replace")[-3000:]
             reason = f"`coop {job.kind}` exited with {code}: {tail}"
-            return wire.AttemptResult(lease_token=job.lease_token, outcome="failed", exit_code=code, reason=reason)
+            return wire.AttemptResult(lease_token=job.lease_token, outcome="failed", exit_code=code, reason=reason), {}
         outcome = handler.collect(job, ws, decoded)
         if job.kind == "replica-start":
             outcome = self._start_replica(job, ws, entries, outcome)
         plan = next(entry.body["plan"] for entry in entries if entry.kind == "plan")
         written = evidence.written_by(job, ws, sorted(plan["seed"]["files"]))
-        named = self._patiently(lambda: evidence.upload(self.client, written))
-        return wire.AttemptResult(
+        named, blobs = evidence.as_blobs(written)
+        result = wire.AttemptResult(
             lease_token=job.lease_token,
             outcome="succeeded",
             exit_code=0,
@@ -293,6 +297,7 @@ class Agent:
             serving=outcome.serving,
             evidence=named,
         )
+        return result, blobs
 
     def _start_replica(
         self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry], verified: jobs.Outcome

@@ -15,7 +15,8 @@ import msgspec
 
 from experiment import wire
 
-UploadKind = Literal["events", "result"]
+UploadKind = Literal["events", "blob", "result"]
+BLOB_PREFIX = "blob-"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS uploads (
@@ -101,10 +102,15 @@ class Spool:
         self.changed.set()
         return int(sequence)
 
-    def add_result(self, attempt: OpenAttempt, result: wire.AttemptResult) -> None:
-        """Spool the result after every batch of the attempt, and close the attempt."""
+    def add_result(
+        self, attempt: OpenAttempt, result: wire.AttemptResult, blobs: dict[str, bytes] | None = None
+    ) -> None:
+        """Spool the evidence blobs the result names, then the result (after every batch of the attempt),
+        and close the attempt."""
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
+            for sha256, data in sorted((blobs or {}).items()):
+                self._insert(attempt, "blob", f"{BLOB_PREFIX}{sha256}", data)
             self._insert(attempt, "result", "result", msgspec.json.encode(result))
             self._db.execute("UPDATE attempts SET finished = 1 WHERE attempt_id = ?", (str(attempt.attempt_id),))
         self.changed.set()

@@ -77,7 +77,11 @@ def test_agent_runs_prepare_and_its_events_and_result_arrive(
     assert after["state"] == "training"  # prepared was committed and the three arms were queued
     sequences = sorted({e["sequence"] for e in events})
     assert sequences == list(range(len(sequences)))
-    wait_for(lambda: agent.spool() == {"acknowledged": len(sequences) + 1}, 10, "the spool to be acknowledged")
+    # Every batch, the evidence blobs (the prepared files, the seed's small files) and the result: acknowledged.
+    wait_for(lambda: set(agent.spool()) == {"acknowledged"}, 10, "the spool to be acknowledged")
+    evidence = {f["path"] for f in coordinator.get(f"/api/experiments/{experiment['id']}/evidence")}
+    assert "prepared/manifest.json" in evidence and "seed/tokenizer.json" in evidence
+    assert agent.spool()["acknowledged"] == len(sequences) + len(evidence) + 1
     assert agent.spooled_events() == len(events)
 
 
