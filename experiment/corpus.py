@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from experiment import tasks
 from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, sha256_file, write_new_bytes
 from experiment.errors import CoopError
-from experiment.plan import Plan, SourceFile, plan_identity
+from experiment.plan import Plan, SourceFile, plan_identity, staged_seed
 from experiment.progress import Emit
 from experiment.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
 
@@ -162,14 +162,7 @@ def _replay_folder(plan: Plan, plan_path: Path, reference_home: Path | None) -> 
 
 def seed_snapshot(plan: Plan) -> Snapshot:
     """The seed's file hashes as the plan records them (staged before the plan is committed)."""
-    if not plan.seed.files or plan.seed.tokenizer_identity is None:
-        raise CoopError(
-            f"plan {plan.name} records no seed file hashes; stage the seed (coop seed-model snapshot) "
-            "and record them in the plan"
-        )
-    return Snapshot(
-        files=dict(plan.seed.files), tokenizer_identity=plan.seed.tokenizer_identity, parameters=plan.seed.parameters
-    )
+    return msgspec.convert(staged_seed(plan), type=Snapshot)
 
 
 def _task_items(plan: Plan, tokenizer: PreTrainedTokenizerBase, role: tasks.Role, count: int) -> list[TaskItem]:

@@ -6,7 +6,7 @@ Unknown keys are refused and every error names the field (``$.training.peak_lear
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -172,17 +172,20 @@ def plan_identity(plan: Plan) -> str:
     return identity(msgspec.to_builtins(plan))
 
 
-def seed_identity(plan: Plan) -> str:
-    """The untouched seed's model identity: the identity of its staged file snapshot (seedmodel.Snapshot's fields)."""
+def staged_seed(plan: Plan) -> dict[str, Any]:
+    """The seed snapshot the plan records (seedmodel.Snapshot's fields); refused when the seed is not staged."""
     if not plan.seed.files or plan.seed.tokenizer_identity is None:
         raise CoopError(
             f"plan {plan.name} records no seed file hashes; stage the seed (coop seed-model snapshot) "
             "and record them in the plan"
         )
-    return identity(
-        {
-            "files": dict(plan.seed.files),
-            "tokenizer_identity": plan.seed.tokenizer_identity,
-            "parameters": plan.seed.parameters,
-        }
-    )
+    return {
+        "files": dict(plan.seed.files),
+        "tokenizer_identity": plan.seed.tokenizer_identity,
+        "parameters": plan.seed.parameters,
+    }
+
+
+def seed_identity(plan: Plan) -> str:
+    """The untouched seed's model identity: the identity of its staged file snapshot."""
+    return identity(staged_seed(plan))
