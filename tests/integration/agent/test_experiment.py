@@ -258,7 +258,9 @@ def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finishe
     report = server.get(f"/api/experiments/{experiment_id}/report")
     serving = report["serving"]
     assert set(serving["phases"]) == {"single", "pair", "failure"}
-    assert serving["failure"]["lost"] == 0 and serving["failure"]["retries"] >= 1
+    failure = serving["failure"]
+    assert failure["lost"] == 0
+    assert failure["retries"] >= 1 or failure["requests_started_after_one_replica_left"] >= 4
     assert all(phase["failed"] == 0 and phase["cache_hits"] == 0 for phase in serving["phases"].values())
     listed = server.get(f"/api/experiments/{experiment_id}/serving-results")
     assert sorted(r["phase"] for r in listed) == ["failure", "pair", "single"]
