@@ -143,14 +143,19 @@ async def enqueue(
     return job
 
 
-async def results_of(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
-    """The results of the job's current attempt generation, by rank."""
+async def generation(session: AsyncSession, job: models.Job) -> list[models.Attempt]:
+    """The attempts of the job's current generation, by rank."""
     rows = await session.scalars(
         select(models.Attempt)
         .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
         .order_by(models.Attempt.rank)
     )
-    return [row.result or {} for row in rows]
+    return list(rows)
+
+
+async def results_of(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
+    """The results of the job's current attempt generation, by rank."""
+    return [row.result or {} for row in await generation(session, job)]
 
 
 def _convert(data: dict[str, Any], kind: type[T], job: models.Job) -> T:
@@ -195,11 +200,7 @@ async def _record_training(
     arm.binding, arm.checkpoint_path = final.binding, final.checkpoint_path
     # Every rank's host holds an identical copy of the final checkpoint. The arm's evaluations and selection
     # run on the rank host holding the fewest other arms, so that the hosts share the evaluation work.
-    ranks = await session.scalars(
-        select(models.Attempt)
-        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
-        .order_by(models.Attempt.rank)
-    )
+    ranks = await generation(session, job)
     held = [other.holder_agent_id for other in arms.values() if other is not arm]
     hosts = [attempt.agent_id for attempt in ranks]
     arm.holder_agent_id = min(hosts, key=lambda host: (held.count(host), hosts.index(host)), default=None)

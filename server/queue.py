@@ -159,20 +159,11 @@ async def claim(
     )
 
 
-async def _generation(session: AsyncSession, job: models.Job) -> list[models.Attempt]:
-    rows = await session.scalars(
-        select(models.Attempt)
-        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
-        .order_by(models.Attempt.rank)
-    )
-    return list(rows)
-
-
 async def _settle(session: AsyncSession, settings: Settings, job: models.Job, ended: models.Attempt) -> None:
     """Bring the job in line with an attempt that just ended: a gang ends together; a lost job is retried."""
     if ended.number != job.attempts_made:
         return  # an attempt of an earlier generation: its job has moved on
-    generation = await _generation(session, job)
+    generation = await experiments.generation(session, job)
     outcome = J(ended.state)
     if outcome in {J.LOST, J.FAILED, J.CANCELLED}:
         running = [sibling for sibling in generation if sibling.state in ACTIVE]
@@ -227,7 +218,7 @@ async def _requeue_unformed(session: AsyncSession, settings: Settings, now: date
             f"the gang did not form within {settings.gang_form_seconds:g}s: "
             f"{claimed} of {job.world_size} ranks were claimed"
         )
-        for attempt in await _generation(session, job):
+        for attempt in await experiments.generation(session, job):
             if attempt.state in ACTIVE:
                 lifecycle.move_attempt(session, job, attempt, J.CANCELLED, reason)
         lifecycle.move_job(session, job, J.QUEUED, reason)
@@ -366,6 +357,6 @@ async def cancel(session: AsyncSession, job: models.Job, grace_seconds: float) -
     job.cancel_requested_at = now
     job.ranks_open = 0
     deadline = now + datetime.timedelta(seconds=grace_seconds)
-    for attempt in await _generation(session, job):
+    for attempt in await experiments.generation(session, job):
         if J(attempt.state) in JOB_ACTIVE:
             attempt.cancel_deadline = deadline

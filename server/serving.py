@@ -43,10 +43,7 @@ async def pair_hosts(session: AsyncSession, experiment_id: uuid.UUID) -> dict[in
     )
     if job is None:
         raise Refused("serving-requires-trained-pair", "no clean-pair training succeeded")
-    rows = await session.scalars(
-        select(models.Attempt).where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
-    )
-    return {attempt.rank: attempt.agent_id for attempt in rows}
+    return {attempt.rank: attempt.agent_id for attempt in await experiments.generation(session, job)}
 
 
 async def _probes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, str]:
