@@ -8,13 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import string
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -64,6 +65,9 @@ class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     clip_norm: float = 1.0
     seed: int = 20260913
     conversation_files: tuple[str, ...] = tuple(str(p) for p in REPLAY_FILES)
+    # Where the pre-training runs. The bytes are reproducible on the same kind of machine (CPU builds with one
+    # thread; CUDA builds with deterministic kernels), not across kinds.
+    device: Literal["cpu", "cuda"] = "cpu"
 
 
 # The committed seed, spelled out so that a later change of a default cannot silently change it.
@@ -528,6 +532,7 @@ def _pretrain(
     pad_id: int,
     progress: Progress | None,
 ) -> None:
+    device = torch.device(config.device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -555,7 +560,7 @@ def _pretrain(
                 for j in range(config.batch_size)
             ]
             example += config.batch_size
-        ids, mask, labels = _pad(rows, pad_id)
+        ids, mask, labels = (tensor.to(device) for tensor in _pad(rows, pad_id))
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -583,6 +588,11 @@ def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, 
         raise CoopError(f"seed output folder {out} is not empty; refusing to build into it")
     root = Path.cwd() if root is None else root
     conversations = read_conversations(config.conversation_files, root)
+    if config.device == "cuda":
+        if not torch.cuda.is_available():
+            raise CoopError("the seed configuration asks for cuda, and no CUDA device is visible")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read at its start
+        torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(config.seed)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -601,8 +611,13 @@ def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, 
     if progress is not None:
         progress({"event": "tokenizer", "vocab": tokenizer.get_vocab_size(), "conversations": len(encoded)})
 
-    model = LlamaForCausalLM(_model_config(config, tokenizer))
-    _pretrain(config, model, encoder, encoded, tokenizer.token_to_id(PAD_TOKEN), progress)
+    model = LlamaForCausalLM(_model_config(config, tokenizer))  # initialised on the CPU, whatever the device
+    if config.device == "cuda":
+        model.set_attn_implementation("eager")  # SDPA's CUDA backward kernels are not deterministic
+    _pretrain(config, model.to(config.device), encoder, encoded, tokenizer.token_to_id(PAD_TOKEN), progress)
+    if config.device == "cuda":
+        model = model.to("cpu")
+        model.set_attn_implementation("sdpa")  # as a loaded seed runs
     model.train(False)
 
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
+import torch
 
 from experiment.errors import CoopError
 from experiment.seedmodel import (
@@ -119,6 +121,14 @@ def test_build_refuses_a_non_empty_folder(tmp_path: Path) -> None:
     with pytest.raises(CoopError, match="not empty"):
         build_seed(tmp_path, SMALL, root=ROOT)
     assert [p.name for p in tmp_path.iterdir()] == ["something"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA refuses a CUDA build")
+def test_a_cuda_build_without_cuda_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "seed"
+    with pytest.raises(CoopError, match="asks for cuda, and no CUDA device is visible"):
+        build_seed(out, msgspec.structs.replace(SMALL, device="cuda"), root=ROOT)
+    assert not out.exists()
 
 
 def test_pretraining_answers_never_use_the_task_schemas() -> None:
