@@ -38,6 +38,9 @@ CHAT_TEMPLATE = (
 )
 REPLAY_FILES = (Path("plans/local-reference/replay.jsonl"), Path("plans/local-reference/retention.jsonl"))
 IGNORE = -100
+# `coop seed-model build` runs with these: MKL's and ATen's AVX2 code paths on any x86 processor that has AVX2,
+# so a CPU build is byte-identical across processors (an AVX-512 machine otherwise rounds differently).
+CPU_KERNELS = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
