@@ -44,7 +44,7 @@ def _seed_build(args: argparse.Namespace) -> None:
     # load, so the build runs in a fresh interpreter) and the same bytes come out of every x86 machine with AVX2.
     if any(os.environ.get(name) != value for name, value in seedmodel.CPU_KERNELS.items()):
         environment = {**os.environ, **seedmodel.CPU_KERNELS}
-        os.execve(sys.executable, [sys.executable, "-m", "experiment.cli", *args.argv], environment)
+        os.execve(sys.executable, sys.orig_argv, environment)
     config = seedmodel.SMALL if args.small else seedmodel.FULL
     with Events() as events:
         snapshot = seedmodel.build_seed(args.out, config, events.emit)
@@ -286,7 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
     transformers.logging.disable_progress_bar()  # our own events report progress
     try:
         args.handler(args)

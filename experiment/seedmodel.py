@@ -68,8 +68,8 @@ class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     clip_norm: float = 1.0
     seed: int = 20260913
     conversation_files: tuple[str, ...] = tuple(str(p) for p in REPLAY_FILES)
-    # Where the pre-training runs. The bytes are reproducible on the same kind of machine (CPU builds with one
-    # thread; CUDA builds with deterministic kernels), not across kinds.
+    # Where the pre-training runs. CPU builds (one thread, CPU_KERNELS pinned) and CUDA builds (deterministic
+    # kernels) each reproduce their own bytes; a CPU build and a CUDA build differ.
     device: Literal["cpu", "cuda"] = "cpu"
 
 
