@@ -28,6 +28,9 @@ ENDPOINTS = {"single": 1, "pair": 2, "failure": 2}
 HEALTH_INTERVAL = 0.25  # seconds between health checks of every endpoint
 ATTEMPT_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
 NO_ENDPOINT_WAIT = 60.0  # seconds an attempt waits for some endpoint to be healthy before it fails
+# Failure phase: after the stop is announced, new requests wait (at most this long) until the client sees a
+# replica leave, so that the phase always serves part of its workload without it, however fast the rest goes.
+STOP_WAIT = 120.0
 
 
 class Attempt(msgspec.Struct, frozen=True):
@@ -100,6 +103,8 @@ class PhaseResult(msgspec.Struct, frozen=True):
     prepared_identity: str
     workload: Workload
     stop_after: int | None  # failure phase: the completions after which a replica is to be stopped
+    # failure phase: seconds since the start at which the client saw a replica leave (None: not within STOP_WAIT)
+    stop_seen: float | None
     metrics: Metrics
     attempts: list[Attempt]
     completions: list[Completion]
@@ -176,7 +181,7 @@ def _retryable(status: int | None) -> bool:
     return status is None or status >= 500 or status in (408, 429)
 
 
-class _Run:
+class PhaseRun:
     def __init__(
         self, endpoints: list[str], token: str, serving: ServingPlan, task_ids: list[str], emit: Emit, phase: str
     ) -> None:
@@ -193,6 +198,8 @@ class _Run:
         self.began = 0.0
         self.stop_after: int | None = None
         self._stop_announced = False
+        self._stop_wait: asyncio.Task[None] | None = None
+        self.stop_seen: float | None = None
 
     def _now(self) -> float:
         return time.monotonic() - self.began
@@ -223,6 +230,23 @@ class _Run:
         while (endpoint := self.router.pick(avoid)) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return endpoint
+
+    async def hold_for_stop(self) -> None:
+        """Once the stop is announced, every worker holds its next request until a replica is seen to leave
+        (bounded by STOP_WAIT); requests already sent go on, and are answered, drained or retried elsewhere."""
+        if not self._stop_announced:
+            return
+        if self._stop_wait is None:
+            self._stop_wait = asyncio.create_task(self._see_stop())
+        await self._stop_wait
+
+    async def _see_stop(self) -> None:
+        deadline = time.monotonic() + STOP_WAIT
+        while len(self.router.healthy) == len(self.router.endpoints) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if len(self.router.healthy) < len(self.router.endpoints):
+            self.stop_seen = round(self._now(), 6)
+        self.emit({"event": "stop-seen", "phase": self.phase, "at": self.stop_seen})
 
     async def request(self, client: httpx.AsyncClient, index: int, task_id: str) -> None:
         request_id = f"{self.run_id}-{index:04d}"
@@ -322,8 +346,12 @@ class _Run:
         )
         self._progress()
         if self.stop_after is not None and not self._stop_announced and len(self.completions) >= self.stop_after:
-            self._stop_announced = True
-            self.emit({"event": "stop-replica", "phase": self.phase, "completed": len(self.completions)})
+            self.announce_stop()
+
+    def announce_stop(self) -> None:
+        """Ask for the replica to be stopped (the coordinator acts on this event); new requests wait for it."""
+        self._stop_announced = True
+        self.emit({"event": "stop-replica", "phase": self.phase, "completed": len(self.completions)})
 
     def _progress(self) -> None:
         self.emit(
@@ -351,6 +379,9 @@ class _Run:
 
             async def worker() -> None:
                 while not queue.empty():
+                    await self.hold_for_stop()
+                    if queue.empty():
+                        break
                     index, task_id = queue.get_nowait()
                     await self.request(client, index, task_id)
 
@@ -392,7 +423,7 @@ def run_phase(
         raise CoopError("--stop-after is for the failure phase only")
     task_ids = [item.id for item in prepared.task_items("dev")[: serving.workload_tasks]]
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    runner = _Run(endpoints, token, serving, task_ids, emit, phase)
+    runner = PhaseRun(endpoints, token, serving, task_ids, emit, phase)
     runner.stop_after = stop_after
     emit(
         {"event": "benchmark-started", "phase": phase, "run_id": runner.run_id, "endpoints": endpoints}
@@ -417,6 +448,7 @@ def run_phase(
             task_ids=task_ids,
         ),
         stop_after=stop_after,
+        stop_seen=runner.stop_seen,
         metrics=metrics(len(task_ids), attempts, completions, duration),
         attempts=attempts,
         completions=completions,

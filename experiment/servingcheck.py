@@ -3,7 +3,9 @@
 Checks: each phase is for these inputs and served only the selected clean-pair model; no measured request
 was answered from the probe's retry cache; no request was lost; every task got the same output tokens in
 every phase; and the failure phase saw the stopped replica (a first attempt failed and was retried, or the
-client went on without it: requests kept starting on the other replica after its last)."""
+client went on without it: requests kept starting on the other replica after its last). The benchmark holds new
+requests from the stop's announcement until it sees a replica leave, so the second holds however fast the rest
+of the workload goes."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def section(bundle: Path, prepared: Prepared, served_identity: str, require: Req
         "pair_over_single_request_throughput": pair["request_throughput"] / single["request_throughput"],
         "failure": {
             "stopped_after_completions": reports["failure"].get("stop_after"),
+            "stop_seen_at_seconds": reports["failure"].get("stop_seen"),
             "requests_started_after_one_replica_left": after_stop,
             "first_attempt_failures": failure["first_attempt_failures"],
             "retries": failure["retries"],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from experiment import replica, seedmodel
-from experiment.benchmark import Attempt, Completion, Router, metrics
+from experiment.benchmark import Attempt, Completion, PhaseRun, Router, metrics
 from experiment.errors import CoopError
+from experiment.plan import ServingPlan
 from experiment.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
 
 TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
@@ -77,6 +81,30 @@ def test_router_retries_elsewhere_while_another_endpoint_is_healthy() -> None:
     assert router.pick(avoid="a") == "a"  # the only healthy one, even if it failed before
     router.mark_down("a")
     assert router.pick() is None
+
+
+def test_after_the_stop_is_announced_every_worker_waits_until_a_replica_leaves() -> None:
+    events: list[dict[str, Any]] = []
+    plan = ServingPlan(workload_tasks=8, concurrency=2, max_attempts=2, retry_cache_size=8, max_new_tokens=8)
+    runner = PhaseRun(["a", "b"], "token", plan, ["t"] * 8, events.append, "failure")
+
+    async def scenario() -> tuple[bool, float | None]:
+        runner.began = time.monotonic()
+        await runner.hold_for_stop()  # nothing announced yet: no wait
+        runner.announce_stop()
+        holders = [asyncio.create_task(runner.hold_for_stop()) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        held = not any(h.done() for h in holders)
+        runner.router.mark_down("b")
+        await asyncio.wait_for(asyncio.gather(*holders), 2)
+        await runner.hold_for_stop()  # once seen, never again
+        return held, runner.stop_seen
+
+    held, seen = asyncio.run(scenario())
+    assert held
+    assert seen is not None and seen >= 0.3
+    assert [e["event"] for e in events] == ["stop-replica", "stop-seen"]
+    assert events[1] == {"event": "stop-seen", "phase": "failure", "at": seen}
 
 
 def _attempt(request: str, number: int, status: int | None) -> Attempt:

@@ -78,11 +78,20 @@ def _state(run: Run) -> str:
     return state
 
 
+def _failure(run: Run, failed: list[dict[str, Any]]) -> str:
+    """The failed jobs first (the report job's reason is in the coordinator's log), then the logs' tails."""
+    server_log = (run.server.home / "server.log").read_text(errors="replace")
+    reasons = [line for line in server_log.splitlines() if " failed: " in line]
+    agents = "\n".join(f"--- {name}\n{a.log()[-3000:]}" for name, a in run.agents.items())
+    jobs = [(j["kind"], j["arm"], j["id"]) for j in failed]
+    return f"failed jobs {jobs}\ncoordinator: {reasons[-5:]}\n{agents}"
+
+
 def _wait_state(run: Run, states: set[str], seconds: float) -> str:
     def ended() -> str | None:
         state = _state(run)
         failed = [j for j in run.server.jobs(run.experiment["id"]) if j["state"] == "failed"]
-        assert not failed, (failed, {name: a.log()[-3000:] for name, a in run.agents.items()})
+        assert not failed, _failure(run, failed)
         return state if state in states else None
 
     return wait_for(ended, seconds, f"the experiment to become {states}")
@@ -261,6 +270,7 @@ def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finishe
     failure = serving["failure"]
     assert failure["lost"] == 0
     assert failure["retries"] >= 1 or failure["requests_started_after_one_replica_left"] >= 4
+    assert failure["stop_seen_at_seconds"] is not None
     assert all(phase["failed"] == 0 and phase["cache_hits"] == 0 for phase in serving["phases"].values())
     listed = server.get(f"/api/experiments/{experiment_id}/serving-results")
     assert sorted(r["phase"] for r in listed) == ["failure", "pair", "single"]
