@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, commitments, experiments, models, phases, views
+from server import audit, commitments, experiments, lifecycle, models, phases, serving, views
 from server.settings import Settings
 from server.tokens import Principal
 
@@ -83,7 +83,11 @@ class ExperimentController(Controller):
         principal: Principal,
     ) -> wire.Job:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        job = await experiments.enqueue(db_session, settings, experiment, data)
+        if data.kind in serving.KINDS:  # on the replica's host (the benchmark on rank 0's), spec checked
+            lifecycle.guard_serving_arm(data.arm)
+            job = await serving.enqueue(db_session, settings, experiment, data.kind, data.spec)
+        else:
+            job = await experiments.enqueue(db_session, settings, experiment, data)
         audit.record(db_session, principal, "job.queue", f"job:{job.id}", kind=data.kind, arm=data.arm, role=data.role)
         await db_session.flush()
         await db_session.refresh(job)

@@ -1,5 +1,5 @@
 """Jobs: the experiment's queue, each job's attempts (lost kept apart from failed) with the live tail of an
-attempt's log, and the operator's cancel (for a replica-start job: stopping that replica)."""
+attempt's log, and the operator's cancel (a running replica is stopped from the serving page)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class JobPages(Controller):
     ) -> Redirect | Template:
         operator = access.operator(request)
         job = await queries.job(db_session, job_id, lock=True)
-        what = "stop this replica" if job.kind == "replica-start" else "cancel this job"
+        what = "cancel this job"
         if data.confirm != "yes":
             return render.page(
                 request,
@@ -112,7 +112,5 @@ class JobPages(Controller):
             return Redirect(f"/jobs/{job_id}", status_code=303)
         audit.record(db_session, operator, "job.cancel", f"job:{job_id}", grace_seconds=grace)
         await db_session.commit()
-        access.notify(
-            request, f"asked job {job_id} to stop" if job.kind != "replica-start" else "asked the replica to stop"
-        )
+        access.notify(request, f"asked job {job_id} to stop")
         return Redirect(f"/jobs/{job_id}", status_code=303)

@@ -1,4 +1,5 @@
-"""Serving: each benchmark phase's throughput, latency distribution, attempts and retries, as recorded.
+"""Serving: the pair's replicas (an operator stops a running one here: a replica-stop job on its host), and each
+benchmark phase's throughput, latency distribution, attempts and retries, as recorded.
 
 The phase reports are the benchmark's own JSON (serving/PHASE.json of the bundle); the page shows their
 scalar fields as they are and draws every latency it finds, so that it follows the report's fields."""
@@ -8,17 +9,21 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from litestar import Controller, get
-from litestar.response import Template
+from litestar import Controller, get, post
+from litestar.enums import RequestEncodingType
+from litestar.params import Body
+from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, results
-from server.lifecycle import JOB_ACTIVE, JobState
-from server.web import charts, queries, render
+from server import audit, experiments, results, serving
+from server.lifecycle import Refused
+from server.settings import Settings
+from server.web import access, charts, render
 from server.web.access import WebRequest
+from server.web.forms import Confirmation
 
 Scalar = str | int | float | bool | None
 
@@ -61,11 +66,7 @@ class ServingPages(Controller):
     async def serving(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
         phases = [phase(result) for result in await results.serving_results(db_session, experiment_id)]
-        replicas = [
-            job
-            for job in await queries.jobs(db_session, experiment_id)
-            if job.kind == "replica-start" and JobState(job.state) in {JobState.QUEUED, *JOB_ACTIVE}
-        ]
+        replicas = sorted((await serving.replicas(db_session, experiment_id)).values(), key=lambda r: r.rank)
         return render.page(
             request,
             "serving.html",
@@ -77,3 +78,44 @@ class ServingPages(Controller):
                 "Request latency by phase", {p.result.phase: p.latencies for p in phases}, "seconds"
             ),
         )
+
+    @post("/replicas/{rank:int}/stop", opt=access.ACTION)
+    async def stop(
+        self,
+        request: WebRequest,
+        experiment_id: uuid.UUID,
+        rank: int,
+        data: Annotated[Confirmation, Body(media_type=RequestEncodingType.URL_ENCODED)],
+        db_session: AsyncSession,
+        settings: Settings,
+    ) -> Redirect | Template:
+        operator = access.operator(request)
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        back = f"/experiments/{experiment_id}/serving"
+        if data.confirm != "yes":
+            return render.page(
+                request,
+                "confirm.html",
+                tab="serving",
+                experiment=experiment,
+                title=f"Stop rank {rank}'s replica?",
+                explanation=(
+                    f"A replica-stop job is queued on rank {rank}'s host: its vLLM replica and probe finish the "
+                    "requests they hold and exit. A benchmark phase still to run needs both replicas and fails "
+                    "without this one."
+                ),
+                action=f"{back}/replicas/{rank}/stop",
+                fields={},
+                button="Stop replica",
+                back=back,
+            )
+        try:
+            job = await serving.enqueue(db_session, settings, experiment, "replica-stop", {"rank": rank})
+        except Refused as exc:
+            await db_session.rollback()
+            access.notify(request, f"Refused: {exc.detail}")
+            return Redirect(back, status_code=303)
+        audit.record(db_session, operator, "replica.stop", f"job:{job.id}", rank=rank)
+        await db_session.commit()
+        access.notify(request, f"queued replica-stop for rank {rank}")
+        return Redirect(back, status_code=303)

@@ -110,8 +110,9 @@ def create_experiment(coordinator: Coordinator, autopilot: bool = True) -> dict[
     return operator_post(coordinator, "/api/experiments", body)
 
 
-def tested_experiment(coordinator: Coordinator) -> str:
-    """An experiment whose four test evaluations are committed, stepped by hand (autopilot off) by two agents."""
+def tested_experiment(coordinator: Coordinator) -> tuple[str, Agent, Agent]:
+    """An experiment whose four test evaluations are committed, stepped by hand (autopilot off) by two agents
+    (a holds the pair's rank 0, b its rank 1)."""
     experiment = create_experiment(coordinator, autopilot=False)["id"]
     a, b = Agent(coordinator, "host-a"), Agent(coordinator, "host-b")
     prepare = a.claim("prepare")
@@ -126,7 +127,7 @@ def tested_experiment(coordinator: Coordinator) -> str:
         # A trained arm's evaluation runs on the host holding its checkpoint: either agent may get one.
         agent, job = next((agent, job) for agent in (a, b) if (job := agent.try_claim("evaluate")) is not None)
         agent.finish(job, result={"answers_sha256": sha(f"answers {job['arm']}")})
-    return str(experiment)
+    return str(experiment), a, b
 
 
 def step(arm: str, done: int, loss: float) -> dict[str, Any]:

@@ -182,7 +182,7 @@ def test_advancing_is_refused_while_a_phase_runs_and_confirmed_before_selection(
 def test_the_report_page_shows_the_recorded_reports_verdict_and_comparisons(
     page: Page, coordinator: Coordinator
 ) -> None:
-    experiment = tested_experiment(coordinator)
+    experiment, _, _ = tested_experiment(coordinator)
     page.goto(f"/experiments/{experiment}/report")
     expect(page.get_by_text("No report recorded yet")).to_be_visible()
 
@@ -208,3 +208,30 @@ def test_the_report_page_shows_the_recorded_reports_verdict_and_comparisons(
             expect(comparisons.get_by_role("row", name=name)).to_contain_text(f"{row['gain']:+.3f}")
     expect(page.locator("figure.chart svg")).to_have_count(4)
     screenshot(page, "report")
+
+
+def test_an_operator_stops_a_running_replica_from_the_serving_page(page: Page, coordinator: Coordinator) -> None:
+    experiment, a, b = tested_experiment(coordinator)
+    serving = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
+    operator_post(coordinator, f"/api/experiments/{experiment}/serving", serving)
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})  # a replica on each host of the pair
+    sign_in(page, coordinator)
+    page.goto(f"/experiments/{experiment}/serving")
+    expect(page.get_by_test_id("replica-1")).to_contain_text("starting")
+    expect(page.get_by_role("button", name="Stop rank 1's replica")).to_have_count(0)  # cancelled, not stopped
+    for agent, rank in ((a, 0), (b, 1)):
+        job = agent.claim("replica-start")
+        result = {"probe_url": f"http://host-{rank}:9000", "replica_url": "http://127.0.0.1:8000", "rank": rank}
+        agent.finish(job, result=result | {"model_identity": sha("clean-pair")})
+    page.reload()
+    expect(page.get_by_test_id("replica-0")).to_contain_text("running")
+    page.get_by_role("button", name="Stop rank 1's replica").click()
+    expect(page.get_by_role("heading", name="Stop rank 1's replica?")).to_be_visible()
+    page.get_by_role("button", name="Stop replica").click()
+    expect(page.get_by_role("status")).to_contain_text("queued replica-stop for rank 1")
+    expect(page.get_by_test_id("replica-1")).to_have_count(0)  # its stop is queued: no longer listed as running
+    expect(page.get_by_test_id("replica-0")).to_contain_text("running")
+    assert a.try_claim("replica-stop") is None  # the stop runs on rank 1's host
+    stop = b.claim("replica-stop")
+    assert stop["spec"] == {"rank": 1, "serving_token": stop["spec"]["serving_token"]}
+    screenshot(page, "replica-stopped")

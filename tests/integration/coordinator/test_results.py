@@ -133,13 +133,18 @@ def test_serving_results_and_the_report_are_stored_and_read_back(api: Api) -> No
         f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     )
     assert serving.status_code == 201
-    queued = api.operator_post(
-        f"/api/experiments/{experiment_id}/jobs",
-        {"kind": "benchmark", "arm": "clean-pair", "spec": {"phase": "single"}},
-    )
-    assert queued.status_code == 201
+    jobs = f"/api/experiments/{experiment_id}/jobs"
+    single = {"kind": "benchmark", "arm": "clean-pair", "spec": {"phase": "single"}}
+    assert api.operator_post(jobs, single).status_code == 409  # no replica runs yet
+    rank0 = {"kind": "replica-start", "arm": "clean-pair", "spec": {"rank": 0}}
+    assert api.operator_post(jobs, rank0).status_code == 201
+    replica = api.claim(a)  # a holds the pair's rank 0
+    assert replica is not None and replica["kind"] == "replica-start"
+    started = {"probe_url": "http://a:9000", "replica_url": "http://127.0.0.1:8000", "rank": 0}
+    assert api.finish(a, replica, **started, model_identity=sha("clean-pair")).status_code == 200
+    assert api.operator_post(jobs, single).status_code == 201
     job = api.claim(a)
-    assert job is not None and job["kind"] == "benchmark"
+    assert job is not None and job["kind"] == "benchmark" and job["spec"]["endpoints"] == ["http://a:9000"]
     assert len(job["spec"]["serving_token"]) == 64  # handed to the claiming agent only
     assert "serving_token" not in api.get(f"/api/jobs/{job['job_id']}")["spec"]
     phases = [{"phase": "single", "report": {"requests": 100}}, {"phase": "failure", "report": {"lost": 0}}]
