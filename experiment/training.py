@@ -8,6 +8,7 @@ token-weighted objective. Clipping and AdamW come after the reduction."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import random
 import time
@@ -171,6 +172,20 @@ class Trainer:
             eps=training.adam_epsilon,
         )
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free DDP's reducer while the process group still lives. The reducer must never hold the group's last
+        reference: freeing it then (with the GIL held) joins gloo's worker threads, one of which may be waiting
+        for the GIL to free a finished all-reduce, and the rank hangs at exit (seen with torch 2.13 on CPU)."""
+        if isinstance(self.network, DistributedDataParallel):
+            self.network = self.model
+            gc.collect()  # the reducer's autograd hooks form reference cycles
+
     def _no_sync(self) -> contextlib.AbstractContextManager[None]:
         if isinstance(self.network, DistributedDataParallel):
             return self.network.no_sync()
@@ -317,7 +332,8 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
     batches = schedule(plan)
     profile = numerical_profile(plan, device)
     binding = identity({"prepared": prepared.identity, "profile": profile, "arm": arm, "world_size": world.size})
-    with _process_group(world, plan):
+    # The trainer closes before the process group ends (the ExitStack exits first).
+    with _process_group(world, plan), contextlib.ExitStack() as closing:
         distributed.agree(world, "binding (prepared inputs, numerical profile, arm, world)", binding, device)
         record = _run_record(directory, arm, world, binding, plan)
         deadline = datetime.fromisoformat(record.deadline_at)
@@ -335,7 +351,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
         model.to(device)
         model.train()
         distributed.agree(world, "parameter digest after load", distributed.parameter_digest(model), device)
-        trainer = Trainer(plan, world, device, model, documents)
+        trainer = closing.enter_context(Trainer(plan, world, device, model, documents))
         if pointer is not None:
             checkpoint.load_state(directory, pointer, trainer.optimizer)
         start_step = len(journal)

@@ -39,9 +39,15 @@ def launch(args: list[str], world: int) -> list[subprocess.CompletedProcess[str]
         for rank in range(world)
     ]
     results = []
-    for process in processes:
-        out, err = process.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess(args, process.returncode, out, err))
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=300)
+            results.append(subprocess.CompletedProcess(args, process.returncode, out, err))
+    finally:  # a rank that hangs is killed with its peers, never left behind
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return results
 
 

@@ -5,6 +5,7 @@ Saves the reduced gradients of the first update and the parameters after ``--upd
 from __future__ import annotations
 
 import argparse
+import weakref
 from pathlib import Path
 
 import torch
@@ -34,14 +35,17 @@ def main() -> None:
     distributed.start(world, plan.runtime.backend, timeout_seconds=120)
     model = seedmodel.load_model(args.model_dir).to(device)
     scale = wrong_scale if args.wrong_scale else training.protocol_scale
-    trainer = training.Trainer(plan, world, device, model, prepared.documents("train-clean"), scale=scale)
     batches = training.schedule(plan)
-    for step in range(1, args.updates + 1):
-        trainer.accumulate(batches[step - 1])
-        if step == 1:
-            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-            save_file(grads, str(args.out / f"grads-rank{world.rank}.safetensors"))
-        trainer.step(step)
+    with training.Trainer(plan, world, device, model, prepared.documents("train-clean"), scale=scale) as trainer:
+        wrapper = weakref.ref(trainer.network)  # DDP on two ranks, the model itself on one
+        for step in range(1, args.updates + 1):
+            trainer.accumulate(batches[step - 1])
+            if step == 1:
+                grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+                save_file(grads, str(args.out / f"grads-rank{world.rank}.safetensors"))
+            trainer.step(step)
+    # Closed: DDP (and its reducer) is gone before the process group ends, so it cannot end it under the GIL.
+    assert not world.distributed or wrapper() is None, "the trainer's DDP wrapper outlived close()"
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     save_file(params, str(args.out / f"params-rank{world.rank}.safetensors"))
     distributed.stop(world)
