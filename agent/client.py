@@ -3,6 +3,8 @@ with exponential backoff, and sending the Idempotency-Key of every upload."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -15,6 +17,9 @@ from experiment import wire
 from experiment.errors import CoopError
 
 T = TypeVar("T")
+
+
+log = logging.getLogger("coop.agent")
 
 
 class Unreachable(CoopError):
@@ -155,11 +160,17 @@ class Coordinator:
         return self._send("GET", f"/api/blobs/{sha256}").content
 
 
-def forever(call: Callable[[], T], stopping: Callable[[], bool], pause: float = 1.0) -> T | None:
-    """Repeat ``call`` while the coordinator is unreachable, until it answers or ``stopping()``; None if stopped."""
-    while not stopping():
+class Stopping(CoopError):
+    """The agent began to stop while it waited for the coordinator."""
+
+
+def forever(call: Callable[[], T], stopping: threading.Event, pause: float = 1.0) -> T:
+    """``call`` once the coordinator answers (it may be restarting); raises Stopping when ``stopping`` is set
+    first. A refusal (Rejected) is not retried."""
+    while not stopping.is_set():
         try:
             return call()
-        except Unreachable:
-            time.sleep(pause)
-    return None
+        except Unreachable as exc:
+            log.warning("the coordinator is unreachable; retrying: %s", exc)
+            stopping.wait(pause)
+    raise Stopping("the agent is stopping")

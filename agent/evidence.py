@@ -17,10 +17,7 @@ from agent.jobs import Workspace
 from experiment import wire
 from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
 from experiment.errors import CoopError
-
-PREPARED = "prepared"
-MANIFEST = "manifest.json"
-SELECTION = "selection.json"
+from experiment.layout import MANIFEST, PREPARED, SEED, SELECTION
 
 
 def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> dict[str, Path]:
@@ -29,7 +26,7 @@ def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> di
     if job.kind == "prepare":
         files = {f"{PREPARED}/{p.name}": p for p in sorted((home / PREPARED).iterdir()) if p.is_file()}
         # The seed's small files (tokenizer, template, config) let anyone re-tokenize; the weights stay here.
-        files |= {f"seed/{name}": ws.model_dir / name for name in seed_files if not name.endswith(".safetensors")}
+        files |= {f"{SEED}/{name}": ws.model_dir / name for name in seed_files if not name.endswith(".safetensors")}
         return files
     if job.kind == "train":
         run = home / "runs" / str(job.arm) / f"rank-{job.rank}"

@@ -14,6 +14,7 @@ import msgspec
 from experiment import wire
 from experiment.canonical import write_new_bytes
 from experiment.errors import CoopError
+from experiment.layout import SELECTION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +105,7 @@ def _evaluate(job: wire.Assignment, ws: Workspace) -> list[str]:
     role = job.role or "dev"
     argv = coop("evaluate", "--home", ws.home, "--model-dir", ws.model_dir, "--arm", _arm(job), "--role", role)
     if role == "test":
-        argv += ["--selection", str(ws.home / "selection.json")]
+        argv += ["--selection", str(ws.home / SELECTION)]
     return argv
 
 

@@ -13,22 +13,20 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
 from agent import evidence, jobs
-from agent.client import Coordinator, Rejected, Unreachable, forever
+from agent.client import Coordinator, Rejected, Stopping, Unreachable, forever
 from agent.services import Services
 from agent.spool import BLOB_PREFIX, OpenAttempt, Spool
-from experiment import wire
+from experiment import layout, wire
 from experiment.errors import CoopError
 
 log = logging.getLogger("coop.agent")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,12 +105,15 @@ class Agent:
         sender = threading.Thread(target=self._send_loop, name="sender", daemon=True)
         sender.start()
         self._recover()
-        agent = forever(
-            lambda: self.client.register(
-                wire.AgentRegister(address=self.settings.advertise_address, labels=host_facts(self.settings.name))
-            ),
-            self.stopping.is_set,
-        )
+        try:
+            agent = forever(
+                lambda: self.client.register(
+                    wire.AgentRegister(address=self.settings.advertise_address, labels=host_facts(self.settings.name))
+                ),
+                self.stopping,
+            )
+        except Stopping:
+            agent = None
         if agent is not None:
             log.info("registered as %s (%s)", agent.name, agent.id)
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
@@ -225,11 +226,11 @@ class Agent:
         log.info("claimed %s job %s (attempt %s, rank %d)", job.kind, job.job_id, job.attempt_id, job.rank)
         attempt = OpenAttempt(job.attempt_id, job.job_id, job.lease_token)
         try:
-            started = forever(lambda: self.client.start(job.attempt_id, job.lease_token), self.stopping.is_set)
+            forever(lambda: self.client.start(job.attempt_id, job.lease_token), self.stopping)
         except Rejected as exc:
             log.error("start of attempt %s refused: %s", job.attempt_id, exc)
             return
-        if started is None:
+        except Stopping:
             return
         self.spool.open_attempt(job.attempt_id, job.job_id, job.lease_token)
         with self._lock:
@@ -254,7 +255,7 @@ class Agent:
         handler = jobs.handler(job.kind)
         ws = self.workspace(job.experiment_id)
         ws.root.mkdir(parents=True, exist_ok=True)
-        entries = self._patiently(lambda: self.client.ledger(job.experiment_id))
+        entries = forever(lambda: self.client.ledger(job.experiment_id), self.stopping)
         self._stage(job, ws, entries)
         logs = ws.root / "logs"
         logs.mkdir(exist_ok=True)
@@ -324,16 +325,6 @@ class Agent:
         result = {"model_identity": replica.model_identity, "replica_url": replica.replica_url}
         return jobs.Outcome(result=result | {"probe_url": replica.probe_url, "rank": job.spec["rank"]})
 
-    def _patiently(self, call: Callable[[], T]) -> T:
-        """``call`` once the coordinator answers (it may be restarting); a refusal fails the attempt."""
-        while not self.stopping.is_set():
-            try:
-                return call()
-            except Unreachable as exc:
-                log.warning("the coordinator is unreachable; retrying: %s", exc)
-                self.stopping.wait(1.0)
-        raise CoopError("the agent is stopping")
-
     def _stage(self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry]) -> None:
         """Put what the job reads into this host's home: the plan, the prepared inputs, the selection."""
         jobs.write_plan(entries, ws)
@@ -345,9 +336,9 @@ class Agent:
         prepared = next((entry.identity for entry in entries if entry.kind == "prepared"), None)
         if prepared is None:
             raise CoopError(f"a {job.kind} job needs the committed prepared identity; the ledger has none")
-        if not (ws.home / evidence.PREPARED / evidence.MANIFEST).is_file():
+        if not (ws.home / layout.PREPARED / layout.MANIFEST).is_file():
             log.info("fetching the prepared inputs %s from the coordinator", prepared[:16])
-            self._patiently(lambda: evidence.fetch_prepared(self.client, job.experiment_id, ws, prepared))
+            forever(lambda: evidence.fetch_prepared(self.client, job.experiment_id, ws, prepared), self.stopping)
         if job.kind == "evaluate" and job.role == "test":
             evidence.write_selection(entries, ws)
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiment.canonical import write_new_bytes
-from experiment.corpus import PREPARED, load_prepared, seed_snapshot
+from experiment.corpus import load_prepared, seed_snapshot
 from experiment.errors import CoopError
+from experiment.layout import PREPARED, SEED, SELECTION
 from experiment.seedmodel import verify_seed
 
-SEED = "seed"
 OPTIONAL = ("serving", "ledger.json")
 
 
@@ -24,10 +24,10 @@ def export_bundle(home: Path, model_dir: Path, out: Path) -> list[str]:
     """Copy every evidence file of ``home`` (and the seed's tokenizer files) into ``out``; returns the names."""
     prepared = load_prepared(home)
     verify_seed(model_dir, seed_snapshot(prepared.plan))
-    if not (home / "selection.json").is_file():
+    if not (home / SELECTION).is_file():
         raise CoopError(f"{home} has no selection.json; select (and evaluate) before exporting the evidence")
     sources: list[Path] = [p for p in sorted((home / PREPARED).iterdir()) if p.is_file()]
-    sources.append(home / "selection.json")
+    sources.append(home / SELECTION)
     sources += sorted(p for p in (home / "evaluations").rglob("*") if p.is_file() and not p.name.startswith("."))
     for run in sorted((home / "runs").glob("*/rank-*")):
         sources += [run / name for name in ("result.json", "run.json") if (run / name).is_file()]

@@ -12,14 +12,12 @@ from transformers import PreTrainedTokenizerBase
 from experiment import tasks
 from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, sha256_file, write_new_bytes
 from experiment.errors import CoopError
+from experiment.layout import MANIFEST, PLAN, PREPARED
 from experiment.plan import Plan, SourceFile, plan_identity, staged_seed
 from experiment.progress import Emit
 from experiment.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
 
 IGNORE = -100
-PREPARED = "prepared"
-MANIFEST = "manifest.json"
-PLAN = "plan.json"
 ROLE_FILES = {
     "train-clean": "train-clean.jsonl",
     "train-damaged": "train-damaged.jsonl",

@@ -13,14 +13,14 @@ import jinja2
 import msgspec
 
 from experiment import figures, servingcheck, stats, tasks
-from experiment.bundle import SEED
 from experiment.canonical import canonical_bytes, sha256_file, write_new_bytes
 from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
 from experiment.errors import CoopError
 from experiment.evaluation import EVAL_ARMS, Answer, RetentionScore, Summary, evaluation_dir, read_answers
+from experiment.layout import MANIFEST, PREPARED, SEED, SELECTION
 from experiment.ledger import read_ledger
 from experiment.seedmodel import load_tokenizer
-from experiment.selection import SELECTION, TRAINED_ARMS, Selection, read_selection, same_model, selection_identity
+from experiment.selection import TRAINED_ARMS, Selection, read_selection, same_model, selection_identity
 from experiment.training import schedule
 from experiment.wire import StepRecord
 
@@ -70,14 +70,14 @@ def _check_items(prepared: Prepared, tokenizer: Tokenizer, role: tasks.Role, ite
         )
     _require(
         [i.id for i in items] == prepared.manifest["ids"][role],
-        prepared.home / "prepared" / "manifest.json",
+        prepared.home / PREPARED / MANIFEST,
         f"ids.{role}",
         "differ from the role file",
     )
 
 
 def _check_training_inputs(prepared: Prepared, clean: list[Document], damaged: list[Document]) -> None:
-    manifest_path = prepared.home / "prepared" / "manifest.json"
+    manifest_path = prepared.home / PREPARED / MANIFEST
     plan = prepared.plan
     train_ids = [tasks.task_id(tasks.make_case(plan.tasks.task_seed, "train", i)) for i in range(plan.tasks.train)]
     _require(

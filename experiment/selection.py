@@ -13,10 +13,10 @@ from experiment import checkpoint
 from experiment.canonical import identity, read_json, write_new_json
 from experiment.corpus import Prepared
 from experiment.errors import CoopError
+from experiment.layout import SELECTION
 from experiment.plan import seed_identity
 
 TRAINED_ARMS = ("clean-single", "damaged-single", "clean-pair")
-SELECTION = "selection.json"
 
 
 class Candidate(msgspec.Struct, frozen=True):

@@ -18,6 +18,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.layout import PREPARED, SEED
 from server import blobs, commitments, models
 from server.errors import BadRequest
 from server.lifecycle import JobState, Refused
@@ -39,7 +40,7 @@ def _check_path(path: str) -> None:
 def writable_prefixes(job: models.Job, attempt: models.Attempt) -> tuple[str, ...]:
     """Where in the bundle an attempt may write: each job kind writes its own part (docs/evidence.md)."""
     if job.kind == "prepare":
-        return ("prepared/", "seed/")
+        return (f"{PREPARED}/", f"{SEED}/")
     if job.kind == "train":
         return (f"runs/{job.arm}/rank-{attempt.rank}/",)
     if job.kind == "evaluate":
