@@ -110,7 +110,7 @@ def create_experiment(coordinator: Coordinator, autopilot: bool = True) -> dict[
     return operator_post(coordinator, "/api/experiments", body)
 
 
-def tested_experiment(coordinator: Coordinator) -> tuple[str, Agent, Agent]:
+def experiment_through_testing(coordinator: Coordinator) -> tuple[str, Agent, Agent]:
     """An experiment whose four test evaluations are committed, stepped by hand (autopilot off) by two agents
     (a holds the pair's rank 0, b its rank 1)."""
     experiment = create_experiment(coordinator, autopilot=False)["id"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from playwright.sync_api import Page, expect
 
 from tests.browser.conftest import screenshot
-from tests.browser.support import Agent, create_experiment, operator_post, sha, step, tested_experiment
+from tests.browser.support import Agent, create_experiment, experiment_through_testing, operator_post, sha, step
 from tests.integration.agent.support import Coordinator
 from tests.integration.coordinator.support import LOCAL_PLAN, answer, report_body, train_result
 
@@ -182,7 +182,7 @@ def test_advancing_is_refused_while_a_phase_runs_and_confirmed_before_selection(
 def test_the_report_page_shows_the_recorded_reports_verdict_and_comparisons(
     page: Page, coordinator: Coordinator
 ) -> None:
-    experiment, _, _ = tested_experiment(coordinator)
+    experiment, _, _ = experiment_through_testing(coordinator)
     page.goto(f"/experiments/{experiment}/report")
     expect(page.get_by_text("No report recorded yet")).to_be_visible()
 
@@ -211,7 +211,7 @@ def test_the_report_page_shows_the_recorded_reports_verdict_and_comparisons(
 
 
 def test_an_operator_stops_a_running_replica_from_the_serving_page(page: Page, coordinator: Coordinator) -> None:
-    experiment, a, b = tested_experiment(coordinator)
+    experiment, a, b = experiment_through_testing(coordinator)
     serving = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     operator_post(coordinator, f"/api/experiments/{experiment}/serving", serving)
     operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})  # a replica on each host of the pair

@@ -245,7 +245,7 @@ def answer(index: int, correct: bool, family: str = "lookup", variant: int = 0) 
     }
 
 
-def tested_experiment(api: Api) -> tuple[str, str]:
+def experiment_through_testing(api: Api) -> tuple[str, str]:
     """A tested experiment (selection committed, four test evaluations recorded) and agent a's token."""
     a, b = api.agent("a"), api.agent("b")
     experiment_id = trained_experiment(api, a, b)["id"]

@@ -8,11 +8,11 @@ from experiment.ledger import Entry, verify_ledger
 from tests.integration.coordinator.support import (
     FINAL_STEP,
     Api,
+    experiment_through_testing,
     prepared_experiment,
     report_body,
     selection_body,
     sha,
-    tested_experiment,
     trained_experiment,
 )
 
@@ -87,7 +87,7 @@ def test_selection_takes_only_final_checkpoints_of_all_three_verified_arms(api: 
 
 
 def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pair(api: Api) -> None:
-    experiment_id, _ = tested_experiment(api)
+    experiment_id, _ = experiment_through_testing(api)
     path = f"/api/experiments/{experiment_id}/serving"
     refused(
         api.operator_post(path, {"arm": "damaged-single", "model_identity": sha("damaged-single")}),
@@ -106,7 +106,7 @@ def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pai
 
 
 def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -> None:
-    experiment_id, _ = tested_experiment(api)
+    experiment_id, _ = experiment_through_testing(api)
     refused(
         api.operator_post(f"/api/experiments/{experiment_id}/report", report_body({"early": True})),
         "experiment-transition",

@@ -7,13 +7,13 @@ from typing import Any
 
 import httpx
 
-from tests.integration.coordinator.support import Api, sha, tested_experiment
+from tests.integration.coordinator.support import Api, experiment_through_testing, sha
 from tests.integration.coordinator.test_lifecycle import refused
 
 
 def _serving(api: Api) -> tuple[str, dict[str, str]]:
     """A tested experiment with its serving commitment (a: the pair's rank 0, b: rank 1)."""
-    experiment_id, _ = tested_experiment(api)
+    experiment_id, _ = experiment_through_testing(api)
     served = api.operator_post(
         f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     )
