@@ -10,6 +10,8 @@ from typing import Any, TypeAlias
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
+from litestar.response import Redirect
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import auth, models
 from server.errors import Unauthenticated
@@ -73,6 +75,13 @@ def operator(request: WebRequest) -> Principal:
 def notify(request: WebRequest, message: str) -> None:
     """A one-time message for the next page this operator sees."""
     request.session[NOTICE] = message
+
+
+async def refused(request: WebRequest, db_session: AsyncSession, detail: str, back: str) -> Redirect:
+    """An action the protocol refused: nothing of it is kept, the operator reads why on the page it came from."""
+    await db_session.rollback()
+    notify(request, f"Refused: {detail}")
+    return Redirect(back, status_code=303)
 
 
 def take_notice(request: WebRequest) -> str | None:

@@ -107,9 +107,7 @@ class JobPages(Controller):
         try:
             await queue.cancel(db_session, job, grace)
         except Refused as exc:
-            await db_session.rollback()
-            access.notify(request, f"Refused: {exc.detail}")
-            return Redirect(f"/jobs/{job_id}", status_code=303)
+            return await access.refused(request, db_session, exc.detail, f"/jobs/{job_id}")
         audit.record(db_session, operator, "job.cancel", f"job:{job_id}", grace_seconds=grace)
         await db_session.commit()
         access.notify(request, f"asked job {job_id} to stop")

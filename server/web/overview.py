@@ -132,9 +132,7 @@ class OverviewPages(Controller):
         try:
             message = await phases.advance(db_session, settings, experiment)
         except Refused as exc:
-            await db_session.rollback()
-            access.notify(request, f"Refused: {exc.detail}")
-            return Redirect(back, status_code=303)
+            return await access.refused(request, db_session, exc.detail, back)
         audit.record(db_session, operator, "experiment.advance", f"experiment:{experiment.id}", queued=message)
         await db_session.commit()
         access.notify(request, message)
@@ -158,9 +156,7 @@ class OverviewPages(Controller):
         try:
             advanced = await phases.autopilot(db_session, settings, experiment)
         except Refused as exc:
-            await db_session.rollback()
-            access.notify(request, f"Refused: {exc.detail}")
-            return Redirect(back, status_code=303)
+            return await access.refused(request, db_session, exc.detail, back)
         await db_session.commit()
         state = "on" if data.value else "off"
         access.notify(request, f"autopilot {state}" + (f"; {advanced}" if advanced else ""))

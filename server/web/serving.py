@@ -112,9 +112,7 @@ class ServingPages(Controller):
         try:
             job = await serving.enqueue(db_session, settings, experiment, "replica-stop", {"rank": rank})
         except Refused as exc:
-            await db_session.rollback()
-            access.notify(request, f"Refused: {exc.detail}")
-            return Redirect(back, status_code=303)
+            return await access.refused(request, db_session, exc.detail, back)
         audit.record(db_session, operator, "replica.stop", f"job:{job.id}", rank=rank)
         await db_session.commit()
         access.notify(request, f"queued replica-stop for rank {rank}")
