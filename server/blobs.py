@@ -103,4 +103,4 @@ async def find(session: AsyncSession, settings: Settings, sha256: str) -> tuple[
 async def sizes(session: AsyncSession, digests: set[str]) -> dict[str, int]:
     """The size of every stored blob among ``digests``."""
     rows = await session.execute(select(models.Blob.sha256, models.Blob.size).where(models.Blob.sha256.in_(digests)))
-    return {sha256: size for sha256, size in rows.tuples()}
+    return {sha256: size for sha256, size in rows}

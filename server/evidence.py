@@ -123,7 +123,7 @@ async def _current(
     if path is not None:
         statement = statement.where(models.EvidenceFile.path == path)
     rows = await session.execute(statement)
-    return [(row, job_id) for row, job_id in rows.tuples()]
+    return [(row, job_id) for row, job_id in rows]
 
 
 async def listing(session: AsyncSession, experiment_id: uuid.UUID) -> list[wire.EvidenceFile]:

@@ -122,7 +122,7 @@ async def measurements(
             position=row.position,
             body=row.body,
         )
-        for row, attempt in rows.tuples()
+        for row, attempt in rows
     ]
 
 

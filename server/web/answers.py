@@ -61,7 +61,7 @@ async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, role: str) -
         .where(models.Answer.experiment_id == experiment_id, models.Answer.role == role)
         .group_by(models.Answer.arm, models.Answer.family, models.Answer.variant)
     )
-    cells = {(arm, family, variant): Cell(int(correct), int(n)) for arm, family, variant, n, correct in rows.tuples()}
+    cells = {(arm, family, variant): Cell(int(correct), int(n)) for arm, family, variant, n, correct in rows}
     arms: list[str] = [arm for arm in EVALUATED_ARMS if any(key[0] == arm for key in cells)]
     families = [family for family in ("lookup", "filter", "total", "sort") if any(key[1] == family for key in cells)]
     return Grid(arms, families, sorted({key[2] for key in cells}), cells)

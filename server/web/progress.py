@@ -67,7 +67,7 @@ async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dic
             models.Event.attempt_id.in_(attempt_ids), models.Event.kind == "step"
         )
     )
-    for attempt_id, at, body in events.tuples():
+    for attempt_id, at, body in events:
         step = _step(body, at, "done")
         if attempt_id is not None and step is not None:
             found[attempt_id][step.step] = step
@@ -76,7 +76,7 @@ async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dic
             models.Measurement.attempt_id.in_(attempt_ids), models.Measurement.kind == "step"
         )
     )
-    for attempt_id, at, body in journal.tuples():
+    for attempt_id, at, body in journal:
         step = _step(body, at, "step")
         if step is not None:
             found[attempt_id].setdefault(step.step, step)

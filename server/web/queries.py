@@ -134,7 +134,7 @@ async def attempts(session: AsyncSession, job_id: uuid.UUID) -> list[AttemptRow]
         .where(models.Attempt.job_id == job_id)
         .order_by(models.Attempt.number.desc(), models.Attempt.rank)
     )
-    return [AttemptRow(attempt, name) for attempt, name in rows.tuples()]
+    return [AttemptRow(attempt, name) for attempt, name in rows]
 
 
 async def attempt(session: AsyncSession, attempt_id: uuid.UUID) -> models.Attempt:
@@ -188,6 +188,6 @@ async def agents(session: AsyncSession) -> list[AgentRow]:
         .order_by(models.Attempt.created_at)
     )
     running: dict[uuid.UUID, list[tuple[models.Attempt, models.Job]]] = {}
-    for attempt_row, job_row in active.tuples():
+    for attempt_row, job_row in active:
         running.setdefault(attempt_row.agent_id, []).append((attempt_row, job_row))
     return [AgentRow(row, running.get(row.id, [])) for row in rows]
