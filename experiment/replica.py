@@ -111,6 +111,10 @@ def command(spec: ReplicaSpec) -> list[str]:
         # vLLM 0.32's CPU build recompiles the model at every start (its compile cache fails to reload),
         # which costs more than a minute on a small host; eager mode gives the same greedy tokens.
         args.append("--enforce-eager")
+        # The CPU build has no batch-invariant mode, and a request batched with another can get other greedy
+        # tokens (seen: the pair phase's ids differed from the single phase's). One sequence at a time, as the
+        # protocol's reference replica served, gives every request the same tokens whatever the load.
+        args += ["--max-num-seqs", "1"]
     return args
 
 

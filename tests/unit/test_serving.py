@@ -171,6 +171,7 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
         "--no-enable-prefix-caching",
         "--dtype float32",
         "--enforce-eager",
+        "--max-num-seqs 1",
     ):
         assert expected in flags
     env = replica.environment(spec, {"VLLM_BATCH_INVARIANT": "1"})
@@ -179,7 +180,7 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
 
 def test_replica_on_gpu_is_batch_invariant() -> None:
     spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, device="cuda", python="/p")
-    assert "--enforce-eager" not in replica.command(spec)
+    assert "--enforce-eager" not in replica.command(spec) and "--max-num-seqs" not in replica.command(spec)
     env = replica.environment(spec, {"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert env["VLLM_BATCH_INVARIANT"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
 
