@@ -56,8 +56,9 @@ class Run:
 def _start(tmp: Path, seed: tuple[Path, seedmodel.Snapshot]) -> Run:
     home = tmp / "coordinator"
     home.mkdir(parents=True)
-    # A short lease, so that a vanished host is declared lost within seconds.
-    server = Coordinator(home, COOP_LEASE_SECONDS="4", COOP_HEARTBEAT_SECONDS="0.5")
+    # A short lease, so that a vanished host is declared lost within seconds; not shorter, since two vLLM
+    # replicas, a benchmark and the coordinator on 2 busy cores have delayed heartbeats past a 4 s lease.
+    server = Coordinator(home, COOP_LEASE_SECONDS="12", COOP_HEARTBEAT_SECONDS="0.5")
     server.start()
     agents = {}
     for name in ("host-a", "host-b"):
