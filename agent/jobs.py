@@ -135,12 +135,18 @@ def serving_token_file(ws: Workspace) -> Path:
     return ws.root / "serving-token"
 
 
+def benchmark_output(job: wire.Assignment, ws: Workspace) -> Path:
+    """Each attempt writes a file of its own: a lost attempt's report stays, and its retry never meets it.
+    The bundle names the succeeded attempt's file serving/PHASE.json (evidence.written_by)."""
+    return ws.home / "serving" / f"{job.spec['phase']}-attempt-{job.number}.json"
+
+
 def _benchmark(job: wire.Assignment, ws: Workspace) -> list[str]:
     phase = str(job.spec["phase"])
     argv = coop("benchmark", "--phase", phase, "--home", ws.home, "--token-file", serving_token_file(ws))
     for endpoint in job.spec["endpoints"]:
         argv += ["--endpoint", str(endpoint)]
-    return [*argv, "--output", str(ws.home / "serving" / f"{phase}.json")]
+    return [*argv, "--output", str(benchmark_output(job, ws))]
 
 
 def _benchmarked(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
