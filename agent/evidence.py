@@ -13,8 +13,7 @@ import uuid
 from pathlib import Path
 
 from agent.client import Coordinator
-from agent import jobs
-from agent.jobs import Workspace
+from agent.jobs import Workspace, benchmark_output
 from experiment import wire
 from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
 from experiment.errors import CoopError
@@ -33,7 +32,7 @@ def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> di
         run = home / "runs" / str(job.arm) / f"rank-{job.rank}"
         return {f"runs/{job.arm}/rank-{job.rank}/{name}": run / name for name in ("result.json", "run.json")}
     if job.kind == "benchmark":
-        return {f"serving/{job.spec['phase']}.json": jobs.benchmark_output(job, ws)}
+        return {f"serving/{job.spec['phase']}.json": benchmark_output(job, ws)}
     if job.kind == "evaluate":
         folder = home / "evaluations" / str(job.role) / str(job.arm)
         return {f"evaluations/{job.role}/{job.arm}/{p.name}": p for p in sorted(folder.iterdir()) if p.is_file()}
