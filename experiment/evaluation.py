@@ -191,7 +191,10 @@ def evaluate(
     candidate, selection_identity = _gate(prepared, arm, role, selection_path)
     out = evaluation_dir(home, role, arm)
     if (out / "evaluation.json").exists():
-        raise CoopError(f"{out} already holds a finished evaluation; it is never overwritten")
+        # A finished evaluation whose attempt was lost before it reported: report it again, files unchanged.
+        summary = _finished(out, prepared.identity, candidate, selection_identity)
+        _emit_evaluated(summary, out, emit)
+        return summary
     seedmodel.verify_seed(model_dir, seed_snapshot(plan))
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(plan.runtime.cpu_threads)
@@ -260,11 +263,30 @@ def evaluate(
         retention_mean_nats=sum(s.mean_nats for s in scores) / len(scores) if scores else 0.0,
     )
     write_new_json(out / "evaluation.json", msgspec.to_builtins(summary))
+    _emit_evaluated(summary, out, emit)
+    return summary
+
+
+def _finished(out: Path, prepared_identity: str, candidate: Candidate, selection_identity: str | None) -> Summary:
+    """The finished evaluation in ``out``, its files checked by hash; refused if it answered another question."""
+    summary, _, _ = read_answers(out)
+    if (summary.prepared_identity, summary.candidate, summary.selection_identity) != (
+        prepared_identity,
+        candidate,
+        selection_identity,
+    ):
+        raise CoopError(
+            f"{out} already holds a finished evaluation of other inputs, model or selection; it is never overwritten"
+        )
+    return summary
+
+
+def _emit_evaluated(summary: Summary, out: Path, emit: Emit) -> None:
     emit(
         {
             "event": "evaluated",
-            "arm": arm,
-            "role": role,
+            "arm": summary.arm,
+            "role": summary.role,
             "answers": summary.answers,
             "correct": summary.correct,
             "accuracy": round(summary.correct / summary.answers, 4),
@@ -272,7 +294,6 @@ def evaluate(
             "evaluation": str(out / "evaluation.json"),
         }
     )
-    return summary
 
 
 def read_answers(folder: Path) -> tuple[Summary, list[Answer], list[RetentionScore]]:

@@ -131,8 +131,17 @@ def test_interrupted_evaluation_restarts_only_by_reproducing_its_answers(
     shutil.copytree(home, spoiled)
     summary = evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet, batch_size=4)
     assert summary is not None and summary.answers == 8
-    with pytest.raises(CoopError, match="already holds a finished evaluation"):
-        evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet)
+    folder = evaluation.evaluation_dir(home, "dev", "clean-single")
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    # Run again (a retry of an attempt lost after it finished): the same summary, reported again; nothing written.
+    events: list[dict[str, object]] = []
+    assert evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, events.append) == summary
+    assert [e["event"] for e in events] == ["evaluated"] and events[0]["answers"] == 8
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    # A finished evaluation of another model where the seed's would go is refused, not reported as the seed's.
+    shutil.copytree(folder, evaluation.evaluation_dir(home, "dev", "seed"))
+    with pytest.raises(CoopError, match="finished evaluation of other inputs, model or selection"):
+        evaluation.evaluate(home, small_seed[0], "seed", "dev", None, _quiet, batch_size=4)
 
     path = evaluation.evaluation_dir(spoiled, "dev", "clean-single") / "answers.jsonl"
     lines = path.read_bytes().splitlines()
