@@ -13,6 +13,7 @@ from typing import Any
 from advanced_alchemy.extensions.litestar import SQLAlchemyAsyncConfig
 from litestar import Request
 from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -82,7 +83,9 @@ def provide_principal(request: Request[Any, Any, Any]) -> Principal:
     return principal
 
 
-async def provide_agent(principal: Principal, db_session: AsyncSession) -> models.Agent:
+async def provide_agent(
+    principal: NamedDependency[Principal], db_session: NamedDependency[AsyncSession]
+) -> models.Agent:
     agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
     if agent is None:
         raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it claims work")

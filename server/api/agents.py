@@ -7,6 +7,8 @@ import datetime
 import time
 
 from litestar import Controller, get, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -25,12 +27,17 @@ class AgentController(Controller):
     tags = ("agents",)
 
     @get("/", operation_id="listAgents")
-    async def list_agents(self, db_session: AsyncSession) -> list[wire.Agent]:
+    async def list_agents(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Agent]:
         rows = await db_session.scalars(select(models.Agent).order_by(models.Agent.id))
         return [views.agent(row) for row in rows]
 
     @post("/register", operation_id="registerAgent", opt=AGENT)
-    async def register(self, data: wire.AgentRegister, db_session: AsyncSession, principal: Principal) -> wire.Agent:
+    async def register(
+        self,
+        data: JSONBody[wire.AgentRegister],
+        db_session: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+    ) -> wire.Agent:
         """One agent per agent token; registering again updates its address and labels."""
         now = datetime.datetime.now(datetime.UTC)
         agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
@@ -53,11 +60,11 @@ class AgentController(Controller):
     @post("/heartbeat", operation_id="heartbeat", opt=AGENT, status_code=200)
     async def heartbeat(
         self,
-        data: wire.HeartbeatRequest,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
-        agent: models.Agent,
+        data: JSONBody[wire.HeartbeatRequest],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
+        agent: NamedDependency[models.Agent],
     ) -> wire.HeartbeatReply:
         reply = await queue.heartbeat(db_session, settings, agent, data.attempt_ids)
         audit.record(db_session, principal, "agent.heartbeat", f"agent:{agent.id}")
@@ -66,11 +73,11 @@ class AgentController(Controller):
     @post("/claim", operation_id="claimJob", opt=AGENT, status_code=200)
     async def claim(
         self,
-        data: wire.ClaimRequest,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
-        agent: models.Agent,
+        data: JSONBody[wire.ClaimRequest],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
+        agent: NamedDependency[models.Agent],
     ) -> wire.ClaimReply:
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued."""
         deadline = time.monotonic() + min(data.wait_seconds, settings.max_claim_wait_seconds)

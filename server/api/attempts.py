@@ -6,7 +6,8 @@ import uuid
 from typing import Annotated
 
 from litestar import Controller, Response, get, post
-from litestar.params import HeaderParameter
+from litestar.di import NamedDependency
+from litestar.params import FromPath, HeaderParameter, JSONBody
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -32,14 +33,18 @@ class AttemptController(Controller):
     tags = ("attempts",)
 
     @get("/{attempt_id:uuid}", operation_id="getAttempt")
-    async def get_attempt(self, attempt_id: uuid.UUID, db_session: AsyncSession) -> wire.Attempt:
+    async def get_attempt(
+        self, attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> wire.Attempt:
         attempt = await db_session.get(models.Attempt, attempt_id)
         if attempt is None:
             raise NotFound(f"attempt {attempt_id} does not exist")
         return views.attempt(attempt)
 
     @get("/{attempt_id:uuid}/events", operation_id="listAttemptEvents")
-    async def list_events(self, attempt_id: uuid.UUID, db_session: AsyncSession) -> list[wire.RecordedEvent]:
+    async def list_events(
+        self, attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.RecordedEvent]:
         rows = await db_session.scalars(
             select(models.Event)
             .where(models.Event.attempt_id == attempt_id)
@@ -50,11 +55,11 @@ class AttemptController(Controller):
     @post("/{attempt_id:uuid}/start", operation_id="startAttempt", opt=AGENT)
     async def start(
         self,
-        attempt_id: uuid.UUID,
-        data: wire.LeaseProof,
-        db_session: AsyncSession,
-        principal: Principal,
-        agent: models.Agent,
+        attempt_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.LeaseProof],
+        db_session: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        agent: NamedDependency[models.Agent],
     ) -> wire.Attempt:
         attempt = await queue.start(db_session, agent, attempt_id, data.lease_token)
         audit.record(db_session, principal, "attempt.start", f"attempt:{attempt_id}")
@@ -71,12 +76,12 @@ class AttemptController(Controller):
     )
     async def upload_events(
         self,
-        attempt_id: uuid.UUID,
-        data: wire.EventBatch,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
-        agent: models.Agent,
+        attempt_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.EventBatch],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
+        agent: NamedDependency[models.Agent],
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
         stored = await uploads.events(db_session, settings, agent, attempt_id, data, idempotency_key)
@@ -93,12 +98,12 @@ class AttemptController(Controller):
     )
     async def upload_result(
         self,
-        attempt_id: uuid.UUID,
-        data: wire.AttemptResult,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
-        agent: models.Agent,
+        attempt_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.AttemptResult],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
+        agent: NamedDependency[models.Agent],
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
         stored = await uploads.result(db_session, settings, agent, attempt_id, data, idempotency_key)

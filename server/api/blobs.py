@@ -6,6 +6,8 @@ import re
 from typing import Any
 
 from litestar import Controller, Request, Response, get, put
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.response import File
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -39,11 +41,11 @@ class BlobController(Controller):
     )
     async def upload(
         self,
-        sha256: str,
+        sha256: FromPath[str],
         request: Request[Any, Any, Any],
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> Response[wire.Blob]:
         """Store the body under its sha256; the server hashes it and refuses a body that is not that content."""
         media_type = request.headers.get("content-type") or "application/octet-stream"
@@ -55,6 +57,8 @@ class BlobController(Controller):
         return Response(blob, status_code=201 if blob.created else 200)
 
     @get("/{sha256:str}", operation_id="downloadBlob", media_type="application/octet-stream")
-    async def download(self, sha256: str, db_session: AsyncSession, settings: Settings) -> File:
+    async def download(
+        self, sha256: FromPath[str], db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
+    ) -> File:
         blob, path = await blobs.find(db_session, settings, _digest(sha256))
         return File(path, media_type=blob.media_type, filename=sha256)

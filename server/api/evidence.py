@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 
 from litestar import Controller, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -19,14 +21,20 @@ class EvidenceController(Controller):
     tags = ("evidence",)
 
     @get("/evidence", operation_id="listEvidence")
-    async def listing(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.EvidenceFile]:
+    async def listing(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.EvidenceFile]:
         """The bundle's files as the export will contain them (ledger.json besides)."""
         await experiments.load(db_session, experiment_id)
         return await evidence.listing(db_session, experiment_id)
 
     @post("/evidence", operation_id="attachEvidence", opt={"role": "operator"})
     async def attach(
-        self, experiment_id: uuid.UUID, data: wire.EvidenceAttach, db_session: AsyncSession, principal: Principal
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.EvidenceAttach],
+        db_session: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
     ) -> list[wire.EvidenceFile]:
         """Name blobs the operator uploaded as bundle files (selection.json, the seed's files)."""
         await experiments.load(db_session, experiment_id, lock=True)
@@ -36,7 +44,12 @@ class EvidenceController(Controller):
         return await evidence.listing(db_session, experiment_id)
 
     @get("/evidence.tar", operation_id="exportEvidence", media_type="application/x-tar")
-    async def export(self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings) -> Stream:
+    async def export(
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+    ) -> Stream:
         """A tar of the evidence bundle plus ledger.json; extract it and run `coop report --home BUNDLE`."""
         await experiments.load(db_session, experiment_id)
         members = await evidence.members(db_session, settings, experiment_id)

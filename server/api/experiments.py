@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 
 from litestar import Controller, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 from litestar.response import File
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -30,24 +32,34 @@ class ExperimentController(Controller):
 
     @post("/", operation_id="createExperiment", opt=OPERATOR)
     async def create(
-        self, data: wire.ExperimentCreate, db_session: AsyncSession, settings: Settings, principal: Principal
+        self,
+        data: JSONBody[wire.ExperimentCreate],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.create(db_session, settings, data)
         audit.record(db_session, principal, "experiment.create", f"experiment:{experiment.id}", commit=data.commit)
         return await _view(db_session, experiment)
 
     @get("/", operation_id="listExperiments")
-    async def list_experiments(self, db_session: AsyncSession) -> list[wire.Experiment]:
+    async def list_experiments(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Experiment]:
         rows = await db_session.scalars(select(models.Experiment).order_by(models.Experiment.id))
         return [views.experiment(row) for row in rows]
 
     @get("/{experiment_id:uuid}", operation_id="getExperiment")
-    async def get_experiment(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> wire.Experiment:
+    async def get_experiment(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> wire.Experiment:
         return views.experiment(await experiments.load(db_session, experiment_id))
 
     @post("/{experiment_id:uuid}/commit", operation_id="commitPlan", opt=OPERATOR)
     async def commit(
-        self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings, principal: Principal
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         await experiments.commit_plan(db_session, settings, experiment)
@@ -55,18 +67,24 @@ class ExperimentController(Controller):
         return await _view(db_session, experiment)
 
     @get("/{experiment_id:uuid}/arms", operation_id="listArms")
-    async def arms(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.Arm]:
+    async def arms(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.Arm]:
         await experiments.load(db_session, experiment_id)
         arms = await experiments.arms_of(db_session, experiment_id)
         return [views.arm(arms[name]) for name in sorted(arms)]
 
     @get("/{experiment_id:uuid}/ledger", operation_id="getLedger")
-    async def ledger(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.LedgerEntry]:
+    async def ledger(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.LedgerEntry]:
         await experiments.load(db_session, experiment_id)
         return await commitments.entries(db_session, experiment_id)
 
     @get("/{experiment_id:uuid}/jobs", operation_id="listExperimentJobs")
-    async def jobs(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.Job]:
+    async def jobs(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.Job]:
         await experiments.load(db_session, experiment_id)
         rows = await db_session.scalars(
             select(models.Job).where(models.Job.experiment_id == experiment_id).order_by(models.Job.id)
@@ -76,11 +94,11 @@ class ExperimentController(Controller):
     @post("/{experiment_id:uuid}/jobs", operation_id="queueJob", opt=OPERATOR)
     async def queue_job(
         self,
-        experiment_id: uuid.UUID,
-        data: wire.JobCreate,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
+        experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.JobCreate],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Job:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         if data.kind in serving.KINDS:  # on the replica's host (the benchmark on rank 0's), spec checked
@@ -96,11 +114,11 @@ class ExperimentController(Controller):
     @post("/{experiment_id:uuid}/selection", operation_id="commitSelection", opt=OPERATOR)
     async def selection(
         self,
-        experiment_id: uuid.UUID,
-        data: wire.SelectionCreate,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
+        experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.SelectionCreate],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         await experiments.select_checkpoints(db_session, settings, experiment, data)
@@ -110,7 +128,11 @@ class ExperimentController(Controller):
 
     @post("/{experiment_id:uuid}/advance", operation_id="advanceExperiment", opt=OPERATOR, status_code=200)
     async def advance(
-        self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings, principal: Principal
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Advanced:
         """Queue the next phase's jobs (409 with rule ``phase-running`` while the current phase runs)."""
         experiment = await experiments.load(db_session, experiment_id, lock=True)
@@ -121,11 +143,11 @@ class ExperimentController(Controller):
     @post("/{experiment_id:uuid}/autopilot", operation_id="setAutopilot", opt=OPERATOR, status_code=200)
     async def autopilot(
         self,
-        experiment_id: uuid.UUID,
-        data: wire.AutopilotSet,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
+        experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.AutopilotSet],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         """Switch autopilot on or off; switched on, it advances at once if the current phase is done."""
         experiment = await experiments.load(db_session, experiment_id, lock=True)
@@ -137,10 +159,10 @@ class ExperimentController(Controller):
     @post("/{experiment_id:uuid}/serving", operation_id="commitServing", opt=OPERATOR)
     async def serving(
         self,
-        experiment_id: uuid.UUID,
-        data: wire.ServingCreate,
-        db_session: AsyncSession,
-        principal: Principal,
+        experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.ServingCreate],
+        db_session: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         await experiments.start_serving(db_session, experiment, data)
@@ -150,11 +172,11 @@ class ExperimentController(Controller):
     @post("/{experiment_id:uuid}/report", operation_id="commitReport", opt=OPERATOR)
     async def report(
         self,
-        experiment_id: uuid.UUID,
-        data: wire.ReportCommit,
-        db_session: AsyncSession,
-        settings: Settings,
-        principal: Principal,
+        experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.ReportCommit],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+        principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         await experiments.record_report(db_session, settings, experiment, data)
@@ -162,14 +184,24 @@ class ExperimentController(Controller):
         return await _view(db_session, experiment)
 
     @get("/{experiment_id:uuid}/report", operation_id="getReport", media_type="application/json")
-    async def get_report(self, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings) -> File:
+    async def get_report(
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+    ) -> File:
         """The report JSON as recorded by the operator (404 until it is recorded)."""
         await experiments.load(db_session, experiment_id)
         path = await experiments.report_file(db_session, settings, experiment_id)
         return File(path, media_type="application/json", content_disposition_type="inline")
 
     @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", opt=OPERATOR)
-    async def halt(self, experiment_id: uuid.UUID, db_session: AsyncSession, principal: Principal) -> wire.Experiment:
+    async def halt(
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+    ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         experiments.halt(db_session, experiment, f"halted by {principal.name}")
         audit.record(db_session, principal, "experiment.halt", f"experiment:{experiment.id}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 
 from litestar import Controller, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -26,11 +28,13 @@ class JobController(Controller):
     tags = ("jobs",)
 
     @get("/{job_id:uuid}", operation_id="getJob")
-    async def get_job(self, job_id: uuid.UUID, db_session: AsyncSession) -> wire.Job:
+    async def get_job(self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]) -> wire.Job:
         return views.job(await _job(db_session, job_id))
 
     @get("/{job_id:uuid}/attempts", operation_id="listAttempts")
-    async def attempts(self, job_id: uuid.UUID, db_session: AsyncSession) -> list[wire.Attempt]:
+    async def attempts(
+        self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.Attempt]:
         await _job(db_session, job_id)
         rows = await db_session.scalars(
             select(models.Attempt)
@@ -41,7 +45,11 @@ class JobController(Controller):
 
     @post("/{job_id:uuid}/cancel", operation_id="cancelJob", opt={"role": "operator"})
     async def cancel(
-        self, job_id: uuid.UUID, data: wire.CancelRequest, db_session: AsyncSession, principal: Principal
+        self,
+        job_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.CancelRequest],
+        db_session: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
     ) -> wire.Job:
         job = await _job(db_session, job_id, lock=True)
         await queue.cancel(db_session, job, data.grace_seconds)

@@ -6,7 +6,8 @@ import uuid
 from typing import Annotated
 
 from litestar import Controller, get
-from litestar.params import Parameter
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -20,7 +21,10 @@ class ResultController(Controller):
 
     @get("/jobs/{job_id:uuid}/measurements", operation_id="listJobMeasurements")
     async def job_measurements(
-        self, job_id: uuid.UUID, db_session: AsyncSession, kind: wire.MeasurementKind | None = None
+        self,
+        job_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        kind: FromQuery[wire.MeasurementKind | None] = None,
     ) -> list[wire.Measurement]:
         """Every attempt's and rank's step journal and resource samples, in attempt, rank and step order."""
         if await db_session.get(models.Job, job_id) is None:
@@ -29,7 +33,10 @@ class ResultController(Controller):
 
     @get("/attempts/{attempt_id:uuid}/measurements", operation_id="listAttemptMeasurements")
     async def attempt_measurements(
-        self, attempt_id: uuid.UUID, db_session: AsyncSession, kind: wire.MeasurementKind | None = None
+        self,
+        attempt_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        kind: FromQuery[wire.MeasurementKind | None] = None,
     ) -> list[wire.Measurement]:
         if await db_session.get(models.Attempt, attempt_id) is None:
             raise NotFound(f"attempt {attempt_id} does not exist")
@@ -38,15 +45,15 @@ class ResultController(Controller):
     @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers")
     async def answers(
         self,
-        experiment_id: uuid.UUID,
-        db_session: AsyncSession,
-        role: wire.Role | None = None,
-        arm: wire.ArmName | None = None,
-        family: wire.Family | None = None,
-        variant: int | None = None,
-        correct: bool | None = None,
-        limit: Annotated[int, Parameter(ge=1, le=results.MAX_PAGE)] = 100,
-        offset: Annotated[int, Parameter(ge=0)] = 0,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        role: FromQuery[wire.Role | None] = None,
+        arm: FromQuery[wire.ArmName | None] = None,
+        family: FromQuery[wire.Family | None] = None,
+        variant: FromQuery[int | None] = None,
+        correct: FromQuery[bool | None] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=results.MAX_PAGE)] = 100,
+        offset: Annotated[int, QueryParameter(ge=0)] = 0,
     ) -> wire.AnswerPage:
         """Every recorded answer (the protocol publishes all final-test answers), in task order, paginated."""
         await experiments.load(db_session, experiment_id)
@@ -54,6 +61,8 @@ class ResultController(Controller):
         return await results.answers(db_session, experiment_id, where, limit, offset)
 
     @get("/experiments/{experiment_id:uuid}/serving-results", operation_id="listServingResults")
-    async def serving_results(self, experiment_id: uuid.UUID, db_session: AsyncSession) -> list[wire.ServingResult]:
+    async def serving_results(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> list[wire.ServingResult]:
         await experiments.load(db_session, experiment_id)
         return await results.serving_results(db_session, experiment_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Controller, get
+from litestar.di import NamedDependency
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -15,11 +16,15 @@ class AgentPages(Controller):
     path = "/agents"
 
     @get("/")
-    async def agents(self, request: WebRequest, db_session: AsyncSession, settings: Settings) -> Template:
+    async def agents(
+        self, request: WebRequest, db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
+    ) -> Template:
         rows = await queries.agents(db_session)
         return render.page(request, "agents.html", agents=rows, lease_seconds=settings.lease_seconds)
 
     @get("/live")
-    async def live(self, request: WebRequest, db_session: AsyncSession, settings: Settings) -> Template:
+    async def live(
+        self, request: WebRequest, db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
+    ) -> Template:
         rows = await queries.agents(db_session)
         return render.fragment(request, "fragments/agents.html", agents=rows, lease_seconds=settings.lease_seconds)

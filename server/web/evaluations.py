@@ -8,7 +8,8 @@ from typing import Annotated, get_args
 from urllib.parse import urlencode
 
 from litestar import Controller, get
-from litestar.params import Parameter
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -67,14 +68,14 @@ class EvaluationPages(Controller):
     async def evaluations(
         self,
         request: WebRequest,
-        experiment_id: uuid.UUID,
-        db_session: AsyncSession,
-        role: str = "test",
-        arm: str = "",
-        family: str = "",
-        variant: str = "",
-        outcome: str = "",
-        offset: Annotated[int, Parameter(ge=0)] = 0,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        role: FromQuery[str] = "test",
+        arm: FromQuery[str] = "",
+        family: FromQuery[str] = "",
+        variant: FromQuery[str] = "",
+        outcome: FromQuery[str] = "",
+        offset: Annotated[int, QueryParameter(ge=0)] = 0,
     ) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
         filters = Filters(role, arm, family, variant, outcome)
@@ -97,12 +98,12 @@ class EvaluationPages(Controller):
     async def answer(
         self,
         request: WebRequest,
-        experiment_id: uuid.UUID,
-        arm: str,
-        role: str,
-        task_id: str,
-        db_session: AsyncSession,
-        settings: Settings,
+        experiment_id: FromPath[uuid.UUID],
+        arm: FromPath[str],
+        role: FromPath[str],
+        task_id: FromPath[str],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
         row, answer = await answers.answer(db_session, experiment_id, arm, role, task_id)

@@ -4,11 +4,11 @@ attempt's log, and the operator's cancel (a running replica is stopped from the 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
 from litestar import Controller, get, post
-from litestar.enums import RequestEncodingType
-from litestar.params import Body
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -56,22 +56,34 @@ class JobPages(Controller):
     path = "/"
 
     @get("/experiments/{experiment_id:uuid}/jobs")
-    async def jobs(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def jobs(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         return render.page(request, "jobs.html", tab="jobs", **await _queue(db_session, experiment_id))
 
     @get("/experiments/{experiment_id:uuid}/jobs/live")
-    async def jobs_live(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def jobs_live(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         return render.fragment(request, "fragments/jobs.html", **await _queue(db_session, experiment_id))
 
     @get("/jobs/{job_id:uuid}")
     async def job(
-        self, request: WebRequest, job_id: uuid.UUID, db_session: AsyncSession, attempt: uuid.UUID | None = None
+        self,
+        request: WebRequest,
+        job_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        attempt: FromQuery[uuid.UUID | None] = None,
     ) -> Template:
         return render.page(request, "job.html", tab="jobs", **await _job(db_session, job_id, attempt))
 
     @get("/jobs/{job_id:uuid}/live")
     async def job_live(
-        self, request: WebRequest, job_id: uuid.UUID, db_session: AsyncSession, attempt: uuid.UUID | None = None
+        self,
+        request: WebRequest,
+        job_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        attempt: FromQuery[uuid.UUID | None] = None,
     ) -> Template:
         return render.fragment(request, "fragments/job.html", **await _job(db_session, job_id, attempt))
 
@@ -79,9 +91,9 @@ class JobPages(Controller):
     async def cancel(
         self,
         request: WebRequest,
-        job_id: uuid.UUID,
-        data: Annotated[Confirmation, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        db_session: AsyncSession,
+        job_id: FromPath[uuid.UUID],
+        data: URLEncodedBody[Confirmation],
+        db_session: NamedDependency[AsyncSession],
     ) -> Redirect | Template:
         operator = access.operator(request)
         job = await queries.job(db_session, job_id, lock=True)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from litestar import Controller, get, post
 from litestar.datastructures import UploadFile
-from litestar.enums import RequestEncodingType
-from litestar.params import Body
+from litestar.di import NamedDependency
+from litestar.params import FromPath, MultipartBody, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -64,16 +64,16 @@ class OverviewPages(Controller):
     path = "/"
 
     @get("/")
-    async def home(self, request: WebRequest, db_session: AsyncSession) -> Template:
+    async def home(self, request: WebRequest, db_session: NamedDependency[AsyncSession]) -> Template:
         return render.page(request, "experiments.html", experiments=await queries.experiment_list(db_session))
 
     @post("/experiments", opt=access.ACTION)
     async def create(
         self,
         request: WebRequest,
-        data: Annotated[CreateForm, Body(media_type=RequestEncodingType.MULTI_PART)],
-        db_session: AsyncSession,
-        settings: Settings,
+        data: MultipartBody[CreateForm],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Redirect:
         operator = access.operator(request)
         text = data.plan_toml
@@ -96,21 +96,25 @@ class OverviewPages(Controller):
         return Redirect(f"/experiments/{experiment.id}", status_code=303)
 
     @get("/experiments/{experiment_id:uuid}")
-    async def overview(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def overview(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         return render.page(request, "overview.html", tab="overview", **await _status(db_session, experiment_id))
 
     @get("/experiments/{experiment_id:uuid}/status")
-    async def status(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def status(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         return render.fragment(request, "fragments/status.html", **await _status(db_session, experiment_id))
 
     @post("/experiments/{experiment_id:uuid}/advance", opt=access.ACTION)
     async def advance(
         self,
         request: WebRequest,
-        experiment_id: uuid.UUID,
-        data: Annotated[Confirmation, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        db_session: AsyncSession,
-        settings: Settings,
+        experiment_id: FromPath[uuid.UUID],
+        data: URLEncodedBody[Confirmation],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Redirect | Template:
         operator = access.operator(request)
         experiment = await experiments.load(db_session, experiment_id, lock=True)
@@ -142,10 +146,10 @@ class OverviewPages(Controller):
     async def autopilot(
         self,
         request: WebRequest,
-        experiment_id: uuid.UUID,
-        data: Annotated[Switch, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        db_session: AsyncSession,
-        settings: Settings,
+        experiment_id: FromPath[uuid.UUID],
+        data: URLEncodedBody[Switch],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Redirect:
         """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
         operator = access.operator(request)

@@ -7,6 +7,8 @@ import uuid
 
 import msgspec
 from litestar import Controller, get
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -22,7 +24,11 @@ class ReportPages(Controller):
 
     @get("/")
     async def report(
-        self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession, settings: Settings
+        self,
+        request: WebRequest,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
         try:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 from litestar import Controller, get, post
-from litestar.enums import RequestEncodingType
-from litestar.params import Body
+from litestar.di import NamedDependency
+from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -63,7 +63,9 @@ class ServingPages(Controller):
     path = "/experiments/{experiment_id:uuid}/serving"
 
     @get("/")
-    async def serving(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def serving(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
         phases = [phase(result) for result in await results.serving_results(db_session, experiment_id)]
         replicas = sorted((await serving.replicas(db_session, experiment_id)).values(), key=lambda r: r.rank)
@@ -83,11 +85,11 @@ class ServingPages(Controller):
     async def stop(
         self,
         request: WebRequest,
-        experiment_id: uuid.UUID,
-        rank: int,
-        data: Annotated[Confirmation, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        db_session: AsyncSession,
-        settings: Settings,
+        experiment_id: FromPath[uuid.UUID],
+        rank: FromPath[int],
+        data: URLEncodedBody[Confirmation],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Redirect | Template:
         operator = access.operator(request)
         experiment = await experiments.load(db_session, experiment_id, lock=True)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import msgspec
 from litestar import Controller, get, post
-from litestar.enums import RequestEncodingType
-from litestar.params import Body
+from litestar.di import NamedDependency
+from litestar.params import FromQuery, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -31,15 +29,15 @@ class SignInPages(Controller):
     opt = access.PUBLIC
 
     @get("/login")
-    async def form(self, request: WebRequest, next: str = "/") -> Template:
+    async def form(self, request: WebRequest, next: FromQuery[str] = "/") -> Template:
         return render.page(request, "login.html", next=_local(next), problem=None)
 
     @post("/login")
     async def sign_in(
         self,
         request: WebRequest,
-        data: Annotated[SignInForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        db_session: AsyncSession,
+        data: URLEncodedBody[SignInForm],
+        db_session: NamedDependency[AsyncSession],
     ) -> Redirect | Template:
         principal = await tokens.lookup(db_session, data.token.strip())
         if principal is None or principal.role != "operator":

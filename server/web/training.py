@@ -6,6 +6,8 @@ import uuid
 from typing import Any
 
 from litestar import Controller, get
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -30,9 +32,13 @@ class TrainingPages(Controller):
     path = "/experiments/{experiment_id:uuid}/arms"
 
     @get("/")
-    async def arms(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def arms(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         return render.page(request, "arms.html", tab="arms", **await _training(db_session, experiment_id))
 
     @get("/live")
-    async def live(self, request: WebRequest, experiment_id: uuid.UUID, db_session: AsyncSession) -> Template:
+    async def live(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
         return render.fragment(request, "fragments/arms.html", **await _training(db_session, experiment_id))
