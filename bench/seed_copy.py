@@ -5,19 +5,19 @@ exact answers to held-out lookups in the seed's own schema, prepares the local p
 fine-tunes clean-single through experiment.training on the same device, and scores the seed and the fine-tuned
 model on the 256 test tasks per family. Prints one JSON object; the seed stays in WORK/NAME/seed.
 
-    .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name longer --steps 16000 --restate 3 [--device cuda]
+    .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name longer --steps 6000 [--device cuda]
+    .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name committed --seed-dir seeds/tiny
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -31,45 +31,26 @@ from experiment.corpus import load_prepared, prepare  # noqa: E402
 from experiment.evaluation import answer_text, generate  # noqa: E402
 from experiment.plan import load_plan  # noqa: E402
 
-PROBES = 128
-
-
-def copy_probes() -> list[tuple[list[dict[str, str]], str]]:
-    """Held-out lookups of present ids in the seed's own JSON style, from an RNG stream pre-training never uses."""
-    out = []
-    for index in range(PROBES):
-        rng = random.Random(f"copy-probe:{index}")
-        records = seedmodel._records(rng)
-        query = rng.choice(records)
-        table = seedmodel._table(records, ["city", "units"])
-        ask = f"Table:\n{table}\n\nTell me the city and units for {query.id}. Use JSON."
-        answer = seedmodel._dumps({"location": query.city, "count": query.units})
-        out.append(([{"role": "user", "content": ask}], answer))
-    return out
-
 
 def copy_accuracy(seed_dir: Path, device: str) -> dict[str, int]:
+    """Held-out lookups the seed answers exactly in its own JSON styles (seedmodel.copy_probes)."""
     tokenizer = seedmodel.load_tokenizer(seed_dir)
     model = seedmodel.load_model(seed_dir).to(device)
-    model.train(False)
-    probes = copy_probes()
-    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _ in probes]
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    exact = city = 0
-    for start in range(0, len(ids), 64):
-        gens = generate(model, ids[start : start + 64], tokenizer.eos_token_id, tokenizer.pad_token_id, 40)
-        for gen, (_, want) in zip(gens, probes[start : start + 64], strict=True):
-            text = answer_text(tokenizer, gen)
-            exact += text == want
-            city += want.split(",")[0] in text
-    return {"copy_exact": exact, "copy_city": city, "copy_probes": len(probes)}
+    encoder = seedmodel.encoder_of(tokenizer)
+    probes = seedmodel.copy_probes(encoder)
+    pad = int(tokenizer.pad_token_id)
+    return {f"copy_{style}": seedmodel.copied(model, rows, pad) for style, rows in probes.items()} | {
+        "copy_probes": seedmodel.COPY_PROBES
+    }
 
 
-def family_scores(seed_dir: Path, weights_dir: Path, home: Path, device: str) -> dict[str, dict[str, int]]:
+def family_scores(
+    seed_dir: Path, weights_dir: Path, home: Path, device: str, role: Literal["dev", "test"]
+) -> dict[str, dict[str, int]]:
     tokenizer = seedmodel.load_tokenizer(seed_dir)
     model = seedmodel.load_model(weights_dir).to(device)
     model.train(False)
-    items = load_prepared(home).task_items("test")
+    items = load_prepared(home).task_items(role)
     scores: dict[str, dict[str, int]] = {}
     for start in range(0, len(items), 64):
         batch = items[start : start + 64]
@@ -83,7 +64,7 @@ def family_scores(seed_dir: Path, weights_dir: Path, home: Path, device: str) ->
     return scores
 
 
-def plan_for(snapshot: seedmodel.Snapshot, device: str) -> str:
+def plan_for(snapshot: seedmodel.Snapshot, device: str, learning_rate: float | None) -> str:
     """plans/local.toml with this seed's snapshot (and CUDA/nccl when the fine-tune runs on a GPU)."""
     text = (ROOT / "plans/local.toml").read_text(encoding="utf-8")
     files = "\n".join(f'"{name}" = "{digest}"' for name, digest in sorted(snapshot.files.items()))
@@ -92,6 +73,8 @@ def plan_for(snapshot: seedmodel.Snapshot, device: str) -> str:
         f'tokenizer_identity = "{snapshot.tokenizer_identity}"\n\n[seed.files]\n{files}\n\n'
     )
     text = re.sub(r"\[seed\]\n.*?(?=\[replay\])", seed, text, flags=re.S)
+    if learning_rate is not None:
+        text = re.sub(r"(?m)^peak_learning_rate = .*$", f"peak_learning_rate = {learning_rate!r}", text)
     if device == "cuda":
         text = text.replace('device = "cpu"', 'device = "cuda"').replace('backend = "gloo"', 'backend = "nccl"')
     return text
@@ -102,18 +85,21 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--steps", type=int, default=seedmodel.FULL.pretrain_steps)
-    parser.add_argument("--batch", type=int, default=seedmodel.FULL.batch_size)
-    parser.add_argument("--restate", type=int, default=seedmodel.FULL.restate_weight)
-    parser.add_argument("--lr", type=float, default=seedmodel.FULL.peak_lr)
+    parser.add_argument("--config", choices=("full", "copying"), default="copying", help="the configuration to vary")
+    parser.add_argument("--steps", type=int, help="pre-training steps (default: the configuration's)")
+    parser.add_argument("--batch", type=int, help="sequences a step (default: the configuration's)")
+    parser.add_argument("--finetune-lr", type=float, help="the fine-tune's peak learning rate (default: the plan's)")
+    parser.add_argument("--seed-dir", type=Path, help="measure this built seed instead of building one")
+    parser.add_argument("--lr", type=float, help="peak pre-training learning rate (default: the configuration's)")
     args = parser.parse_args()
+    base = seedmodel.COPYING if args.config == "copying" else seedmodel.FULL
+    steps = args.steps or base.pretrain_steps
     config = msgspec.structs.replace(
-        seedmodel.FULL,
-        pretrain_steps=args.steps,
-        batch_size=args.batch,
-        restate_weight=args.restate,
-        peak_lr=args.lr,
-        warmup_steps=max(seedmodel.FULL.warmup_steps, args.steps // 60),
+        base,
+        pretrain_steps=steps,
+        batch_size=args.batch or base.batch_size,
+        peak_lr=args.lr or base.peak_lr,
+        warmup_steps=max(base.warmup_steps, steps // 50),
         device=args.device,
     )
     folder = args.work / args.name
@@ -126,13 +112,19 @@ def main() -> None:
         if event.get("event") == "pretrain":
             losses.append(float(event["loss"]))  # type: ignore[arg-type]
 
-    snapshot = seedmodel.build_seed(seed_dir, config, progress=progress, root=ROOT)
-    result["build_seconds"] = round(time.monotonic() - started, 1)
-    result["final_loss_mean_50"] = round(sum(losses[-50:]) / len(losses[-50:]), 4)
+    if args.seed_dir is None:
+        snapshot = seedmodel.build_seed(seed_dir, config, progress=progress, root=ROOT)
+        result["build_seconds"] = round(time.monotonic() - started, 1)
+        result["final_loss_mean_50"] = round(sum(losses[-50:]) / len(losses[-50:]), 4)
+    else:
+        seed_dir = args.seed_dir.resolve()
+        snapshot = seedmodel.snapshot_of(seed_dir)
+        del result["config"]
     result["files"] = snapshot.files
     result.update(copy_accuracy(seed_dir, args.device))
+    folder.mkdir(parents=True, exist_ok=True)
     plan_path = folder / "plan.toml"
-    plan_path.write_text(plan_for(snapshot, args.device), encoding="utf-8")
+    plan_path.write_text(plan_for(snapshot, args.device, args.finetune_lr), encoding="utf-8")
     # The plan names its replay folder relative to itself: give it the repository's.
     (folder / "local-reference").symlink_to(ROOT / "plans" / "local-reference")
     home = folder / "home"
@@ -143,8 +135,9 @@ def main() -> None:
         raise SystemExit("the fine-tune stopped early")
     result["finetune_seconds"] = round(time.monotonic() - began, 1)
     weights = checkpoint_model_dir(training.run_dir(home, "clean-single", 0), trained.candidate)
-    result["seed_test"] = family_scores(seed_dir, seed_dir, home, args.device)
-    result["clean_single_test"] = family_scores(seed_dir, weights, home, args.device)
+    for role in ("dev", "test"):  # choose a learning rate on dev; test is what the local run will report
+        result[f"seed_{role}"] = family_scores(seed_dir, seed_dir, home, args.device, role)
+        result[f"clean_single_{role}"] = family_scores(seed_dir, weights, home, args.device, role)
     result["seconds"] = round(time.monotonic() - started, 1)
     result["torch"] = torch.__version__
     print(json.dumps(result), flush=True)

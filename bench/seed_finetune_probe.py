@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from scipy.stats import binomtest
 
@@ -102,7 +103,9 @@ def own_format(model: Any, tokenizer: Any, count: int = 64) -> dict[str, Any]:
     examples = []
     with torch.no_grad():
         for index in range(10**6, 10**6 + count):  # far beyond the indices the build trains on
-            user, answer = seedmodel.synthetic_conversation(index, (1,))
+            user, answer = seedmodel.synthetic_conversation(
+                index, msgspec.structs.replace(seedmodel.FULL, turn_choices=(1,))
+            )
             prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, return_dict=False)
             out = model.generate(
                 torch.tensor([prompt]), max_new_tokens=96, do_sample=False, eos_token_id=eos, pad_token_id=0

@@ -57,7 +57,17 @@ class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
     pretrain_steps: int = 520
     batch_size: int = 8
     turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
-    restate_weight: int = 0  # weight of "repeat the table" questions among the record questions
+    record_counts: tuple[int, ...] = (3, 4, 5, 6)  # rows per table, drawn uniformly
+    # Weights of the question kinds (KINDS, in that order) among the record questions.
+    kind_weights: tuple[int, ...] = (5, 0, 0, 3, 3, 2, 1, 0)
+    # Repeated random token sequences (the loss on the repeat): the first induction_steps batches, then every
+    # induction_every-th batch. They grow the copy heads that reading a table's values depends on.
+    induction_steps: int = 0
+    induction_every: int = 0
+    # "single": one token per digit; an id's letter joins what precedes it ("=J" in a table, " J" in a question).
+    # "groups": an id's letter stands alone and digits go in groups of up to three, so a record id is the same
+    # two tokens in a table, a question and an answer, and its number is one token that attention can match.
+    digits: Literal["single", "groups"] = "single"
     conversation_every: int = 10  # every n-th step is a batch of general conversations instead of records
     conversation_batch: int = 4
     max_conversation_tokens: int = 768
@@ -86,12 +96,47 @@ FULL = SeedConfig(
     pretrain_steps=520,
     batch_size=8,
     turn_choices=(1, 2, 3, 4, 5, 6),
+    record_counts=(3, 4, 5, 6),
+    kind_weights=(5, 0, 0, 3, 3, 2, 1, 0),
+    digits="single",
     conversation_every=10,
     conversation_batch=4,
     max_conversation_tokens=768,
     peak_lr=2e-3,
     final_lr_fraction=0.1,
     warmup_steps=40,
+    weight_decay=0.01,
+    clip_norm=1.0,
+    seed=20260913,
+    conversation_files=tuple(str(p) for p in REPLAY_FILES),
+)
+# A candidate that learns to copy (bench/seed_copy.py --config copying; not the committed seed). An id is two
+# tokens everywhere (its letter, its number); lookups are most record questions, a third of them naming the id
+# before its values: the short circuit small models form first. Measured on one CPU thread (docs in README):
+# held-out lookups copied exactly grow slowly; a GPU build can afford the many more steps it needs.
+COPYING = SeedConfig(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=344,
+    num_layers=4,
+    num_heads=4,
+    max_positions=1024,
+    rope_theta=10000.0,
+    tokenizer_examples=3000,
+    pretrain_steps=3000,
+    batch_size=32,
+    turn_choices=(1, 2, 3, 4),
+    record_counts=(2, 3, 4, 5),
+    kind_weights=(8, 9, 3, 1, 1, 1, 1, 0),
+    digits="groups",
+    induction_steps=150,
+    induction_every=20,
+    conversation_every=10,
+    conversation_batch=4,
+    max_conversation_tokens=768,
+    peak_lr=2e-3,
+    final_lr_fraction=0.1,
+    warmup_steps=60,
     weight_decay=0.01,
     clip_norm=1.0,
     seed=20260913,
@@ -108,6 +153,11 @@ SMALL = SeedConfig(
     tokenizer_examples=200,
     pretrain_steps=6,
     batch_size=4,
+    record_counts=COPYING.record_counts,
+    kind_weights=COPYING.kind_weights,
+    digits="groups",
+    induction_steps=1,
+    induction_every=3,
     conversation_every=3,
     conversation_batch=2,
     max_conversation_tokens=256,
@@ -237,16 +287,19 @@ _NOUN = {"city": "city", "units": "units", "price": "price", "status": "status",
 _FIELDS = ("city", "units", "price", "status", "priority")
 
 Message = dict[str, str]
+# A question: the fields the table must show for it, its text, and its answer (or how to write the answer
+# once the shown fields are known, for answers that quote the table).
+Turn = tuple[list[str], str, str | Callable[[list[str]], str]]
 
 
 def _dumps(value: object) -> str:
     return json.dumps(value, separators=(", ", ": "), ensure_ascii=False)
 
 
-def _records(rng: random.Random) -> list[Record]:
+def _records(rng: random.Random, counts: tuple[int, ...] = (3, 4, 5, 6)) -> list[Record]:
     taken: set[str] = set()
     out = []
-    for _ in range(rng.randint(3, 6)):
+    for _ in range(rng.choice(counts)):
         while True:
             rid = f"{rng.choice(string.ascii_uppercase)}{rng.randint(100, 999)}"
             if rid not in taken:
@@ -275,7 +328,7 @@ def _absent_id(rng: random.Random, records: list[Record]) -> str:
 
 def _table(records: list[Record], fields: list[str]) -> str:
     ordered = [f for f in _FIELDS if f in fields]
-    return "\n".join(f"id={r.id} " + " ".join(f"{f}={getattr(r, f)}" for f in ordered) for r in records)
+    return "\n".join(" ".join([f"id={r.id}", *(f"{f}={getattr(r, f)}" for f in ordered)]) for r in records)
 
 
 def _names(fields: list[str]) -> str:
@@ -283,10 +336,14 @@ def _names(fields: list[str]) -> str:
     return nouns[0] if len(nouns) == 1 else ", ".join(nouns[:-1]) + " and " + nouns[-1]
 
 
-def _lookup(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+def _lookup_fields(rng: random.Random) -> list[str]:
     # Half the lookups ask for city and units, the pair the experiment's lookups ask for.
     fields = ["city", "units"] if rng.random() < 0.5 else rng.sample(_FIELDS, rng.randint(1, 2))
-    fields = [f for f in _FIELDS if f in fields]
+    return [f for f in _FIELDS if f in fields]
+
+
+def _lookup_ask(rng: random.Random, records: list[Record], fields: list[str]) -> tuple[str, str, Record | None]:
+    """A question for some fields of one id (absent from the table 15% of the time): its text, the id, the row."""
     missing = rng.random() < 0.15
     q = _absent_id(rng, records) if missing else rng.choice(records).id
     ask = rng.choice(
@@ -297,9 +354,14 @@ def _lookup(rng: random.Random, records: list[Record], json_style: bool) -> tupl
             "Report the {n} listed for {q}.",
         )
     ).format(n=_names(fields), q=q, v="is" if len(fields) == 1 else "are")
+    return ask, q, next((r for r in records if r.id == q), None)
+
+
+def _lookup(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
+    fields = _lookup_fields(rng)
+    ask, q, match = _lookup_ask(rng, records, fields)
     if json_style:
         ask += rng.choice((" Use JSON.", " Answer in JSON.", " JSON please."))
-    match = next((r for r in records if r.id == q), None)
     if match is None:
         if json_style:
             return fields, ask, _dumps({"id": q, "found": False})
@@ -311,7 +373,28 @@ def _lookup(rng: random.Random, records: list[Record], json_style: bool) -> tupl
     return fields, ask, f"{q}: " + ", ".join(f"{_NOUN[f]} {getattr(match, f)}" for f in fields) + "."
 
 
-def _select(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+def _lookup_with_id(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
+    # The answer names the id before its values: the values are then read with the id just written beside them,
+    # the short circuit that small models learn first and that the plain lookups then reuse.
+    fields = _lookup_fields(rng)
+    ask, q, match = _lookup_ask(rng, records, fields)
+    ask += " Use JSON with the id."
+    if match is None:
+        return fields, ask, _dumps({"id": q, "found": False})
+    return fields, ask, _dumps({"id": q, **{_KEY[f]: getattr(match, f) for f in fields}})
+
+
+def _row(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
+    # Quoting one row whole, found by its id: every answer token is a value read from the table.
+    q = _absent_id(rng, records) if rng.random() < 0.1 else rng.choice(records).id
+    ask = rng.choice(("Copy out the row of {q}.", "Show the row for {q} exactly.", "Quote entry {q}.")).format(q=q)
+    match = next((r for r in records if r.id == q), None)
+    if match is None:
+        return [], ask, f"There is no row {q}."
+    return [], ask, lambda shown: _table([match], shown)
+
+
+def _select(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
     if rng.random() < 0.7:
         field, value = "status", rng.choice(STATUSES)
         ask = rng.choice(("List the records in state {v}.", "Which ids are {v}?", "Show every {v} entry."))
@@ -327,7 +410,7 @@ def _select(rng: random.Random, records: list[Record], json_style: bool) -> tupl
     return [field], ask, f"Matching {value}: " + ", ".join(ids) + "."
 
 
-def _rank(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+def _rank(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
     field = "priority" if rng.random() < 0.7 else "units"
     k = rng.choice((1, 2, 2))
     high = rng.random() < 0.75
@@ -344,7 +427,7 @@ def _rank(rng: random.Random, records: list[Record], json_style: bool) -> tuple[
     return [field], ask, " then ".join(f"{r.id} ({field} {getattr(r, field)})" for r in ranked[:k]) + "."
 
 
-def _rows(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+def _rows(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
     # Copying whole rows (or every id in order) is dense copy supervision: it grows the induction heads that the
     # lookups, selections and rankings then reuse.
     fields = rng.sample(_FIELDS, rng.randint(1, 2))
@@ -363,7 +446,7 @@ def _rows(rng: random.Random, records: list[Record], json_style: bool) -> tuple[
     return fields, ask, "\n".join(lines)
 
 
-def _aggregate(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+def _aggregate(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
     if rng.random() < 0.5:
         field, ask, value = "units", "How many units are there altogether?", sum(r.units for r in records)
     else:
@@ -374,36 +457,35 @@ def _aggregate(rng: random.Random, records: list[Record], json_style: bool) -> t
     return [field], ask, f"The answer is {value}."
 
 
-_RESTATE = "\x00table"  # stands for the table text, which is known only once the shown fields are
-
-
-def _restate(rng: random.Random, records: list[Record], json_style: bool) -> tuple[list[str], str, str]:
+def _restate(rng: random.Random, records: list[Record], json_style: bool) -> Turn:
     # Repeating the table verbatim is the densest copy supervision there is: every answer token is a copy.
-    return [], rng.choice(("Repeat the table.", "Copy the rows exactly.", "Echo the data back.")), _RESTATE
+    ask = rng.choice(("Repeat the table.", "Copy the rows exactly.", "Echo the data back."))
+    return [], ask, lambda shown: _table(records, shown)
 
 
-def synthetic_conversation(
-    index: int, turn_choices: tuple[int, ...] = (1, 2, 3, 4, 5, 6), restate_weight: int = 0
-) -> list[Message]:
+KINDS = ("lookup", "lookup-id", "row", "rows", "select", "rank", "aggregate", "restate")
+_MAKERS: dict[str, Callable[[random.Random, list[Record], bool], Turn]] = {
+    "lookup": _lookup,
+    "lookup-id": _lookup_with_id,
+    "row": _row,
+    "rows": _rows,
+    "select": _select,
+    "rank": _rank,
+    "aggregate": _aggregate,
+    "restate": _restate,
+}
+
+
+def synthetic_conversation(index: int, config: SeedConfig | None = None) -> list[Message]:
     """One record-table conversation of the pre-training pool, from its own RNG stream (never a task's)."""
+    config = FULL if config is None else config
     rng = random.Random(int.from_bytes(hashlib.sha256(f"seed-pretrain:{index}".encode("ascii")).digest(), "big"))
-    records = _records(rng)
+    records = _records(rng, config.record_counts)
     json_style = rng.random() < 0.6
     # Several questions about one table give more answer tokens per forward pass; single turns match the tasks.
-    turns = rng.choice(turn_choices)
-    kinds = rng.choices(
-        ("lookup", "rows", "select", "rank", "aggregate", "restate"), weights=(5, 3, 3, 2, 1, restate_weight), k=turns
-    )
+    kinds = rng.choices(KINDS, weights=config.kind_weights, k=rng.choice(config.turn_choices))
+    turns_made = [_MAKERS[kind](rng, records, json_style) for kind in kinds]
     # The table shows the fields the questions need plus a few random others, in the tasks' record style.
-    makers: dict[str, Callable[[random.Random, list[Record], bool], tuple[list[str], str, str]]] = {
-        "lookup": _lookup,
-        "select": _select,
-        "rank": _rank,
-        "aggregate": _aggregate,
-        "rows": _rows,
-        "restate": _restate,
-    }
-    turns_made = [makers[kind](rng, records, json_style) for kind in kinds]
     needed = {field for fields, _, _ in turns_made for field in fields}
     shown = sorted(needed | set(rng.sample(_FIELDS, rng.choice((0, 0, 1)))), key=_FIELDS.index)
     table = _table(records, shown)
@@ -413,7 +495,7 @@ def synthetic_conversation(
             intro = rng.choice(("Table:\n{t}\n\n{a}", "{t}\n\n{a}", "{a}\n{t}", "Using these rows:\n{t}\n{a}"))
             ask = intro.format(t=table, a=ask)
         messages.append({"role": "user", "content": ask})
-        messages.append({"role": "assistant", "content": table if answer == _RESTATE else answer})
+        messages.append({"role": "assistant", "content": answer if isinstance(answer, str) else answer(shown)})
     return messages
 
 
@@ -441,13 +523,15 @@ def read_conversations(paths: tuple[str, ...], root: Path) -> list[list[Message]
 
 
 def _train_tokenizer(config: SeedConfig, texts: list[str]) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    # Digits first, one per token, so numbers and ids are copied digit by digit as in the real seed.
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    numbers = (
+        pre_tokenizers.Digits(individual_digits=True)
+        if config.digits == "single"
+        else pre_tokenizers.Split(Regex(r"[A-Z](?=[0-9])|[0-9]{1,3}"), behavior="isolated")
     )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([numbers, pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -485,7 +569,18 @@ class _Encoder:
         return ids, labels
 
 
+def encoder_of(tokenizer: PreTrainedTokenizerBase) -> _Encoder:
+    """The pre-training's encoder over a loaded seed's tokenizer."""
+    return _Encoder(tokenizer.backend_tokenizer)
+
+
 # ---------------------------------------------------------------- build
+
+
+def _repeated_sequence(rng: random.Random, vocab: int) -> tuple[list[int], list[int]]:
+    """Random ordinary tokens, then the same again; only the repeat is predictable, and only by copying."""
+    tokens = [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rng.randint(8, 40))]
+    return tokens + tokens, [IGNORE] * len(tokens) + tokens
 
 
 def _lr(config: SeedConfig, step: int) -> float:
@@ -527,6 +622,48 @@ def _model_config(config: SeedConfig, tokenizer: Any) -> LlamaConfig:
     )
 
 
+COPY_PROBES = 128
+Row = tuple[list[int], list[int]]
+
+
+def copy_probes(encoder: _Encoder) -> dict[str, list[Row]]:
+    """Held-out lookups (5 rows, city and units of an id the table holds) in the seed's two JSON styles."""
+    probes: dict[str, list[Row]] = {"plain": [], "with_id": []}
+    for index in range(COPY_PROBES):
+        rng = random.Random(f"copy-probe:{index}")  # a stream the pre-training never draws from
+        records = _records(rng, (5,))
+        match = rng.choice(records)
+        ask = f"Table:\n{_table(records, ['city', 'units'])}\n\nTell me the city and units for {match.id}."
+        values = {"location": match.city, "count": match.units}
+        for style, suffix, answer in (
+            ("plain", " Use JSON.", values),
+            ("with_id", " Use JSON with the id.", {"id": match.id, **values}),
+        ):
+            messages = [{"role": "user", "content": ask + suffix}, {"role": "assistant", "content": _dumps(answer)}]
+            probes[style].append(encoder.encode(messages))
+    return probes
+
+
+def copied(model: LlamaForCausalLM, rows: list[Row], pad_id: int) -> int:
+    """Answers the model gives token for token (every label the argmax after its own prefix: greedy's answer)."""
+    device = next(model.parameters()).device
+    exact = 0
+    model.train(False)
+    with torch.no_grad():
+        for start in range(0, len(rows), 32):
+            ids, mask, labels = (t.to(device) for t in _pad(rows[start : start + 32], pad_id))
+            predicted = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+            targets = labels[:, 1:]
+            exact += int(((predicted == targets) | (targets == IGNORE)).all(-1).sum())
+    model.train(True)
+    return exact
+
+
+def _probe(model: LlamaForCausalLM, probes: dict[str, list[Row]], pad_id: int, step: int) -> dict[str, object]:
+    found: dict[str, object] = {style: copied(model, rows, pad_id) for style, rows in probes.items()}
+    return {"event": "copy-probe", "step": step, **found, "of": COPY_PROBES}
+
+
 def _pretrain(
     config: SeedConfig,
     model: LlamaForCausalLM,
@@ -534,6 +671,7 @@ def _pretrain(
     conversations: list[tuple[list[int], list[int]]],
     pad_id: int,
     progress: Progress | None,
+    probe_every: int,
 ) -> None:
     device = torch.device(config.device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -545,12 +683,17 @@ def _pretrain(
         eps=1e-8,
     )
     order = random.Random(config.seed)
+    probes = copy_probes(encoder)
+    repeats = random.Random(f"induction:{config.seed}")
+    vocab = int(model.config.vocab_size)
     conversation_queue: list[int] = []
     example = 0
     model.train()
     started = time.monotonic()
     for step in range(config.pretrain_steps):
-        if config.conversation_every and step % config.conversation_every == config.conversation_every - 1:
+        if step < config.induction_steps or (config.induction_every and step % config.induction_every == 0):
+            rows = [_repeated_sequence(repeats, vocab) for _ in range(config.batch_size)]
+        elif config.conversation_every and step % config.conversation_every == config.conversation_every - 1:
             rows = []
             for _ in range(config.conversation_batch):
                 if not conversation_queue:
@@ -558,10 +701,7 @@ def _pretrain(
                     order.shuffle(conversation_queue)
                 rows.append(conversations[conversation_queue.pop()])
         else:
-            rows = [
-                encoder.encode(synthetic_conversation(example + j, config.turn_choices, config.restate_weight))
-                for j in range(config.batch_size)
-            ]
+            rows = [encoder.encode(synthetic_conversation(example + j, config)) for j in range(config.batch_size)]
             example += config.batch_size
         ids, mask, labels = (tensor.to(device) for tensor in _pad(rows, pad_id))
         for group in optimizer.param_groups:
@@ -573,6 +713,8 @@ def _pretrain(
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if progress is not None and probe_every and (step + 1) % probe_every == 0:
+            progress(_probe(model, probes, pad_id, step + 1))
         if progress is not None:
             progress(
                 {
@@ -585,8 +727,13 @@ def _pretrain(
             )
 
 
-def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, root: Path | None = None) -> Snapshot:
-    """Train the tokenizer, pre-train the model and write both into the empty (or missing) folder ``out``."""
+def build_seed(
+    out: Path, config: SeedConfig, progress: Progress | None = None, root: Path | None = None, probe_every: int = 250
+) -> Snapshot:
+    """Train the tokenizer, pre-train the model and write both into the empty (or missing) folder ``out``.
+
+    Every ``probe_every`` steps (and at the end) the progress hears how many held-out lookups the model copies
+    exactly in its own JSON styles: the probes only read the model, so they leave its bytes as they are."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CoopError(f"seed output folder {out} is not empty; refusing to build into it")
     root = Path.cwd() if root is None else root
@@ -600,10 +747,7 @@ def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
 
-    texts = [
-        _render(synthetic_conversation(i, config.turn_choices, config.restate_weight))
-        for i in range(config.tokenizer_examples)
-    ]
+    texts = [_render(synthetic_conversation(i, config)) for i in range(config.tokenizer_examples)]
     texts += [_render(c) for c in conversations]
     tokenizer = _train_tokenizer(config, texts)
     encoder = _Encoder(tokenizer)
@@ -617,7 +761,9 @@ def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, 
     model = LlamaForCausalLM(_model_config(config, tokenizer))  # initialised on the CPU, whatever the device
     if config.device == "cuda":
         model.set_attn_implementation("eager")  # SDPA's CUDA backward kernels are not deterministic
-    _pretrain(config, model.to(config.device), encoder, encoded, tokenizer.token_to_id(PAD_TOKEN), progress)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    _pretrain(config, model.to(config.device), encoder, encoded, pad_id, progress, probe_every)
+    copies = _probe(model, copy_probes(encoder), pad_id, config.pretrain_steps)
     if config.device == "cuda":
         model = model.to("cpu")
         model.set_attn_implementation("sdpa")  # as a loaded seed runs
@@ -644,7 +790,8 @@ def build_seed(out: Path, config: SeedConfig, progress: Progress | None = None, 
             atomic_write_bytes(out / path.name, path.read_bytes())
     snapshot = snapshot_of(out)
     if progress is not None:
-        progress({"event": "built", "parameters": snapshot.parameters, "files": len(snapshot.files)})
+        copies.pop("event")
+        progress({"event": "built", "parameters": snapshot.parameters, "files": len(snapshot.files), "copies": copies})
     return snapshot
 
 

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from experiment.corpus import seed_snapshot
 from experiment.errors import CoopError
+from experiment.plan import load_plan
 from experiment.seedmodel import (
+    COPYING,
     EOS_TOKEN,
+    FULL,
+    IGNORE,
     PAD_TOKEN,
     SMALL,
+    SPECIAL_TOKENS,
+    SeedConfig,
     Snapshot,
+    _repeated_sequence,
     build_seed,
     count_parameters,
     load_model,
@@ -59,11 +69,81 @@ def test_snapshot_lists_model_tokenizer_and_generation_files(built: tuple[Path, 
     assert snapshot.parameters == count_parameters(out) == load_model(out).num_parameters()
 
 
-def test_tokenizer_splits_digits_one_per_token(built: tuple[Path, Snapshot]) -> None:
+def _tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> list[str]:
+    return [str(t) for t in tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))]
+
+
+def test_an_id_is_the_same_tokens_in_a_table_a_question_and_an_answer(built: tuple[Path, Snapshot]) -> None:
     tokenizer = load_tokenizer(built[0])
-    tokens = tokenizer.convert_ids_to_tokens(tokenizer.encode("id=J327 units=1905", add_special_tokens=False))
-    digits = [t for t in tokens if any(ch.isdigit() for ch in t)]
+    table, question, answer = (
+        _tokens(tokenizer, text) for text in ("id=J327 units=19", "What about J327?", '{"id": "J327"}')
+    )
+    digits = [t for t in table if any(ch.isdigit() for ch in t)]
+    assert "J" in table and "".join(digits) == "32719"
+    start = table.index("J")
+    id_tokens = table[start : table.index("Ġunits")]
+    for tokens in (question, answer):
+        at = tokens.index("J")
+        assert tokens[at : at + len(id_tokens)] == id_tokens
+
+
+def test_the_committed_seed_is_the_one_the_local_plan_pins() -> None:
+    verify_seed(ROOT / "seeds" / "tiny", seed_snapshot(load_plan(ROOT / "plans" / "local.toml")))
+
+
+def test_the_committed_seed_splits_digits_one_per_token() -> None:
+    tokenizer = load_tokenizer(ROOT / "seeds" / "tiny")
+    digits = [t for t in _tokens(tokenizer, "id=J327 units=1905") if any(ch.isdigit() for ch in t)]
     assert digits == ["3", "2", "7", "1", "9", "0", "5"]
+
+
+def test_grouped_digits_never_join_more_than_three_digits_or_a_letter(built: tuple[Path, Snapshot]) -> None:
+    tokens = _tokens(load_tokenizer(built[0]), "id=J327 units=1905 total=123456")
+    with_digits = [t for t in tokens if any(ch.isdigit() for ch in t)]
+    assert "".join(with_digits) == "3271905123456"
+    assert all(t.isdigit() and len(t) <= 3 for t in with_digits)
+
+
+def test_repeated_sequences_label_only_the_repeat() -> None:
+    ids, labels = _repeated_sequence(random.Random(1), 400)
+    half = len(ids) // 2
+    assert ids[:half] == ids[half:] and 8 <= half <= 40
+    assert labels == [IGNORE] * half + ids[half:]
+    assert all(len(SPECIAL_TOKENS) <= token < 400 for token in ids)
+
+
+def _rows(table: str) -> dict[str, dict[str, str]]:
+    rows = {}
+    for line in table.splitlines():
+        fields = dict(item.split("=", 1) for item in line.split(" "))
+        rows[fields.pop("id")] = fields
+    return rows
+
+
+def test_pretraining_lookups_answer_from_the_table_they_show() -> None:
+    checked = 0
+    for index in range(300):
+        messages = synthetic_conversation(index, COPYING)
+        table = "\n".join(line for line in messages[0]["content"].splitlines() if line.startswith("id="))
+        rows = _rows(table)
+        for message in messages[1::2]:
+            content = message["content"]
+            if content.startswith('{"id": '):  # a lookup that names the id first
+                answer = json.loads(content)
+                if answer.get("found") is False:
+                    assert answer["id"] not in rows
+                    continue
+                row = rows[answer["id"]]
+                assert all(
+                    row[field] == str(answer[key])
+                    for field, key in (("city", "location"), ("units", "count"))
+                    if key in answer
+                )
+                checked += 1
+            elif content.startswith("id="):  # a quoted row, or the whole table
+                assert all(rows[rid] == fields for rid, fields in _rows(content).items())
+                checked += 1
+    assert checked > 100
 
 
 def test_chat_template_renders_chatml_and_ends_with_the_generation_prompt(built: tuple[Path, Snapshot]) -> None:
@@ -131,20 +211,22 @@ def test_a_cuda_build_without_cuda_is_refused_before_anything_is_written(tmp_pat
     assert not out.exists()
 
 
-def test_pretraining_answers_never_use_the_task_schemas() -> None:
+@pytest.mark.parametrize("config", [FULL, COPYING], ids=["full", "copying"])
+def test_pretraining_answers_never_use_the_task_schemas(config: SeedConfig) -> None:
     task_keys = [{"city", "units"}, {"ids"}, {"total"}]
     prompts = {render_prompt(make_case(2026091301, role, i)) for role in ("train", "test") for i in range(64)}
     for index in range(400):
-        for message in synthetic_conversation(index):
+        for message in synthetic_conversation(index, config):
             assert message["content"] not in prompts
             if message["role"] != "assistant" or not message["content"].startswith("{"):
                 continue
             assert set(json.loads(message["content"])) not in task_keys
 
 
-def test_pretraining_pool_covers_every_family_shape() -> None:
+@pytest.mark.parametrize("config", [FULL, COPYING], ids=["full", "copying"])
+def test_pretraining_pool_covers_every_family_shape(config: SeedConfig) -> None:
     # The seed must have seen lookups, selections, rankings and sums, in prose and in its own JSON keys.
-    answers = [m["content"] for i in range(200) for m in synthetic_conversation(i) if m["role"] == "assistant"]
+    answers = [m["content"] for i in range(200) for m in synthetic_conversation(i, config) if m["role"] == "assistant"]
     joined = "\n".join(answers)
     for marker in ('"location"', '"matches"', '"best"', '"sum"', "Record ", "Matching "):
         assert marker in joined
