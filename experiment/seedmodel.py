@@ -648,6 +648,7 @@ def copied(model: LlamaForCausalLM, rows: list[Row], pad_id: int) -> int:
     """Answers the model gives token for token (every label the argmax after its own prefix: greedy's answer)."""
     device = next(model.parameters()).device
     exact = 0
+    training = model.training
     model.train(False)
     with torch.no_grad():
         for start in range(0, len(rows), 32):
@@ -655,7 +656,7 @@ def copied(model: LlamaForCausalLM, rows: list[Row], pad_id: int) -> int:
             predicted = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
             targets = labels[:, 1:]
             exact += int(((predicted == targets) | (targets == IGNORE)).all(-1).sum())
-    model.train(True)
+    model.train(training)
     return exact
 
 

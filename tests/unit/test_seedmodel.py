@@ -16,6 +16,7 @@ from experiment.corpus import seed_snapshot
 from experiment.errors import CoopError
 from experiment.plan import load_plan
 from experiment.seedmodel import (
+    COPY_PROBES,
     COPYING,
     EOS_TOKEN,
     FULL,
@@ -27,7 +28,10 @@ from experiment.seedmodel import (
     Snapshot,
     _repeated_sequence,
     build_seed,
+    copied,
+    copy_probes,
     count_parameters,
+    encoder_of,
     load_model,
     load_tokenizer,
     snapshot_of,
@@ -230,3 +234,33 @@ def test_pretraining_pool_covers_every_family_shape(config: SeedConfig) -> None:
     joined = "\n".join(answers)
     for marker in ('"location"', '"matches"', '"best"', '"sum"', "Record ", "Matching "):
         assert marker in joined
+
+
+def test_copy_probes_ask_for_an_id_the_table_holds_in_the_seeds_own_schema(built: tuple[Path, Snapshot]) -> None:
+    tokenizer = load_tokenizer(built[0])
+    probes = copy_probes(encoder_of(tokenizer))
+    assert {style: len(rows) for style, rows in probes.items()} == {"plain": COPY_PROBES, "with_id": COPY_PROBES}
+    for ids, labels in probes["with_id"][:16]:
+        text = tokenizer.decode(ids)
+        answer = json.loads(tokenizer.decode([t for t in labels if t != IGNORE], skip_special_tokens=True))
+        assert set(answer) == {"id", "location", "count"}
+        assert f"id={answer['id']} city={answer['location']} units={answer['count']}" in text
+
+
+def test_a_probe_counts_as_copied_only_when_every_answer_token_is_the_greedy_one(
+    built: tuple[Path, Snapshot],
+) -> None:
+    tokenizer = load_tokenizer(built[0])
+    model = load_model(built[0]).eval()
+    ids, labels = copy_probes(encoder_of(tokenizer))["plain"][0]
+    prompt = ids[: next(i for i, label in enumerate(labels) if label != IGNORE)]
+    greedy: list[int] = []
+    with torch.no_grad():  # greedy decoding, one argmax after another
+        for _ in range(6):
+            greedy.append(int(model(torch.tensor([prompt + greedy])).logits[0, -1].argmax()))
+    own = (prompt + greedy, [IGNORE] * len(prompt) + greedy)
+    other = [*greedy[:-1], (greedy[-1] + 1) % len(tokenizer)]
+    pad = int(tokenizer.pad_token_id)
+    assert copied(model, [own], pad) == 1
+    assert copied(model, [(prompt + other, [IGNORE] * len(prompt) + other)], pad) == 0
+    assert not model.training  # the probe leaves the model in the mode it found it
