@@ -672,6 +672,7 @@ def _pretrain(
     conversations: list[tuple[list[int], list[int]]],
     pad_id: int,
     progress: Progress | None,
+    probes: dict[str, list[Row]],
     probe_every: int,
 ) -> None:
     device = torch.device(config.device)
@@ -684,7 +685,6 @@ def _pretrain(
         eps=1e-8,
     )
     order = random.Random(config.seed)
-    probes = copy_probes(encoder)
     repeats = random.Random(f"induction:{config.seed}")
     vocab = int(model.config.vocab_size)
     conversation_queue: list[int] = []
@@ -714,7 +714,7 @@ def _pretrain(
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if progress is not None and probe_every and (step + 1) % probe_every == 0:
+        if progress is not None and probes and probe_every and (step + 1) % probe_every == 0:
             progress(_probe(model, probes, pad_id, step + 1))
         if progress is not None:
             progress(
@@ -763,8 +763,9 @@ def build_seed(
     if config.device == "cuda":
         model.set_attn_implementation("eager")  # SDPA's CUDA backward kernels are not deterministic
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    _pretrain(config, model.to(config.device), encoder, encoded, pad_id, progress, probe_every)
-    copies = _probe(model, copy_probes(encoder), pad_id, config.pretrain_steps)
+    probes = copy_probes(encoder) if progress is not None else {}  # read only by the progress events
+    _pretrain(config, model.to(config.device), encoder, encoded, pad_id, progress, probes, probe_every)
+    copies = _probe(model, probes, pad_id, config.pretrain_steps) if progress is not None else {}
     if config.device == "cuda":
         model = model.to("cpu")
         model.set_attn_implementation("sdpa")  # as a loaded seed runs
