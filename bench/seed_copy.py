@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -92,6 +93,9 @@ def main() -> None:
     parser.add_argument("--seed-dir", type=Path, help="measure this built seed instead of building one")
     parser.add_argument("--lr", type=float, help="peak pre-training learning rate (default: the configuration's)")
     args = parser.parse_args()
+    if args.seed_dir is None and any(os.environ.get(k) != v for k, v in seedmodel.CPU_KERNELS.items()):
+        # The kernels `coop seed-model build` pins (read when torch loads): the same bytes as the command's build.
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **seedmodel.CPU_KERNELS})
     base = seedmodel.COPYING if args.config == "copying" else seedmodel.FULL
     steps = args.steps or base.pretrain_steps
     config = msgspec.structs.replace(
@@ -111,6 +115,8 @@ def main() -> None:
     def progress(event: dict[str, object]) -> None:
         if event.get("event") == "pretrain":
             losses.append(float(event["loss"]))  # type: ignore[arg-type]
+        elif event.get("event") == "copy-probe":
+            print(json.dumps(event), file=sys.stderr, flush=True)  # the build's progress, as it goes
 
     if args.seed_dir is None:
         snapshot = seedmodel.build_seed(seed_dir, config, progress=progress, root=ROOT)
