@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -93,9 +92,8 @@ def main() -> None:
     parser.add_argument("--seed-dir", type=Path, help="measure this built seed instead of building one")
     parser.add_argument("--lr", type=float, help="peak pre-training learning rate (default: the configuration's)")
     args = parser.parse_args()
-    if args.seed_dir is None and any(os.environ.get(k) != v for k, v in seedmodel.CPU_KERNELS.items()):
-        # The kernels `coop seed-model build` pins (read when torch loads): the same bytes as the command's build.
-        os.execve(sys.executable, sys.orig_argv, {**os.environ, **seedmodel.CPU_KERNELS})
+    if args.seed_dir is None:
+        seedmodel.run_with_pinned_kernels()  # as `coop seed-model build` does: the same bytes as the command's build
     base = seedmodel.COPYING if args.config == "copying" else seedmodel.FULL
     steps = args.steps or base.pretrain_steps
     config = msgspec.structs.replace(

@@ -4,7 +4,6 @@ a refusal prints one message on stderr and exits 2."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,9 +41,7 @@ def _plan_show(args: argparse.Namespace) -> None:
 def _seed_build(args: argparse.Namespace) -> None:
     # The CPU kernels' float rounding depends on the processor's vector width: pin them (read when torch and MKL
     # load, so the build runs in a fresh interpreter) and the same bytes come out of every x86 machine with AVX2.
-    if any(os.environ.get(name) != value for name, value in seedmodel.CPU_KERNELS.items()):
-        environment = {**os.environ, **seedmodel.CPU_KERNELS}
-        os.execve(sys.executable, sys.orig_argv, environment)
+    seedmodel.run_with_pinned_kernels()
     config = seedmodel.SMALL if args.small else seedmodel.FULL
     with Events() as events:
         snapshot = seedmodel.build_seed(args.out, config, events.emit)

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import string
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +42,14 @@ IGNORE = -100
 # `coop seed-model build` runs with these: MKL's and ATen's AVX2 code paths on any x86 processor that has AVX2,
 # so a CPU build is byte-identical across processors (an AVX-512 machine otherwise rounds differently).
 CPU_KERNELS = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def run_with_pinned_kernels() -> None:
+    """Re-execute this process with CPU_KERNELS set, unless it runs with them already.
+
+    The kernels are chosen when torch and MKL load, so a build needs a fresh interpreter to be pinned."""
+    if any(os.environ.get(name) != value for name, value in CPU_KERNELS.items()):
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **CPU_KERNELS})
 
 
 class SeedConfig(msgspec.Struct, frozen=True, kw_only=True):
