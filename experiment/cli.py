@@ -39,9 +39,7 @@ def _plan_show(args: argparse.Namespace) -> None:
 
 
 def _seed_build(args: argparse.Namespace) -> None:
-    # The CPU kernels' float rounding depends on the processor's vector width: pin them (read when torch and MKL
-    # load, so the build runs in a fresh interpreter) and the same bytes come out of every x86 machine with AVX2.
-    seedmodel.run_with_pinned_kernels()
+    seedmodel.run_with_pinned_kernels()  # the same bytes from every x86 machine with AVX2 (see CPU_KERNELS)
     config = seedmodel.SMALL if args.small else seedmodel.FULL
     with Events() as events:
         snapshot = seedmodel.build_seed(args.out, config, events.emit)
