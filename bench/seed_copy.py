@@ -1,6 +1,6 @@
 """Does a candidate seed copy values from its context, and what does the local plan's fine-tune make of it?
 
-Builds the seed of one pre-training configuration (FULL with the given changes) on the given device, measures
+Builds the seed of the committed pre-training configuration (FULL, with the given changes) on the given device, measures
 exact answers to held-out lookups in the seed's own schema, prepares the local plan's inputs on that seed,
 fine-tunes clean-single through experiment.training on the same device, and scores the seed and the fine-tuned
 model on the 256 test tasks per family. Prints one JSON object; the seed stays in WORK/NAME/seed.
@@ -85,7 +85,6 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--config", choices=("full", "copying"), default="copying", help="the configuration to vary")
     parser.add_argument("--steps", type=int, help="pre-training steps (default: the configuration's)")
     parser.add_argument("--batch", type=int, help="sequences a step (default: the configuration's)")
     parser.add_argument("--finetune-lr", type=float, help="the fine-tune's peak learning rate (default: the plan's)")
@@ -94,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.seed_dir is None:
         seedmodel.run_with_pinned_kernels()  # as `coop seed-model build` does: the same bytes as the command's build
-    base = seedmodel.COPYING if args.config == "copying" else seedmodel.FULL
+    base = seedmodel.FULL
     steps = args.steps or base.pretrain_steps
     config = msgspec.structs.replace(
         base,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,6 @@ from experiment.errors import CoopError
 from experiment.plan import load_plan
 from experiment.seedmodel import (
     COPY_PROBES,
-    COPYING,
     EOS_TOKEN,
     FULL,
     IGNORE,
@@ -82,10 +82,9 @@ def test_an_id_is_the_same_tokens_in_a_table_a_question_and_an_answer(built: tup
     table, question, answer = (
         _tokens(tokenizer, text) for text in ("id=J327 units=19", "What about J327?", '{"id": "J327"}')
     )
-    digits = [t for t in table if any(ch.isdigit() for ch in t)]
-    assert "J" in table and "".join(digits) == "32719"
     start = table.index("J")
-    id_tokens = table[start : table.index("Ġunits")]
+    id_tokens = table[start : next(i for i in range(start, len(table)) if table[i].startswith("Ġ"))]
+    assert "".join(id_tokens) == "J327"
     for tokens in (question, answer):
         at = tokens.index("J")
         assert tokens[at : at + len(id_tokens)] == id_tokens
@@ -95,16 +94,17 @@ def test_the_committed_seed_is_the_one_the_local_plan_pins() -> None:
     verify_seed(ROOT / "seeds" / "tiny", seed_snapshot(load_plan(ROOT / "plans" / "local.toml")))
 
 
-def test_the_committed_seed_splits_digits_one_per_token() -> None:
+def test_the_committed_seed_keeps_an_ids_number_and_each_table_value_one_token() -> None:
     tokenizer = load_tokenizer(ROOT / "seeds" / "tiny")
-    digits = [t for t in _tokens(tokenizer, "id=J327 units=1905") if any(ch.isdigit() for ch in t)]
-    assert digits == ["3", "2", "7", "1", "9", "0", "5"]
+    assert _tokens(tokenizer, "id=J327 city=Oslo units=19") == ["id", "=", "J", "327", "Ġcity=Oslo", "Ġunits=19"]
+    for number in range(100, 1000):
+        assert _tokens(tokenizer, f"What about J{number}?")[-3:] == ["J", str(number), "?"]
 
 
-def test_grouped_digits_never_join_more_than_three_digits_or_a_letter(built: tuple[Path, Snapshot]) -> None:
-    tokens = _tokens(load_tokenizer(built[0]), "id=J327 units=1905 total=123456")
+def test_digits_outside_a_table_value_go_in_groups_of_at_most_three(built: tuple[Path, Snapshot]) -> None:
+    tokens = _tokens(load_tokenizer(built[0]), "J327 total=123456")
     with_digits = [t for t in tokens if any(ch.isdigit() for ch in t)]
-    assert "".join(with_digits) == "3271905123456"
+    assert "".join(with_digits) == "327123456"
     assert all(t.isdigit() and len(t) <= 3 for t in with_digits)
 
 
@@ -124,10 +124,15 @@ def _rows(table: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+def _subsequence(values: list[str], of: list[str]) -> bool:
+    remaining = iter(of)
+    return all(value in remaining for value in values)
+
+
 def test_pretraining_lookups_answer_from_the_table_they_show() -> None:
     checked = 0
     for index in range(300):
-        messages = synthetic_conversation(index, COPYING)
+        messages = synthetic_conversation(index, SMALL)
         table = "\n".join(line for line in messages[0]["content"].splitlines() if line.startswith("id="))
         rows = _rows(table)
         for message in messages[1::2]:
@@ -147,7 +152,29 @@ def test_pretraining_lookups_answer_from_the_table_they_show() -> None:
             elif content.startswith("id="):  # a quoted row, or the whole table
                 assert all(rows[rid] == fields for rid, fields in _rows(content).items())
                 checked += 1
+            elif all(re.fullmatch(r"[A-Z][0-9]{3}( [A-Za-z0-9]+)+", line) for line in content.splitlines()):
+                for line in content.splitlines():  # rows' values: an id, then its values
+                    rid, *values = line.split(" ")
+                    assert values and _subsequence(values, list(rows[rid].values()))
+                checked += 1
     assert checked > 100
+
+
+def test_the_committed_pool_asks_one_lookup_or_rows_values_of_a_table_shown_first() -> None:
+    kinds = set()
+    for index in range(300):
+        user, assistant = synthetic_conversation(index, FULL)
+        assert user["content"].startswith("Table:\nid=")
+        answer = assistant["content"]
+        if answer.startswith("{"):
+            keys = set(json.loads(answer))
+            assert keys == {"id", "found"} or keys <= {"location", "count", "cost", "state", "rank"}
+            kinds.add("lookup")
+        else:
+            rows = _rows("\n".join(line for line in user["content"].splitlines() if line.startswith("id=")))
+            assert all(line.split(" ")[0] in rows for line in answer.splitlines())
+            kinds.add("values")
+    assert kinds == {"lookup", "values"}
 
 
 def test_chat_template_renders_chatml_and_ends_with_the_generation_prompt(built: tuple[Path, Snapshot]) -> None:
@@ -215,7 +242,7 @@ def test_a_cuda_build_without_cuda_is_refused_before_anything_is_written(tmp_pat
     assert not out.exists()
 
 
-@pytest.mark.parametrize("config", [FULL, COPYING], ids=["full", "copying"])
+@pytest.mark.parametrize("config", [FULL, SMALL], ids=["full", "small"])
 def test_pretraining_answers_never_use_the_task_schemas(config: SeedConfig) -> None:
     task_keys = [{"city", "units"}, {"ids"}, {"total"}]
     prompts = {render_prompt(make_case(2026091301, role, i)) for role in ("train", "test") for i in range(64)}
@@ -227,10 +254,9 @@ def test_pretraining_answers_never_use_the_task_schemas(config: SeedConfig) -> N
             assert set(json.loads(message["content"])) not in task_keys
 
 
-@pytest.mark.parametrize("config", [FULL, COPYING], ids=["full", "copying"])
-def test_pretraining_pool_covers_every_family_shape(config: SeedConfig) -> None:
-    # The seed must have seen lookups, selections, rankings and sums, in prose and in its own JSON keys.
-    answers = [m["content"] for i in range(200) for m in synthetic_conversation(i, config) if m["role"] == "assistant"]
+def test_a_pool_with_every_kind_holds_every_family_shape() -> None:
+    # Lookups, selections, rankings and sums, in prose and in the seed's own JSON keys.
+    answers = [m["content"] for i in range(200) for m in synthetic_conversation(i, SMALL) if m["role"] == "assistant"]
     joined = "\n".join(answers)
     for marker in ('"location"', '"matches"', '"best"', '"sum"', "Record ", "Matching "):
         assert marker in joined
