@@ -1,9 +1,9 @@
 """Does a candidate seed copy values from its context, and what does the local plan's fine-tune make of it?
 
-Builds the seed of the committed pre-training configuration (FULL, with the given changes) on the given device, measures
-exact answers to held-out lookups in the seed's own schema, prepares the local plan's inputs on that seed,
-fine-tunes clean-single through experiment.training on the same device, and scores the seed and the fine-tuned
-model on the 256 test tasks per family. Prints one JSON object; the seed stays in WORK/NAME/seed.
+Builds the committed seed's configuration (FULL, with the given changes) on the given device, measures exact
+answers to held-out lookups in the seed's own schema, prepares the local plan's inputs on that seed, fine-tunes
+clean-single through experiment.training on the same device, and scores the seed and the fine-tuned model on the
+256 test tasks per family. Prints one JSON object; the seed stays in WORK/NAME/seed.
 
     .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name longer --steps 6000 [--device cuda]
     .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name committed --seed-dir seeds/tiny

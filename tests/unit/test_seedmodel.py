@@ -116,9 +116,12 @@ def test_repeated_sequences_label_only_the_repeat() -> None:
     assert all(len(SPECIAL_TOKENS) <= token < 400 for token in ids)
 
 
-def _rows(table: str) -> dict[str, dict[str, str]]:
+def _rows(text: str) -> dict[str, dict[str, str]]:
+    """The table rows (lines starting with ``id=``) in a message, by id."""
     rows = {}
-    for line in table.splitlines():
+    for line in text.splitlines():
+        if not line.startswith("id="):
+            continue
         fields = dict(item.split("=", 1) for item in line.split(" "))
         rows[fields.pop("id")] = fields
     return rows
@@ -133,8 +136,7 @@ def test_pretraining_lookups_answer_from_the_table_they_show() -> None:
     checked = 0
     for index in range(300):
         messages = synthetic_conversation(index, SMALL)
-        table = "\n".join(line for line in messages[0]["content"].splitlines() if line.startswith("id="))
-        rows = _rows(table)
+        rows = _rows(messages[0]["content"])
         for message in messages[1::2]:
             content = message["content"]
             if content.startswith('{"id": '):  # a lookup that names the id first
@@ -171,7 +173,7 @@ def test_the_committed_pool_asks_one_lookup_or_rows_values_of_a_table_shown_firs
             assert keys == {"id", "found"} or keys <= {"location", "count", "cost", "state", "rank"}
             kinds.add("lookup")
         else:
-            rows = _rows("\n".join(line for line in user["content"].splitlines() if line.startswith("id=")))
+            rows = _rows(user["content"])
             assert all(line.split(" ")[0] in rows for line in answer.splitlines())
             kinds.add("values")
     assert kinds == {"lookup", "values"}
