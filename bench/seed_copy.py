@@ -25,10 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiment import seedmodel, tasks, training  # noqa: E402
+from experiment import seedmodel, stats, tasks, training  # noqa: E402
 from experiment.checkpoint import model_dir as checkpoint_model_dir  # noqa: E402
 from experiment.corpus import load_prepared, prepare  # noqa: E402
-from experiment.evaluation import answer_text, generate  # noqa: E402
+from experiment.evaluation import answer_text, generate, retention_score  # noqa: E402
 from experiment.plan import load_plan  # noqa: E402
 
 
@@ -64,6 +64,13 @@ def family_scores(
     return scores
 
 
+def retention_losses(weights_dir: Path, home: Path, device: str) -> dict[str, float]:
+    """Mean nats per answer token of every retention probe, as the evaluation measures them."""
+    model = seedmodel.load_model(weights_dir).to(device)
+    model.train(False)
+    return {probe.id: retention_score(model, probe).mean_nats for probe in load_prepared(home).probes()}
+
+
 def plan_for(snapshot: seedmodel.Snapshot, device: str, learning_rate: float | None) -> str:
     """plans/local.toml with this seed's snapshot (and CUDA/nccl when the fine-tune runs on a GPU)."""
     text = (ROOT / "plans/local.toml").read_text(encoding="utf-8")
@@ -90,6 +97,8 @@ def main() -> None:
     parser.add_argument("--finetune-lr", type=float, help="the fine-tune's peak learning rate (default: the plan's)")
     parser.add_argument("--seed-dir", type=Path, help="measure this built seed instead of building one")
     parser.add_argument("--lr", type=float, help="peak pre-training learning rate (default: the configuration's)")
+    parser.add_argument("--conversation-every", type=int, help="every n-th step is conversations")
+    parser.add_argument("--conversation-files", nargs="+", help="conversation files to pre-train on")
     args = parser.parse_args()
     if args.seed_dir is None:
         seedmodel.run_with_pinned_kernels()  # as `coop seed-model build` does: the same bytes as the command's build
@@ -101,6 +110,8 @@ def main() -> None:
         batch_size=args.batch or base.batch_size,
         peak_lr=args.lr or base.peak_lr,
         warmup_steps=max(base.warmup_steps, steps // 50),
+        conversation_every=args.conversation_every or base.conversation_every,
+        conversation_files=tuple(args.conversation_files or base.conversation_files),
         device=args.device,
     )
     folder = args.work / args.name
@@ -131,7 +142,8 @@ def main() -> None:
     # The plan names its replay folder relative to itself: give it the repository's.
     (folder / "local-reference").symlink_to(ROOT / "plans" / "local-reference")
     home = folder / "home"
-    prepare(load_plan(plan_path), plan_path, home, seed_dir, None, lambda event: None)
+    plan = load_plan(plan_path)
+    prepare(plan, plan_path, home, seed_dir, None, lambda event: None)
     began = time.monotonic()
     trained = training.train(home, seed_dir, "clean-single", lambda event: None)
     if trained is None:
@@ -141,6 +153,13 @@ def main() -> None:
     for role in ("dev", "test"):  # choose a learning rate on dev; test is what the local run will report
         result[f"seed_{role}"] = family_scores(seed_dir, seed_dir, home, args.device, role)
         result[f"clean_single_{role}"] = family_scores(seed_dir, weights, home, args.device, role)
+    seed_losses = retention_losses(seed_dir, home, args.device)
+    arm_losses = retention_losses(weights, home, args.device)
+    bound = stats.retention_bound(seed_losses, arm_losses, plan.statistics.retention_z)
+    result["retention"] = {"seed_mean_nats": round(sum(seed_losses.values()) / len(seed_losses), 4)} | {
+        "mean_change": round(bound.mean_change, 4),
+        "upper": round(bound.upper, 4),
+    }
     result["seconds"] = round(time.monotonic() - started, 1)
     result["torch"] = torch.__version__
     print(json.dumps(result), flush=True)
