@@ -156,7 +156,8 @@ def main() -> None:
     seed_losses = retention_losses(seed_dir, home, args.device)
     arm_losses = retention_losses(weights, home, args.device)
     bound = stats.retention_bound(seed_losses, arm_losses, plan.statistics.retention_z)
-    result["retention"] = {"seed_mean_nats": round(sum(seed_losses.values()) / len(seed_losses), 4)} | {
+    result["retention"] = {
+        "seed_mean_nats": round(sum(seed_losses.values()) / len(seed_losses), 4),
         "mean_change": round(bound.mean_change, 4),
         "upper": round(bound.upper, 4),
     }

@@ -27,7 +27,7 @@ trap stop EXIT
 trap 'exit 130' INT TERM
 
 if [ ! -f "$seed/model.safetensors" ]; then
-  log "building the local seed into $seed (about 15 CPU-minutes, once)"
+  log "building the local seed into $seed (about 23 CPU-minutes, once)"
   "$bin/coop" seed-model build --out "$seed"
 fi
 
