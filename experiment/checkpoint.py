@@ -128,6 +128,22 @@ def latest(run_dir: Path) -> Pointer | None:
     return max(found, key=lambda p: p.step, default=None)
 
 
+def pointer_at(run_dir: Path, step: int) -> Pointer | None:
+    return next((p for p in pointers(run_dir) if p.step == step), None)
+
+
+def confirm(run_dir: Path, pointer: Pointer, binding: str, parameter_digest: str) -> None:
+    """A checkpoint an earlier attempt wrote at this step must hold the weights this run just computed there
+    (a rank that resumed behind its own latest checkpoint, to meet its peers, retrains those steps)."""
+    receipt = verify(run_dir, pointer, binding)
+    if receipt.parameter_digest != parameter_digest:
+        raise CoopError(
+            f"checkpoint {run_dir / 'checkpoints' / pointer.checkpoint} holds parameter digest "
+            f"{receipt.parameter_digest[:16]}, but retraining to step {pointer.step} gave {parameter_digest[:16]}: "
+            "the run is not reproducible on this host; it is kept as it is and this run stops"
+        )
+
+
 def verify(run_dir: Path, pointer: Pointer, binding: str) -> Receipt:
     """The receipt matches the pointer, every file its hash, and the binding the run's."""
     folder = run_dir / "checkpoints" / pointer.checkpoint

@@ -91,3 +91,12 @@ def all_reduce_sum(world: World, value: float, device: torch.device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return float(tensor.item())
+
+
+def minimum(world: World, value: int, device: torch.device) -> int:
+    """The smallest of every rank's ``value``."""
+    if not world.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

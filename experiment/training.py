@@ -339,7 +339,13 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
         deadline = datetime.fromisoformat(record.deadline_at)
         if datetime.now(UTC) > deadline:
             raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
-        pointer = checkpoint.latest(directory)
+        # Every rank resumes from the last checkpoint all of them hold: a host killed while its peers saved a
+        # checkpoint is one checkpoint behind them, and they retrain to meet it.
+        latest = checkpoint.latest(directory)
+        common = distributed.minimum(world, latest.step if latest is not None else 0, device)
+        pointer = checkpoint.pointer_at(directory, common) if common else None
+        if common and pointer is None:
+            raise CoopError(f"{directory} has no checkpoint at step {common}, where the other ranks resume")
         journal: list[StepRecord] = []
         if pointer is None:
             model = seedmodel.load_model(model_dir)
@@ -401,10 +407,15 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                 )
                 if step in plan.training.checkpoint_steps:
                     digest = distributed.parameter_digest(model)
-                    pointer = checkpoint.save(
-                        directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
-                    )
-                    checkpoint.verify(directory, pointer, binding)
+                    kept = checkpoint.pointer_at(directory, step)
+                    if kept is None:
+                        pointer = checkpoint.save(
+                            directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
+                        )
+                        checkpoint.verify(directory, pointer, binding)
+                    else:
+                        checkpoint.confirm(directory, kept, binding, digest)
+                        pointer = kept
                     emit(
                         {
                             "event": "checkpoint",
@@ -413,6 +424,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                             "step": step,
                             "checkpoint": pointer.checkpoint,
                             "parameter_digest": digest,
+                            "written": kept is None,
                         }
                     )
                 if stop_after is not None and step >= stop_after:

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from experiment import corpus, distributed, seedmodel, training
+from experiment.canonical import canonical_bytes, sha256_file
 from experiment.plan import load_plan
 from tests.conftest import write_plan
 from tests.processes import coop_train, free_port, launch, rank_env
@@ -148,6 +149,61 @@ def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, smal
         folder = training.run_dir(pair, "clean-pair", rank) / "checkpoints" / "step-000004" / "model"
         model = seedmodel.load_model(folder)
         assert distributed.parameter_digest(model) == result["parameter_digest"]
+
+
+def _pair_killed_while_saving(home: Path, seed: Path, tmp_path: Path) -> Path:
+    """A pair stopped after its last update, whose rank 1 then looks as if its host died while saving step 4:
+    the step's folder still partial and no pointer, while rank 0's step 4 is complete."""
+    broken = _fresh_home(home, tmp_path / "broken")
+    runs = coop_train(broken, seed, "clean-pair", 2, "--stop-after", "4")
+    assert all(done.returncode == 0 for done in runs), [done.stderr for done in runs]
+    behind = training.run_dir(broken, "clean-pair", 1)
+    (behind / "pointers" / "step-000004.json").unlink()
+    (behind / "checkpoints" / "step-000004").rename(behind / "checkpoints" / ".step-000004.partial")
+    return broken
+
+
+def test_a_pair_resumes_from_the_last_checkpoint_both_ranks_hold(home: Path, small_seed: Seed, tmp_path: Path) -> None:
+    whole = _fresh_home(home, tmp_path / "whole")
+    whole_runs = coop_train(whole, small_seed[0], "clean-pair", 2)
+    uninterrupted = {_events(done)[-1]["parameter_digest"] for done in whole_runs}
+    assert len(uninterrupted) == 1
+    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path)
+    ahead = training.run_dir(broken, "clean-pair", 0) / "checkpoints" / "step-000004" / "receipt.json"
+    receipt = ahead.read_bytes()
+
+    runs = coop_train(broken, small_seed[0], "clean-pair", 2)
+    assert all(done.returncode == 0 for done in runs), [done.stderr for done in runs]
+    for rank, done in enumerate(runs):
+        events = _events(done)
+        assert events[0]["resumed_from_step"] == 2
+        (saved,) = [e for e in events if e["event"] == "checkpoint"]
+        # Rank 0 retrained to its own step 4 and kept it (the same weights); rank 1 wrote its step 4 anew.
+        assert (saved["step"], saved["written"]) == (4, rank == 1)
+        assert {events[-1]["parameter_digest"]} == uninterrupted
+        result = json.loads((training.run_dir(broken, "clean-pair", rank) / "result.json").read_text())
+        assert [r["step"] for r in result["journal"]] == [1, 2, 3, 4]
+    assert ahead.read_bytes() == receipt
+
+
+def test_a_kept_checkpoint_that_retraining_does_not_reproduce_is_refused(
+    home: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path)
+    run = training.run_dir(broken, "clean-pair", 0)
+    receipt_path = run / "checkpoints" / "step-000004" / "receipt.json"
+    receipt = json.loads(receipt_path.read_text())
+    receipt["parameter_digest"] = "0" * 64  # a consistent checkpoint of other weights
+    receipt_path.write_bytes(canonical_bytes(receipt) + b"\n")
+    pointer_path = run / "pointers" / "step-000004.json"
+    pointer = {**json.loads(pointer_path.read_text()), "receipt_sha256": sha256_file(receipt_path)}
+    pointer_path.write_bytes(canonical_bytes(pointer) + b"\n")
+
+    runs = coop_train(broken, small_seed[0], "clean-pair", 2)
+    assert runs[0].returncode == 2 and "retraining to step 4 gave" in runs[0].stderr, runs[0].stderr
+    assert runs[1].returncode != 0
+    assert not any((training.run_dir(broken, "clean-pair", r) / "result.json").exists() for r in (0, 1))
+    assert json.loads(receipt_path.read_text())["parameter_digest"] == "0" * 64
 
 
 def test_single_arm_refuses_a_world_of_two(home: Path, small_seed: Seed, tmp_path: Path) -> None:

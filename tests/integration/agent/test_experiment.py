@@ -228,9 +228,12 @@ def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
     retry = [x for x in attempts if x["number"] == 2]
     assert sorted((x["rank"], x["state"]) for x in retry) == [(0, "succeeded"), (1, "succeeded")]
     assert {x["rank"]: x["agent_id"] for x in retry} == {x["rank"]: x["agent_id"] for x in attempts if x["number"] == 1}
+    resumed = set()
     for attempt in retry:
         (started,) = [e for e in run.server.get(f"/api/attempts/{attempt['id']}/events") if e["kind"] == "started"]
-        assert started["body"]["resumed_from_step"] in COUNTS["checkpoint_steps"]
+        resumed.add(started["body"]["resumed_from_step"])
+    # Both ranks resumed from one checkpoint step, the last both held (the kill may land in a save).
+    assert len(resumed) == 1 and resumed <= set(COUNTS["checkpoint_steps"]), resumed
     # The same prepared inputs trained without interruption, directly through two gloo ranks.
     home = tmp_path / "home"
     prepared = run.agents["host-a"].work_dir / "experiments" / run.experiment["id"] / "home" / "prepared"
