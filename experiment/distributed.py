@@ -85,18 +85,18 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def _all_reduce(world: World, value: torch.Tensor, op: dist.ReduceOp.RedOpType, device: torch.device) -> float:
+    """One number reduced over every rank (the number itself in a world of one)."""
+    if world.distributed:
+        value = value.to(device)
+        dist.all_reduce(value, op=op)
+    return float(value.item())
+
+
 def all_reduce_sum(world: World, value: float, device: torch.device) -> float:
-    if not world.distributed:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor.item())
+    return _all_reduce(world, torch.tensor([value], dtype=torch.float64), dist.ReduceOp.SUM, device)
 
 
 def minimum(world: World, value: int, device: torch.device) -> int:
     """The smallest of every rank's ``value``."""
-    if not world.distributed:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
+    return int(_all_reduce(world, torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, device))
