@@ -113,8 +113,8 @@ def pointers(run_dir: Path) -> list[Pointer]:
     return found
 
 
-def latest(run_dir: Path) -> Pointer | None:
-    """The pointer of the highest step; a checkpoint folder without a pointer is refused."""
+def held(run_dir: Path) -> dict[int, Pointer]:
+    """Every pointed checkpoint of the run, by step; a checkpoint folder without a pointer is refused."""
     found = pointers(run_dir)
     pointed = {p.checkpoint for p in found}
     folder = run_dir / "checkpoints"
@@ -125,11 +125,7 @@ def latest(run_dir: Path) -> Pointer | None:
                 f"checkpoint {checkpoint} has no pointer; if it should be kept, verify and adopt it "
                 f"with: coop checkpoint adopt --run {run_dir} --step {step}"
             )
-    return max(found, key=lambda p: p.step, default=None)
-
-
-def pointer_at(run_dir: Path, step: int) -> Pointer | None:
-    return next((p for p in pointers(run_dir) if p.step == step), None)
+    return {p.step: p for p in found}
 
 
 def confirm(run_dir: Path, pointer: Pointer, binding: str, parameter_digest: str) -> None:

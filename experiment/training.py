@@ -341,9 +341,9 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
             raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
         # Every rank resumes from the last checkpoint all of them hold: a host killed while its peers saved a
         # checkpoint is one checkpoint behind them, and they retrain to meet it.
-        latest = checkpoint.latest(directory)
-        common = distributed.minimum(world, latest.step if latest is not None else 0, device)
-        pointer = checkpoint.pointer_at(directory, common) if common else None
+        held = checkpoint.held(directory)
+        common = distributed.minimum(world, max(held, default=0), device)
+        pointer = held.get(common) if common else None
         if common and pointer is None:
             raise CoopError(f"{directory} has no checkpoint at step {common}, where the other ranks resume")
         journal: list[StepRecord] = []
@@ -407,7 +407,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                 )
                 if step in plan.training.checkpoint_steps:
                     digest = distributed.parameter_digest(model)
-                    kept = checkpoint.pointer_at(directory, step)
+                    kept = held.get(step)  # each step comes once: a pointer written here is never looked up
                     if kept is None:
                         pointer = checkpoint.save(
                             directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
