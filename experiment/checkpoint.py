@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import safetensors.torch
@@ -98,7 +98,7 @@ def save(
                 os.fsync(handle.fileno())
     staging.rename(final)
     pointer = Pointer(step=step, checkpoint=final.name, receipt_sha256=sha256_bytes(receipt_bytes))
-    write_new_json(run_dir / "pointers" / f"{_name(step)}.json", msgspec.to_builtins(pointer))
+    point(run_dir, pointer)
     return pointer
 
 
@@ -113,24 +113,39 @@ def pointers(run_dir: Path) -> list[Pointer]:
     return found
 
 
-def held(run_dir: Path) -> dict[int, Pointer]:
-    """Every pointed checkpoint of the run, by step; a checkpoint folder without a pointer is refused."""
+class Held(NamedTuple):
+    """A run's checkpoints by step: those with a pointer, and complete folders a kill left without one (it came
+    between the folder's rename and the pointer's write), each with the pointer it would have. An unpointed
+    checkpoint is vouched for by nothing yet: a rank never resumes from it, it retrains to it and confirms it."""
+
+    pointed: dict[int, Pointer]
+    unpointed: dict[int, Pointer]
+
+
+def held(run_dir: Path) -> Held:
     found = pointers(run_dir)
-    pointed = {p.checkpoint for p in found}
+    named = {p.checkpoint for p in found}
+    unpointed = {}
     folder = run_dir / "checkpoints"
     for checkpoint in sorted(folder.glob("step-*")) if folder.is_dir() else []:
-        if checkpoint.name not in pointed:
+        if checkpoint.name not in named:
+            receipt = checkpoint / RECEIPT
+            if not receipt.is_file():
+                raise CoopError(f"checkpoint {checkpoint} has no pointer and no receipt")
             step = int(checkpoint.name.removeprefix("step-"))
-            raise CoopError(
-                f"checkpoint {checkpoint} has no pointer; if it should be kept, verify and adopt it "
-                f"with: coop checkpoint adopt --run {run_dir} --step {step}"
-            )
-    return {p.step: p for p in found}
+            unpointed[step] = Pointer(step=step, checkpoint=checkpoint.name, receipt_sha256=sha256_file(receipt))
+    return Held({p.step: p for p in found}, unpointed)
+
+
+def point(run_dir: Path, pointer: Pointer) -> None:
+    """Write a checkpoint's pointer, a new file."""
+    write_new_json(run_dir / "pointers" / f"{_name(pointer.step)}.json", msgspec.to_builtins(pointer))
 
 
 def confirm(run_dir: Path, pointer: Pointer, binding: str, parameter_digest: str) -> None:
     """A checkpoint an earlier attempt wrote at this step must hold the weights this run just computed there
-    (a rank that resumed behind its own latest checkpoint, to meet its peers, retrains those steps)."""
+    (a rank that resumed behind its own latest checkpoint, to meet its peers or to reach one a kill left
+    unpointed, retrains those steps)."""
     receipt = verify(run_dir, pointer, binding)
     if receipt.parameter_digest != parameter_digest:
         raise CoopError(
@@ -171,19 +186,6 @@ def verify(run_dir: Path, pointer: Pointer, binding: str) -> Receipt:
         if present[name] != receipt.files[name]:
             raise CoopError(f"checkpoint file {folder / name} does not match its receipt's sha256")
     return receipt
-
-
-def adopt(run_dir: Path, step: int) -> Pointer:
-    """Write the missing pointer of a complete checkpoint, after checking every file against its receipt."""
-    folder = run_dir / "checkpoints" / _name(step)
-    receipt_path = folder / RECEIPT
-    if not receipt_path.is_file():
-        raise CoopError(f"checkpoint {folder} has no receipt; it cannot be adopted")
-    pointer = Pointer(step=step, checkpoint=folder.name, receipt_sha256=sha256_file(receipt_path))
-    receipt = msgspec.convert(read_json(receipt_path), type=Receipt)
-    verify(run_dir, pointer, receipt.binding)
-    write_new_json(run_dir / "pointers" / f"{_name(step)}.json", msgspec.to_builtins(pointer))
-    return pointer
 
 
 def load_state(run_dir: Path, pointer: Pointer, optimizer: torch.optim.Optimizer) -> None:

@@ -14,7 +14,6 @@ import transformers
 from experiment import (
     benchmark,
     bundle,
-    checkpoint,
     corpus,
     evaluation,
     probe,
@@ -136,12 +135,6 @@ def _report(args: argparse.Namespace) -> None:
         )
 
 
-def _checkpoint_adopt(args: argparse.Namespace) -> None:
-    pointer = checkpoint.adopt(args.run_dir, args.step)
-    with Events() as events:
-        events.emit({"event": "adopted", "run": str(args.run_dir), "pointer": msgspec.to_builtins(pointer)})
-
-
 def _checkpoint_verify(args: argparse.Namespace) -> None:
     candidate = selection.candidate_for(corpus.load_prepared(args.home), args.arm)
     with Events() as events:
@@ -234,13 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     recompute.add_argument("--output", type=Path, required=True, help="report JSON; the HTML page goes beside it")
     recompute.set_defaults(handler=_report)
 
-    ckpt = commands.add_parser("checkpoint", help="checkpoint maintenance").add_subparsers(dest="action", required=True)
-    adopt = ckpt.add_parser("adopt", help="verify a checkpoint that lost its pointer and write the pointer")
-    adopt.add_argument(
-        "--run", dest="run_dir", type=Path, required=True, help="the rank's run folder (HOME/runs/ARM/rank-R)"
+    ckpt = commands.add_parser("checkpoint", help="checkpoints on this host").add_subparsers(
+        dest="action", required=True
     )
-    adopt.add_argument("--step", type=int, required=True)
-    adopt.set_defaults(handler=_checkpoint_adopt)
     check = ckpt.add_parser("verify", help="verify an arm's final checkpoint on this host and print its candidate")
     check.add_argument("--home", type=Path, required=True)
     check.add_argument("--arm", choices=selection.TRAINED_ARMS, required=True)

@@ -339,11 +339,11 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
         deadline = datetime.fromisoformat(record.deadline_at)
         if datetime.now(UTC) > deadline:
             raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
-        # Every rank resumes from the last checkpoint all of them hold: a host killed while its peers saved a
-        # checkpoint is one checkpoint behind them, and they retrain to meet it.
+        # Every rank resumes from the last checkpoint all of them hold with a pointer: a host killed while its
+        # peers saved a checkpoint is one checkpoint behind them, and they retrain to meet it.
         held = checkpoint.held(directory)
-        common = distributed.minimum(world, max(held, default=0), device)
-        pointer = held.get(common) if common else None
+        common = distributed.minimum(world, max(held.pointed, default=0), device)
+        pointer = held.pointed.get(common) if common else None
         if common and pointer is None:
             raise CoopError(f"{directory} has no checkpoint at step {common}, where the other ranks resume")
         journal: list[StepRecord] = []
@@ -407,15 +407,20 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                 )
                 if step in plan.training.checkpoint_steps:
                     digest = distributed.parameter_digest(model)
-                    kept = held.get(step)  # each step comes once: a pointer written here is never looked up
+                    # Each step comes once: a pointer written here is never looked up.
+                    kept = held.pointed.get(step) or held.unpointed.get(step)
                     if kept is None:
                         pointer = checkpoint.save(
                             directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
                         )
                         checkpoint.verify(directory, pointer, binding)
+                        written = "checkpoint"
                     else:
                         checkpoint.confirm(directory, kept, binding, digest)
-                        pointer = kept
+                        pointer, written = kept, "nothing"
+                        if step in held.unpointed:  # confirmed by retraining, it gets the pointer it lacked
+                            checkpoint.point(directory, pointer)
+                            written = "pointer"
                     emit(
                         {
                             "event": "checkpoint",
@@ -424,7 +429,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                             "step": step,
                             "checkpoint": pointer.checkpoint,
                             "parameter_digest": digest,
-                            "written": kept is None,
+                            "written": written,
                         }
                     )
                 if stop_after is not None and step >= stop_after:

@@ -151,26 +151,42 @@ def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, smal
         assert distributed.parameter_digest(model) == result["parameter_digest"]
 
 
-def _pair_killed_while_saving(home: Path, seed: Path, tmp_path: Path) -> Path:
-    """A pair stopped after its last update, whose rank 1 then looks as if its host died while saving step 4:
-    the step's folder still partial and no pointer, while rank 0's step 4 is complete."""
+@pytest.fixture(scope="module")
+def uninterrupted_pair(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final parameter digest of the clean pair trained without interruption."""
+    whole = _fresh_home(home, tmp_path_factory.mktemp("whole-pair"))
+    digests = {_events(done)[-1]["parameter_digest"] for done in coop_train(whole, small_seed[0], "clean-pair", 2)}
+    assert len(digests) == 1
+    (digest,) = digests
+    assert isinstance(digest, str)
+    return digest
+
+
+def _pair_killed_while_saving(home: Path, seed: Path, tmp_path: Path, moment: str) -> Path:
+    """A pair stopped after its last update, whose rank 1 then looks as if its host died while saving step 4,
+    while rank 0's step 4 is complete: before the folder's rename (still partial, no pointer) or between the
+    rename and the pointer's write (complete, no pointer)."""
     broken = _fresh_home(home, tmp_path / "broken")
     runs = coop_train(broken, seed, "clean-pair", 2, "--stop-after", "4")
     assert all(done.returncode == 0 for done in runs), [done.stderr for done in runs]
     behind = training.run_dir(broken, "clean-pair", 1)
     (behind / "pointers" / "step-000004.json").unlink()
-    (behind / "checkpoints" / "step-000004").rename(behind / "checkpoints" / ".step-000004.partial")
+    if moment == "before-rename":
+        (behind / "checkpoints" / "step-000004").rename(behind / "checkpoints" / ".step-000004.partial")
+    else:
+        assert moment == "before-pointer"
     return broken
 
 
-def test_a_pair_resumes_from_the_last_checkpoint_both_ranks_hold(home: Path, small_seed: Seed, tmp_path: Path) -> None:
-    whole = _fresh_home(home, tmp_path / "whole")
-    whole_runs = coop_train(whole, small_seed[0], "clean-pair", 2)
-    uninterrupted = {_events(done)[-1]["parameter_digest"] for done in whole_runs}
-    assert len(uninterrupted) == 1
-    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path)
-    ahead = training.run_dir(broken, "clean-pair", 0) / "checkpoints" / "step-000004" / "receipt.json"
-    receipt = ahead.read_bytes()
+@pytest.mark.parametrize(("moment", "rank1_wrote"), [("before-rename", "checkpoint"), ("before-pointer", "pointer")])
+def test_a_pair_resumes_from_the_last_checkpoint_both_ranks_hold(
+    home: Path, small_seed: Seed, uninterrupted_pair: str, tmp_path: Path, moment: str, rank1_wrote: str
+) -> None:
+    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path, moment)
+    receipts = [
+        training.run_dir(broken, "clean-pair", r) / "checkpoints" / "step-000004" / "receipt.json" for r in (0, 1)
+    ]
+    before = [path.read_bytes() if path.exists() else None for path in receipts]
 
     runs = coop_train(broken, small_seed[0], "clean-pair", 2)
     assert all(done.returncode == 0 for done in runs), [done.stderr for done in runs]
@@ -178,18 +194,22 @@ def test_a_pair_resumes_from_the_last_checkpoint_both_ranks_hold(home: Path, sma
         events = _events(done)
         assert events[0]["resumed_from_step"] == 2
         (saved,) = [e for e in events if e["event"] == "checkpoint"]
-        # Rank 0 retrained to its own step 4 and kept it (the same weights); rank 1 wrote its step 4 anew.
-        assert (saved["step"], saved["written"]) == (4, rank == 1)
-        assert {events[-1]["parameter_digest"]} == uninterrupted
+        # Rank 0 retrained to its own step 4 and kept it (the same weights). Rank 1 wrote its step 4 anew, or
+        # kept the complete one the kill left and wrote only the pointer it lacked.
+        assert (saved["step"], saved["written"]) == (4, "nothing" if rank == 0 else rank1_wrote)
+        assert events[-1]["parameter_digest"] == uninterrupted_pair
         result = json.loads((training.run_dir(broken, "clean-pair", rank) / "result.json").read_text())
         assert [r["step"] for r in result["journal"]] == [1, 2, 3, 4]
-    assert ahead.read_bytes() == receipt
+        assert (training.run_dir(broken, "clean-pair", rank) / "pointers" / "step-000004.json").is_file()
+    # What a rank held before is byte for byte what it holds now.
+    assert [path.read_bytes() for path, old in zip(receipts, before, strict=True) if old] == [b for b in before if b]
+    assert (before[1] is None) == (moment == "before-rename")
 
 
 def test_a_kept_checkpoint_that_retraining_does_not_reproduce_is_refused(
     home: Path, small_seed: Seed, tmp_path: Path
 ) -> None:
-    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path)
+    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path, "before-rename")
     run = training.run_dir(broken, "clean-pair", 0)
     receipt_path = run / "checkpoints" / "step-000004" / "receipt.json"
     receipt = json.loads(receipt_path.read_text())
@@ -259,22 +279,19 @@ def test_tampered_checkpoint_is_refused(
     assert re.search(message, resumed.stderr), resumed.stderr
 
 
-def test_checkpoint_without_pointer_is_refused_with_the_recovery_command(
+def test_a_changed_checkpoint_a_kill_left_without_its_pointer_is_refused(
     stopped: Path, small_seed: Seed, tmp_path: Path
 ) -> None:
     broken = _copy(stopped, tmp_path)
     run = training.run_dir(broken, "clean-single", 0)
     (run / "pointers" / "step-000002.json").unlink()
+    changed = run / "checkpoints" / "step-000002" / "optimizer.pt"
+    data = bytearray(changed.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    changed.write_bytes(bytes(data))
     [refused] = coop_train(broken, small_seed[0], "clean-single", 1)
     assert refused.returncode == 2
-    assert "has no pointer" in refused.stderr and "coop checkpoint adopt" in refused.stderr
-    adopt = subprocess.run(
-        [sys.executable, "-m", "experiment.cli", "checkpoint", "adopt", "--run", str(run), "--step", "2"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
-    assert adopt.returncode == 0, adopt.stderr
-    [resumed] = coop_train(broken, small_seed[0], "clean-single", 1)
-    assert resumed.returncode == 0, resumed.stderr
+    assert "optimizer.pt does not match its receipt" in refused.stderr, refused.stderr
+    # Nothing vouches for it now either: no pointer was written, and the folder is kept as it is.
+    assert not (run / "pointers" / "step-000002.json").exists()
+    assert changed.read_bytes() == bytes(data)
