@@ -243,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
     serve.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: KV cache space")
     serve.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to become healthy")
-    serve.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL on stop")
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help=f"seconds between SIGTERM and SIGKILL on stop; more than vLLM's drain ({replica.DRAIN_SECONDS} s)",
+    )
     serve.set_defaults(handler=_replica)
 
     front = commands.add_parser("probe", help="the private POST /infer service in front of one replica")

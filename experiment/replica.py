@@ -30,6 +30,10 @@ DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 POLL_SECONDS = 0.5
+# On SIGTERM vLLM finishes the requests it is running for at most this long, refuses new ones, then exits. Its
+# default (0, "abort") kills the engine under them and never closes their connections: a request in flight
+# waited until the server was killed (seen: 62 s in a local run's failure phase). Stop's grace must exceed it.
+DRAIN_SECONDS = 20
 
 Device = Literal["cpu", "cuda"]
 
@@ -106,6 +110,8 @@ def command(spec: ReplicaSpec) -> list[str]:
         "--seed",
         "0",
         "--disable-uvicorn-access-log",
+        "--shutdown-timeout",
+        str(DRAIN_SECONDS),
     ]
     if spec.device == "cpu":
         # vLLM 0.32's CPU build recompiles the model at every start (its compile cache fails to reload),
@@ -214,11 +220,13 @@ class Replica:
         return time.monotonic() - began
 
     def stop(self, grace: float = 30.0) -> int:
-        """SIGTERM to the whole group, then SIGKILL after ``grace`` seconds; the exit code."""
+        """SIGTERM to the server, then SIGKILL to the whole group after ``grace`` seconds; the exit code. The
+        server alone gets the TERM: it stops its own engine after draining, and a TERM to the engine's processes
+        too would end the requests it is draining with an error."""
         if self._process is None:
             raise CoopError("the replica was not started")
         if self._process.poll() is None:
-            self._signal(signal.SIGTERM)
+            self._process.send_signal(signal.SIGTERM)
             try:
                 self._process.wait(timeout=grace)
             except subprocess.TimeoutExpired:

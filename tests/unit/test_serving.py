@@ -172,6 +172,7 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
         "--dtype float32",
         "--enforce-eager",
         "--max-num-seqs 1",
+        f"--shutdown-timeout {replica.DRAIN_SECONDS}",
     ):
         assert expected in flags
     env = replica.environment(spec, {"VLLM_BATCH_INVARIANT": "1"})
