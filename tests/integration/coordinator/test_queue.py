@@ -48,18 +48,21 @@ def test_expired_lease_is_lost_and_retried_as_a_new_attempt(
 
 
 def test_heartbeat_renews_the_lease(make_settings: Callable[..., Settings], database_url: str) -> None:
-    with running(_short_leases(make_settings)) as client:
+    # A lease many heartbeats long: a busy 2-core machine stalled one heartbeat for ~1 s (CI, session 11), which
+    # the earlier 0.6 s lease did not survive; a gap the lease does not cover is a lost attempt, as designed.
+    with running(make_settings(lease_seconds=2.5, heartbeat_seconds=0.25, reap_seconds=0.1)) as client:
         api = Api(client, database_url)
         a = api.agent("a")
         api.create_experiment()
         job = api.claim(a)
         assert job is not None
-        for _ in range(8):  # 1.6 s, well past the 0.6 s lease
+        ends = time.monotonic() + 5.5  # past two leases
+        while time.monotonic() < ends:
             reply = api.heartbeat(a, job["attempt_id"])
             assert reply["directives"] == [
                 {"attempt_id": job["attempt_id"], "action": "continue", "reason": None, "deadline": None}
             ]
-            time.sleep(0.2)
+            time.sleep(0.25)
         assert api.get(f"/api/attempts/{job['attempt_id']}")["state"] == "leased"
 
 
@@ -91,13 +94,13 @@ def test_gang_leases_both_ranks_to_two_agents_with_one_rendezvous(api: Api) -> N
 def test_losing_one_rank_ends_both_attempts_and_retries_the_gang(
     make_settings: Callable[..., Settings], database_url: str
 ) -> None:
-    with running(make_settings(lease_seconds=1.5, heartbeat_seconds=0.2, reap_seconds=0.1)) as client:
+    with running(make_settings(lease_seconds=3.0, heartbeat_seconds=0.2, reap_seconds=0.1)) as client:
         api = Api(client, database_url)
         a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
         rank0, rank1 = _gang(api, a, b)
         job_path = f"/api/jobs/{rank0['job_id']}"
-        # b keeps heartbeating; a falls silent and loses its lease.
-        deadline = time.monotonic() + 6
+        # b keeps heartbeating (a lease long enough for a stalled heartbeat); a falls silent and loses its lease.
+        deadline = time.monotonic() + 12
         directive: dict[str, Any] = {}
         while time.monotonic() < deadline:
             directive = api.heartbeat(b, rank1["attempt_id"])["directives"][0]
