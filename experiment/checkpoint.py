@@ -137,6 +137,20 @@ def held(run_dir: Path) -> Held:
     return Held({p.step: p for p in found}, unpointed)
 
 
+def kept(run_dir: Path, held: Held, step: int, binding: str, parameter_digest: str) -> tuple[Pointer, str] | None:
+    """The checkpoint an earlier attempt left at ``step``, confirmed against the weights this run retrained to it,
+    and what was written for it: ``"nothing"``, or ``"pointer"`` for one a kill left unpointed. None: there is
+    none, and the caller saves one."""
+    pointer = held.pointed.get(step) or held.unpointed.get(step)
+    if pointer is None:
+        return None
+    confirm(run_dir, pointer, binding, parameter_digest)
+    if step in held.pointed:
+        return pointer, "nothing"
+    point(run_dir, pointer)
+    return pointer, "pointer"
+
+
 def point(run_dir: Path, pointer: Pointer) -> None:
     """Write a checkpoint's pointer, a new file."""
     write_new_json(run_dir / "pointers" / f"{_name(pointer.step)}.json", msgspec.to_builtins(pointer))

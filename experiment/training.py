@@ -407,8 +407,8 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                 )
                 if step in plan.training.checkpoint_steps:
                     digest = distributed.parameter_digest(model)
-                    # Each step comes once: a pointer written here is never looked up.
-                    kept = held.pointed.get(step) or held.unpointed.get(step)
+                    # Each step comes once: a pointer written here is never looked up in ``held``.
+                    kept = checkpoint.kept(directory, held, step, binding, digest)
                     if kept is None:
                         pointer = checkpoint.save(
                             directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
@@ -416,11 +416,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                         checkpoint.verify(directory, pointer, binding)
                         written = "checkpoint"
                     else:
-                        checkpoint.confirm(directory, kept, binding, digest)
-                        pointer, written = kept, "nothing"
-                        if step in held.unpointed:  # confirmed by retraining, it gets the pointer it lacked
-                            checkpoint.point(directory, pointer)
-                            written = "pointer"
+                        pointer, written = kept
                     emit(
                         {
                             "event": "checkpoint",
