@@ -14,7 +14,7 @@ from pathlib import Path
 
 from agent.client import Coordinator
 from agent.jobs import Workspace, benchmark_output
-from experiment import wire
+from experiment import layout, wire
 from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
 from experiment.errors import CoopError
 from experiment.layout import MANIFEST, PREPARED, SEED, SELECTION
@@ -34,8 +34,8 @@ def written_by(job: wire.Assignment, ws: Workspace, seed_files: list[str]) -> di
     if job.kind == "benchmark":
         return {f"serving/{job.spec['phase']}.json": benchmark_output(job, ws)}
     if job.kind == "evaluate":
-        folder = home / "evaluations" / str(job.role) / str(job.arm)
-        return {f"evaluations/{job.role}/{job.arm}/{p.name}": p for p in sorted(folder.iterdir()) if p.is_file()}
+        folder = layout.evaluation(str(job.role), str(job.arm))
+        return {f"{folder}/{p.name}": p for p in sorted((home / folder).iterdir()) if p.is_file()}
     return {}
 
 
@@ -73,6 +73,22 @@ def fetch_prepared(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace,
             raise CoopError(f"the downloaded prepared {role} file does not match the manifest")
     for name, data in files.items():
         write_new_bytes(ws.home / PREPARED / name, data)
+
+
+def fetch_folder(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace, folder: str) -> None:
+    """Download the evidence files under ``folder`` (another host's evaluation, say) into this host's home, each
+    checked against its blob's sha256; a file already there must be identical."""
+    listed = [f for f in client.evidence(experiment_id) if f.path.startswith(f"{folder}/")]
+    if not listed:
+        raise CoopError(f"the coordinator holds no evidence under {folder}/")
+    files: dict[str, bytes] = {}
+    for item in listed:
+        data = client.download_blob(item.sha256)
+        if sha256_bytes(data) != item.sha256:
+            raise CoopError(f"the coordinator sent {item.path} with sha256 {sha256_bytes(data)}, not {item.sha256}")
+        files[item.path] = data
+    for path, data in files.items():
+        write_new_bytes(ws.home / path, data)
 
 
 def write_selection(entries: list[wire.LedgerEntry], ws: Workspace) -> Path:

@@ -118,7 +118,7 @@ def _evaluated(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, A
 
 
 def _select(job: wire.Assignment, ws: Workspace) -> list[str]:
-    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job))
+    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job), "--model-dir", ws.model_dir)
 
 
 def _verified(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
@@ -128,7 +128,7 @@ def _verified(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, An
 
 def _replica_start(job: wire.Assignment, ws: Workspace) -> list[str]:
     # The replica serves this host's copy of the selected checkpoint: verify it first (loop.py starts it).
-    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job))
+    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job), "--model-dir", ws.model_dir)
 
 
 def serving_token_file(ws: Workspace) -> Path:

@@ -313,6 +313,7 @@ class Agent:
             model_dir=ws.home / str(verified.result["path"]),
             seed_dir=ws.model_dir,
             home=ws.home,
+            reference=ws.home / layout.evaluation("dev", str(job.arm)),
             model_identity=str(selected["model_identity"]),
             bind="127.0.0.1" if self.settings.advertise_address in {"127.0.0.1", "localhost"} else "0.0.0.0",
             advertise=self.settings.advertise_address,
@@ -322,8 +323,9 @@ class Agent:
             cwd=jobs.ROOT,
             stopping=self.stopping,
         )
-        result = {"model_identity": replica.model_identity, "replica_url": replica.replica_url}
-        return jobs.Outcome(result=result | {"probe_url": replica.probe_url, "rank": job.spec["rank"]})
+        result: dict[str, Any] = {"model_identity": replica.model_identity, "replica_url": replica.replica_url}
+        result |= {"probe_url": replica.probe_url, "rank": job.spec["rank"], "identity": replica.identity}
+        return jobs.Outcome(result=result)
 
     def _stage(self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry]) -> None:
         """Put what the job reads into this host's home: the plan, the prepared inputs, the selection."""
@@ -341,6 +343,9 @@ class Agent:
             forever(lambda: evidence.fetch_prepared(self.client, job.experiment_id, ws, prepared), self.stopping)
         if job.kind == "evaluate" and job.role == "test":
             evidence.write_selection(entries, ws)
+        if job.kind == "replica-start":  # the probe checks the replica's answers against the arm's dev evaluation
+            folder = layout.evaluation("dev", str(job.arm))
+            forever(lambda: evidence.fetch_folder(self.client, job.experiment_id, ws, folder), self.stopping)
 
     def _forward(
         self, process: subprocess.Popen[bytes], attempt: OpenAttempt

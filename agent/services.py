@@ -1,8 +1,9 @@
 """The services an agent keeps running beside its jobs: a vLLM replica and the probe in front of it.
 
 A replica-start job starts both (``coop replica`` and ``coop probe``, each in its own process group), waits
-until the probe's ``/health`` names the served model, and reports their URLs; they outlive the job. A
-replica-stop job, or the agent's own shutdown, stops them: TERM, the grace period, then KILL.
+until the probe's ``/health`` answers (the probe listens only once the replica has answered dev tasks as the
+evaluation of its model did), and reports their URLs and that check; they outlive the job. A replica-stop job,
+or the agent's own shutdown, stops them: TERM, the grace period, then KILL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -51,6 +53,7 @@ class Replica:
     replica_url: str
     probe_url: str
     services: tuple[Service, Service]
+    identity: dict[str, Any]  # the probe's check of the replica's answers against the evaluation (its /health)
 
 
 def _spawn(name: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> Service:
@@ -60,15 +63,29 @@ def _spawn(name: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path
     return Service(name, process)
 
 
-def _wait_healthy(service: Service, url: str, token: str, seconds: float, stopping: threading.Event) -> None:
+def _last_words(log: Path) -> str:
+    """The refusal a ``coop`` command printed last (``coop: ...``), else the log's last line."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    refusals = [line for line in lines if line.startswith("coop: ")]
+    return (refusals or lines or ["(no output)"])[-1][:3000]
+
+
+def _wait_healthy(
+    service: Service, url: str, token: str, seconds: float, stopping: threading.Event, log: Path
+) -> dict[str, Any]:
+    """The probe's ``/health`` body, once it answers 200."""
     deadline = time.monotonic() + seconds
     headers = {"Authorization": f"Bearer {token}"}
     while time.monotonic() < deadline and not stopping.is_set():
         if service.process.poll() is not None:
-            raise CoopError(f"the {service.name} exited with {service.process.returncode} before it was healthy")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", headers=headers, timeout=2.0).status_code == 200:
-                return
+            raise CoopError(
+                f"the {service.name} exited with {service.process.returncode} before it was healthy: {_last_words(log)}"
+            )
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            reply = httpx.get(f"{url}/health", headers=headers, timeout=2.0)
+            if reply.status_code == 200:
+                body: dict[str, Any] = reply.json()
+                return body
         stopping.wait(0.5)
     raise CoopError(f"the {service.name} at {url} was not healthy within {seconds:g}s")
 
@@ -89,6 +106,7 @@ class Services:
         model_dir: Path,
         seed_dir: Path,
         home: Path,
+        reference: Path,
         model_identity: str,
         bind: str,
         advertise: str,
@@ -110,15 +128,18 @@ class Services:
         )
         probe_argv = [*coop, "probe", "--home", str(home), "--model-dir", str(seed_dir), "--replica", replica_url]
         probe_argv += ["--bind", bind, "--port", str(probe_port), "--token-file", str(token_file)]
-        probe = _spawn("probe", probe_argv, cwd, env, logs / "probe.log")
-        started = Replica(model_identity, replica_url, f"http://{advertise}:{probe_port}", (replica, probe))
+        probe = _spawn("probe", [*probe_argv, "--expect", str(reference)], cwd, env, logs / "probe.log")
         token = token_file.read_text().strip()
         try:
-            _wait_healthy(probe, f"http://127.0.0.1:{probe_port}", token, startup_seconds, stopping)
+            health = _wait_healthy(
+                probe, f"http://127.0.0.1:{probe_port}", token, startup_seconds, stopping, logs / "probe.log"
+            )
         except CoopError:
             for service in (probe, replica):
                 service.stop(self.grace)
             raise
+        probe_url = f"http://{advertise}:{probe_port}"
+        started = Replica(model_identity, replica_url, probe_url, (replica, probe), health.get("identity") or {})
         with self._lock:
             self._replicas[key] = started
         return started

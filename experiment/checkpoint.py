@@ -14,6 +14,7 @@ import msgspec
 import safetensors.torch
 import torch
 
+from experiment import seedmodel
 from experiment.canonical import canonical_bytes, read_json, sha256_bytes, sha256_file, write_new_bytes, write_new_json
 from experiment.errors import CoopError
 from experiment.wire import StepRecord  # one journal entry type, shared with the coordinator's wire
@@ -22,8 +23,10 @@ MODEL_DIR = "model"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 RECEIPT = "receipt.json"
-# Seed files copied next to the weights so that a checkpoint's model/ is a complete model folder.
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+WEIGHTS = "model.safetensors"
+# What the checkpoint writes itself; the seed's other files (tokenizer, chat template) are copied beside them so
+# that a checkpoint's model/ is a complete model folder. Weights in any other file (shards, their index) stay out.
+MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS)
 
 
 class Receipt(msgspec.Struct, frozen=True):
@@ -48,16 +51,30 @@ def _files_under(folder: Path) -> dict[str, str]:
     return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _save_model(model: torch.nn.Module, folder: Path) -> None:
-    """The weights and configs as a Hugging Face model folder, on every rank. (transformers' save_pretrained
-    writes nothing on a rank other than 0 once torch.distributed is initialised; each host needs its own copy.)
-    ``save_model`` stores tied weights once, as from_pretrained expects."""
+def _in_layout(model: torch.nn.Module, layout: seedmodel.TensorLayout) -> dict[str, torch.Tensor]:
+    """The model's tensors under the seed's names and shapes. A tied weight is one tensor under two names in the
+    model (``lm_head.weight`` is ``model.embed_tokens.weight``); it is stored once, under the name the seed stores
+    it by, as every loader (vLLM's included) reads the seed's own folders."""
+    state = model.state_dict()
+    named = {name: tuple(state[name].shape) for name in layout if name in state}
+    problems = seedmodel.layout_differences(named, layout)
+    stored = {state[name].data_ptr() for name in named}
+    untied = sorted(name for name in state.keys() - layout.keys() if state[name].data_ptr() not in stored)
+    problems += [f"extra {name}" for name in untied]
+    if problems:
+        raise CoopError(f"the trained model does not fit the seed's tensor layout: {'; '.join(problems)}")
+    return {name: state[name].detach().cpu().contiguous() for name in sorted(layout)}
+
+
+def _save_model(model: torch.nn.Module, folder: Path, layout: seedmodel.TensorLayout) -> None:
+    """The weights and configs as a Hugging Face model folder, on every rank (transformers' save_pretrained
+    writes nothing on a rank other than 0 once torch.distributed is initialised; each host needs its own copy)."""
     config: Any = getattr(model, "config")  # noqa: B009 (a transformers model)
     config.save_pretrained(folder)
     generation: Any = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(folder)
-    safetensors.torch.save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    safetensors.torch.save_file(_in_layout(model, layout), str(folder / WEIGHTS), metadata={"format": "pt"})
 
 
 def save(
@@ -68,9 +85,10 @@ def save(
     binding: str,
     parameter_digest: str,
     journal: list[StepRecord],
-    tokenizer_dir: Path,
+    seed_dir: Path,
 ) -> Pointer:
-    """Write the checkpoint into a temporary folder, rename it into place, then write its pointer."""
+    """Write the checkpoint into a temporary folder, rename it into place, then write its pointer. The weights
+    take the seed's tensor layout; its other files come from ``seed_dir``."""
     final = run_dir / "checkpoints" / _name(step)
     if final.exists():
         raise CoopError(f"checkpoint {final} already exists; refusing to overwrite it")
@@ -78,9 +96,9 @@ def save(
     if staging.exists():
         shutil.rmtree(staging)  # an unfinished write of a previous, interrupted attempt
     (staging / MODEL_DIR).mkdir(parents=True)
-    _save_model(model, staging / MODEL_DIR)
-    for source in sorted(tokenizer_dir.iterdir()):
-        if source.is_file() and source.name not in MODEL_FILES and not source.name.endswith(".safetensors"):
+    _save_model(model, staging / MODEL_DIR, seedmodel.tensor_layout(seed_dir))
+    for source in sorted(seed_dir.iterdir()):
+        if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name:
             shutil.copyfile(source, staging / MODEL_DIR / source.name)
     torch.save(optimizer.state_dict(), staging / OPTIMIZER)
     rng: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
@@ -137,14 +155,16 @@ def held(run_dir: Path) -> Held:
     return Held({p.step: p for p in found}, unpointed)
 
 
-def kept(run_dir: Path, held: Held, step: int, binding: str, parameter_digest: str) -> tuple[Pointer, str] | None:
+def kept(
+    run_dir: Path, held: Held, step: int, binding: str, parameter_digest: str, layout: seedmodel.TensorLayout
+) -> tuple[Pointer, str] | None:
     """The checkpoint an earlier attempt left at ``step``, confirmed against the weights this run retrained to it,
     and what was written for it: ``"nothing"``, or ``"pointer"`` for one a kill left unpointed. None: there is
     none, and the caller saves one."""
     pointer = held.pointed.get(step) or held.unpointed.get(step)
     if pointer is None:
         return None
-    confirm(run_dir, pointer, binding, parameter_digest)
+    confirm(run_dir, pointer, binding, parameter_digest, layout)
     if step in held.pointed:
         return pointer, "nothing"
     point(run_dir, pointer)
@@ -156,11 +176,13 @@ def point(run_dir: Path, pointer: Pointer) -> None:
     write_new_json(run_dir / "pointers" / f"{_name(pointer.step)}.json", msgspec.to_builtins(pointer))
 
 
-def confirm(run_dir: Path, pointer: Pointer, binding: str, parameter_digest: str) -> None:
+def confirm(
+    run_dir: Path, pointer: Pointer, binding: str, parameter_digest: str, layout: seedmodel.TensorLayout
+) -> None:
     """A checkpoint an earlier attempt wrote at this step must hold the weights this run just computed there
     (a rank that resumed behind its own latest checkpoint, to meet its peers or to reach one a kill left
     unpointed, retrains those steps)."""
-    receipt = verify(run_dir, pointer, binding)
+    receipt = verify(run_dir, pointer, binding, layout)
     if receipt.parameter_digest != parameter_digest:
         raise CoopError(
             f"checkpoint {run_dir / 'checkpoints' / pointer.checkpoint} holds parameter digest "
@@ -169,8 +191,9 @@ def confirm(run_dir: Path, pointer: Pointer, binding: str, parameter_digest: str
         )
 
 
-def verify(run_dir: Path, pointer: Pointer, binding: str) -> Receipt:
-    """The receipt matches the pointer, every file its hash, and the binding the run's."""
+def verify(run_dir: Path, pointer: Pointer, binding: str, layout: seedmodel.TensorLayout) -> Receipt:
+    """The receipt matches the pointer, every file its hash, the binding the run's, and the weights the seed's
+    tensor layout (the names and shapes every loader reads a folder of this model by)."""
     folder = run_dir / "checkpoints" / pointer.checkpoint
     receipt_path = folder / RECEIPT
     if not receipt_path.is_file():
@@ -199,6 +222,10 @@ def verify(run_dir: Path, pointer: Pointer, binding: str) -> Receipt:
             raise CoopError(f"checkpoint file {folder / name} is not in the receipt")
         if present[name] != receipt.files[name]:
             raise CoopError(f"checkpoint file {folder / name} does not match its receipt's sha256")
+    weights = folder / MODEL_DIR / WEIGHTS
+    problems = seedmodel.layout_differences(seedmodel.tensor_layout(weights.parent), layout)
+    if problems:
+        raise CoopError(f"checkpoint weights {weights} are not in the seed's tensor layout: {'; '.join(problems)}")
     return receipt
 
 

@@ -99,7 +99,7 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _select(args: argparse.Namespace) -> None:
-    chosen, path = selection.select(corpus.load_prepared(args.home))
+    chosen, path = selection.select(corpus.load_prepared(args.home), args.model_dir)
     with Events() as events:
         events.emit(
             {
@@ -136,7 +136,7 @@ def _report(args: argparse.Namespace) -> None:
 
 
 def _checkpoint_verify(args: argparse.Namespace) -> None:
-    candidate = selection.candidate_for(corpus.load_prepared(args.home), args.arm)
+    candidate = selection.candidate_for(corpus.load_prepared(args.home), args.arm, args.model_dir)
     with Events() as events:
         events.emit({"event": "verified", "candidate": msgspec.to_builtins(candidate)})
 
@@ -158,7 +158,7 @@ def _replica(args: argparse.Namespace) -> None:
 def _probe(args: argparse.Namespace) -> None:
     token = probe.read_token(args.token_file)
     with Events() as events:
-        probe.run(args.home, args.model_dir, args.replica, args.bind, args.port, token, events.emit)
+        probe.run(args.home, args.model_dir, args.replica, args.bind, args.port, token, events.emit, args.expect)
 
 
 def _benchmark(args: argparse.Namespace) -> None:
@@ -178,9 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", type=Path)
     show.set_defaults(handler=_plan_show)
 
-    seed = commands.add_parser("seed-model", help="the tiny local seed model").add_subparsers(
-        dest="action", required=True
-    )
+    seed_help = "the tiny local seed model"
+    seed = commands.add_parser("seed-model", help=seed_help).add_subparsers(dest="action", required=True)
     build = seed.add_parser("build", help="build the deterministic tiny seed (no download)")
     build.add_argument("--out", type=Path, required=True)
     build.add_argument("--small", action="store_true", help="the seconds-fast configuration used by tests")
@@ -214,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     choose = commands.add_parser("select", help="select every arm's verified final checkpoint (never a score)")
     choose.add_argument("--home", type=Path, required=True)
+    choose.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tensor layout)")
     choose.set_defaults(handler=_select)
 
     pack = commands.add_parser("bundle", help="export a home's evidence (no weights) for coop report")
@@ -233,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = ckpt.add_parser("verify", help="verify an arm's final checkpoint on this host and print its candidate")
     check.add_argument("--home", type=Path, required=True)
     check.add_argument("--arm", choices=selection.TRAINED_ARMS, required=True)
+    check.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tensor layout)")
     check.set_defaults(handler=_checkpoint_verify)
 
     serve = commands.add_parser("replica", help="run a vLLM replica of a model folder until SIGTERM")
@@ -258,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--bind", default="127.0.0.1")
     front.add_argument("--port", type=int, required=True)
     front.add_argument("--token-file", type=Path, help=f"the serving token; default: ${probe.TOKEN_ENV}")
+    front.add_argument(
+        "--expect",
+        type=Path,
+        required=True,
+        help="the dev evaluation of the served model (evaluations/dev/ARM): the replica must answer as it did",
+    )
     front.set_defaults(handler=_probe)
 
     bench = commands.add_parser("benchmark", help="one serving benchmark phase over the plan's workload")

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from experiment import seedmodel, tasks
+from experiment import layout, seedmodel, tasks
 from experiment.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
 from experiment.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
 from experiment.errors import CoopError
@@ -123,7 +123,7 @@ def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
 
 
 def evaluation_dir(home: Path, role: str, arm: str) -> Path:
-    return home / "evaluations" / role / arm
+    return home / layout.evaluation(role, arm)
 
 
 def _answers_of(items: list[TaskItem], generations: list[Generation], tokenizer: Any, seconds: float) -> list[Answer]:
@@ -153,10 +153,12 @@ def _same_answer(recorded: Answer, fresh: Answer) -> bool:
     return msgspec.structs.replace(recorded, seconds=0.0) == msgspec.structs.replace(fresh, seconds=0.0)
 
 
-def _gate(prepared: Prepared, arm: EvalArm, role: Role, selection_path: Path | None) -> tuple[Candidate, str | None]:
+def _gate(
+    prepared: Prepared, arm: EvalArm, role: Role, selection_path: Path | None, seed_dir: Path
+) -> tuple[Candidate, str | None]:
     """The model to evaluate; a test evaluation needs a selection committed for these inputs and this arm."""
     if role == "dev":
-        return candidate_for(prepared, arm), None
+        return candidate_for(prepared, arm, seed_dir), None
     if selection_path is None:
         raise CoopError("a test evaluation needs --selection: run coop select first and commit its selection")
     selection = read_selection(selection_path)
@@ -168,7 +170,7 @@ def _gate(prepared: Prepared, arm: EvalArm, role: Role, selection_path: Path | N
     selected = selection.arms.get(arm)
     if selected is None:
         raise CoopError(f"selection {selection_path} has no candidate for arm {arm}")
-    present = candidate_for(prepared, arm)
+    present = candidate_for(prepared, arm, seed_dir)
     if not same_model(present, selected):
         raise CoopError(f"arm {arm}'s candidate on this host is not the one selection {selection_path} names")
     return present, selection_identity(selection)
@@ -188,7 +190,7 @@ def evaluate(
     prepared = load_prepared(home)
     plan = prepared.plan
     batch_size = batch_size or batch_size_for(plan.runtime.device)
-    candidate, selection_identity = _gate(prepared, arm, role, selection_path)
+    candidate, selection_identity = _gate(prepared, arm, role, selection_path, model_dir)
     out = evaluation_dir(home, role, arm)
     if (out / "evaluation.json").exists():
         # A finished evaluation whose attempt was lost before it reported: report it again, files unchanged.

@@ -9,3 +9,9 @@ MANIFEST = "manifest.json"  # in PREPARED; its identity is the prepared identity
 PLAN = "plan.json"  # in PREPARED: the frozen plan
 SELECTION = "selection.json"  # the committed selection, at the top
 SEED = "seed"  # in a bundle: the seed's small files (tokenizer, template, config); never its weights
+EVALUATIONS = "evaluations"  # evaluations/ROLE/ARM: evaluation.json, answers.jsonl, retention.jsonl
+
+
+def evaluation(role: str, arm: str) -> str:
+    """An evaluation's folder, relative to a home or a bundle."""
+    return f"{EVALUATIONS}/{role}/{arm}"

@@ -1,6 +1,10 @@
 """The probe: a private HTTP service in front of one replica. ``POST /infer`` answers one prepared dev task,
 greedy, with the evaluation's prompt ids, stopping rule, decoding and strict check, the model's identity,
-and a bounded retry cache keyed by request id."""
+and a bounded retry cache keyed by request id.
+
+Before it listens, the probe asks its replica the first dev tasks and compares the answers with the dev
+evaluation of the model the replica serves (experiment.agreement): a replica that does not serve the evaluated
+model is never reachable through a probe."""
 
 from __future__ import annotations
 
@@ -21,14 +25,16 @@ from litestar import Litestar, Request, get, post
 from litestar.exceptions import HTTPException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
-from experiment import evaluation, seedmodel, tasks
-from experiment.corpus import TaskItem, load_prepared
+from experiment import agreement, evaluation, seedmodel, tasks
+from experiment.corpus import Prepared, TaskItem, load_prepared
 from experiment.errors import CoopError
 from experiment.progress import Emit
 
 MAX_BODY_BYTES = 1024
 TOKEN_ENV = "COOP_SERVING_TOKEN"
 REPLICA_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+IDENTITY_TASKS = 8  # dev tasks (both wordings of every family) a replica answers as evaluated before it serves
+REPLICA_WAIT_SECONDS = 900.0  # how long the probe waits for its replica to start before it gives up
 
 RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -57,6 +63,14 @@ class ProbeHealth(msgspec.Struct, frozen=True):
     model: str
     replica: str
     tasks: int
+    identity: agreement.Agreement | None  # the replica's answers against the evaluation, checked at start
+
+
+class Reference(msgspec.Struct, frozen=True):
+    """The dev evaluation of the model a probe's replica must serve (its folder's files checked by hash)."""
+
+    summary: evaluation.Summary
+    answers: list[evaluation.Answer]
 
 
 class CacheConflict(Exception):
@@ -134,6 +148,7 @@ class ProbeService:
         self.items = {item.id: item for item in items}
         self.tokenizer = tokenizer
         self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+        self.pad_id = int(tokenizer.pad_token_id)
         self.replica = replica.rstrip("/")
         self.max_new_tokens = max_new_tokens
         self.cache: RetryCache[asyncio.Future[InferAnswer]] = RetryCache(cache_size)
@@ -141,6 +156,7 @@ class ProbeService:
         # Benchmarks only (bench/serving.py), never the CLI: every request generates max_new_tokens tokens.
         self.ignore_eos = ignore_eos
         self.model: str | None = None
+        self.identity_check: agreement.Agreement | None = None
 
     async def identity(self) -> str:
         """The replica's one served model name, from its ``/v1/models``."""
@@ -163,7 +179,50 @@ class ProbeService:
         if reply.status_code != 200:
             raise ReplicaError(503, f"replica {self.replica} is not healthy (HTTP {reply.status_code})")
         model = await self.identity()
-        return ProbeHealth(status="ok", model=model, replica=self.replica, tasks=len(self.items))
+        return ProbeHealth(
+            status="ok", model=model, replica=self.replica, tasks=len(self.items), identity=self.identity_check
+        )
+
+    async def wait_for_replica(self, timeout: float) -> str:
+        """The replica's model name, once it is healthy."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return (await self.health()).model
+            except ReplicaError as exc:
+                if time.monotonic() > deadline:
+                    raise CoopError(f"the replica did not become healthy within {timeout:.0f} s: {exc.detail}") from exc
+            await asyncio.sleep(0.5)
+
+    async def check_identity(self, reference: Reference, device: str) -> agreement.Agreement:
+        """The replica answers the reference's first dev tasks as the evaluation of its model did, or is refused:
+        on CPU with the same output ids, on GPU with the same strict-check outcomes; never degenerate."""
+        model = await self.wait_for_replica(REPLICA_WAIT_SECONDS)
+        if reference.summary.candidate.model_identity != model:
+            raise CoopError(
+                f"the replica serves model {model[:16]}, the reference evaluation is of "
+                f"{reference.summary.candidate.model_identity[:16]} ({reference.summary.arm})"
+            )
+        sample = reference.answers[:IDENTITY_TASKS]
+        served = []
+        for answer in sample:
+            item = self.items.get(answer.id)
+            if item is None:
+                raise CoopError(f"the reference answers task {answer.id}, which is not a prepared dev task here")
+            try:
+                got = await self._generate(InferRequest(request_id=f"identity-{answer.index}", task_id=item.id), item)
+            except ReplicaError as exc:
+                raise CoopError(f"the replica did not answer dev task {item.id}: {exc.detail}") from exc
+            broken = agreement.degenerate(got.output_ids, self.eos_id, self.pad_id)
+            if broken is not None:
+                raise CoopError(f"the replica's answer to dev task {item.id} (index {item.index}) is {broken}")
+            served.append(agreement.ServedAnswer(task_id=item.id, output_ids=got.output_ids, check=got.check))
+        result = agreement.compare({a.id: a for a in sample}, served)
+        refused = agreement.refusal(result, device)
+        if refused is not None:
+            raise CoopError(f"the replica does not answer as the evaluated model {model[:16]} did: {refused}")
+        self.identity_check = result
+        return result
 
     async def infer(self, request: InferRequest) -> InferAnswer:
         item = self.items.get(request.task_id)
@@ -289,13 +348,22 @@ def create_app(service: ProbeService, token: str) -> Litestar:
     return Litestar(route_handlers=[infer, health], openapi_config=None, on_shutdown=[close_client])
 
 
-def build_service(home: Path, model_dir: Path, replica: str, ignore_eos: bool = False) -> ProbeService:
+def read_reference(folder: Path, prepared_identity: str) -> Reference:
+    """A finished dev evaluation (``evaluations/dev/ARM``) of these prepared inputs, its files checked by hash."""
+    if not (folder / "evaluation.json").is_file():
+        raise CoopError(f"{folder} holds no finished evaluation to check the replica's answers against")
+    summary, answers, _ = evaluation.read_answers(folder)
+    if summary.role != "dev" or summary.prepared_identity != prepared_identity:
+        raise CoopError(f"{folder} is not a dev evaluation of these prepared inputs")
+    return Reference(summary=summary, answers=answers)
+
+
+def build_service(prepared: Prepared, model_dir: Path, replica: str, ignore_eos: bool = False) -> ProbeService:
     """The probe of a prepared home: its dev tasks, and the tokenizer the home was prepared with."""
-    prepared = load_prepared(home)
     recorded = prepared.manifest.get("tokenizer_identity")
     found = seedmodel.tokenizer_identity(model_dir)
     if found != recorded:
-        raise CoopError(f"the tokenizer in {model_dir} is not the one {home} was prepared with")
+        raise CoopError(f"the tokenizer in {model_dir} is not the one {prepared.home} was prepared with")
     serving = prepared.plan.serving
     return ProbeService(
         items=prepared.task_items("dev"),
@@ -322,20 +390,41 @@ async def _serve(app: Litestar, host: str, port: int, emit: Emit, info: dict[str
 
 
 def run(
-    home: Path, model_dir: Path, replica: str, host: str, port: int, token: str, emit: Emit, ignore_eos: bool = False
+    home: Path,
+    model_dir: Path,
+    replica: str,
+    host: str,
+    port: int,
+    token: str,
+    emit: Emit,
+    reference_dir: Path | None,
+    ignore_eos: bool = False,
 ) -> None:
-    """``coop probe``: serve until SIGTERM/SIGINT (uvicorn's graceful shutdown), then exit 0."""
-    service = build_service(home, model_dir, replica, ignore_eos)
+    """``coop probe``: check the replica against ``reference_dir`` (a dev evaluation of its model; None only for
+    bench/serving.py, whose answers are forced past EOS), then serve until SIGTERM/SIGINT, and exit 0."""
+    prepared = load_prepared(home)
+    service = build_service(prepared, model_dir, replica, ignore_eos)
+    reference = None if reference_dir is None else read_reference(reference_dir, prepared.identity)
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    info = {"url": url, "replica": service.replica, "tasks": len(service.items)}
+    info: dict[str, Any] = {"url": url, "replica": service.replica, "tasks": len(service.items)}
 
     def noted(number: int, frame: object) -> None:
         del number, frame  # uvicorn re-raises the signal it shut down for; it has been handled
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request to the replica
     previous = {sig: signal.signal(sig, noted) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    async def main() -> None:
+        if reference is not None:
+            emit(
+                {"event": "checking", "replica": service.replica, "tasks": min(IDENTITY_TASKS, len(reference.answers))}
+            )
+            checked = await service.check_identity(reference, prepared.plan.runtime.device)
+            info["identity"] = msgspec.to_builtins(checked)
+        await _serve(create_app(service, token), host, port, emit, info)
+
     try:
-        asyncio.run(_serve(create_app(service, token), host, port, emit, info))
+        asyncio.run(main())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -213,7 +213,7 @@ def _check_answers(
     max_new_tokens: int,
 ) -> None:
     eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
-    _require([a.id for a in answers] == [i.id for i in items], path, "id", "answers are not the test tasks in order")
+    _require([a.id for a in answers] == [i.id for i in items], path, "id", "answers are not the role's tasks in order")
     for number, (answer, item) in enumerate(zip(answers, items, strict=True), start=1):
         where = f"line {number}"
         _require(answer.prompt_ids == item.prompt_ids, path, f"{where}.prompt_ids", "are not the prepared prompt's")
@@ -250,40 +250,33 @@ def _check_answers(
     )
 
 
-def _evaluations(
-    prepared: Prepared, selection: Selection, tokenizer: Tokenizer, items: list[TaskItem]
-) -> dict[str, tuple[list[Answer], list[RetentionScore]]]:
-    chosen = selection_identity(selection)
-    found: dict[str, tuple[list[Answer], list[RetentionScore]]] = {}
-    retention_ids = prepared.manifest["ids"]["retention"]
-    for arm in EVAL_ARMS:
-        folder = evaluation_dir(prepared.home, "test", arm)
-        _require((folder / "evaluation.json").is_file(), folder, "evaluation.json", "the test evaluation is missing")
-        summary, answers, scores = read_answers(folder)
-        where = folder / "evaluation.json"
-        _require(summary.arm == arm and summary.role == "test", where, "arm", "is not this folder's arm and role")
-        _require(summary.prepared_identity == prepared.identity, where, "prepared_identity", "differs")
+def _evaluation(
+    prepared: Prepared, selection: Selection, tokenizer: Tokenizer, items: list[TaskItem], role: str, arm: str
+) -> tuple[list[Answer], list[RetentionScore]]:
+    """One evaluation of the bundle, every file and answer checked: for these inputs, of the selected candidate
+    (a test evaluation also under this selection), every answer re-decoded and re-checked."""
+    folder = evaluation_dir(prepared.home, role, arm)
+    _require((folder / "evaluation.json").is_file(), folder, "evaluation.json", f"the {role} evaluation is missing")
+    summary, answers, scores = read_answers(folder)
+    where = folder / "evaluation.json"
+    _require(summary.arm == arm and summary.role == role, where, "arm", "is not this folder's arm and role")
+    _require(summary.prepared_identity == prepared.identity, where, "prepared_identity", "differs")
+    if role == "test":
+        chosen = selection_identity(selection)
         _require(summary.selection_identity == chosen, where, "selection_identity", "is not the bundle's selection")
-        _require(
-            same_model(summary.candidate, selection.arms[arm]), where, "candidate", "is not the selected candidate"
-        )
-        _require(
-            summary.max_new_tokens == prepared.plan.evaluation.max_new_tokens,
-            where,
-            "max_new_tokens",
-            "differs from the plan",
-        )
-        _check_answers(
-            folder / "answers.jsonl", summary, answers, items, tokenizer, prepared.plan.evaluation.max_new_tokens
-        )
-        _require(
-            [s.id for s in scores] == retention_ids, folder / "retention.jsonl", "id", "are not the retention probes"
-        )
-        _require(
-            all(math.isfinite(s.mean_nats) for s in scores), folder / "retention.jsonl", "mean_nats", "is not finite"
-        )
-        found[arm] = (answers, scores)
-    return found
+    _require(same_model(summary.candidate, selection.arms[arm]), where, "candidate", "is not the selected candidate")
+    _require(
+        summary.max_new_tokens == prepared.plan.evaluation.max_new_tokens,
+        where,
+        "max_new_tokens",
+        "differs from the plan",
+    )
+    max_new_tokens = prepared.plan.evaluation.max_new_tokens
+    _check_answers(folder / "answers.jsonl", summary, answers, items, tokenizer, max_new_tokens)
+    retention_ids = prepared.manifest["ids"]["retention"]
+    _require([s.id for s in scores] == retention_ids, folder / "retention.jsonl", "id", "are not the retention probes")
+    _require(all(math.isfinite(s.mean_nats) for s in scores), folder / "retention.jsonl", "mean_nats", "is not finite")
+    return answers, scores
 
 
 def _check_ledger(bundle: Path, expected: dict[str, str]) -> int | None:
@@ -342,13 +335,16 @@ def compute(bundle: Path) -> dict[str, Any]:
     )
     ledger_path = bundle / "ledger.json"
     served = ledger_path.exists() and any(e.kind == "serving" for e in read_ledger(ledger_path))
-    serving = (
-        servingcheck.section(bundle, prepared, selection.arms["clean-pair"].model_identity, _require)
-        if served or (bundle / "serving").is_dir()
-        else None
-    )
+    serving = None
+    if served or (bundle / "serving").is_dir():
+        # Served answers are checked against the dev evaluation of the served checkpoint, itself checked first.
+        reference, _ = _evaluation(prepared, selection, tokenizer, dev, "dev", servingcheck.SERVED)
+        served_identity = selection.arms[servingcheck.SERVED].model_identity
+        serving = servingcheck.section(bundle, prepared, served_identity, reference, dev, tokenizer, _require)
     training = _check_runs(prepared, selection, documents)
-    evaluations = _evaluations(prepared, selection, tokenizer, test)
+    evaluations: dict[str, tuple[list[Answer], list[RetentionScore]]] = {
+        arm: _evaluation(prepared, selection, tokenizer, test, "test", arm) for arm in EVAL_ARMS
+    }
 
     outcomes = {arm: {a.id: a.check.correct for a in answers} for arm, (answers, _) in evaluations.items()}
     losses = {arm: {s.id: s.mean_nats for s in scores} for arm, (_, scores) in evaluations.items()}
@@ -396,7 +392,14 @@ def compute(bundle: Path) -> dict[str, Any]:
             "ranks agree on final digests",
             "candidates equal the selection",
             "every answer re-checked and re-decoded",
-            *(["serving: selected model only, no cache hits, none lost, same tokens, stop seen"] if serving else []),
+            *(
+                [
+                    "serving: selected model only, answers equal the served model's dev evaluation, none degenerate, "
+                    "no cache hits, none lost, same tokens in every phase, stop seen"
+                ]
+                if serving
+                else []
+            ),
         ],
     }
     built: dict[str, Any] = msgspec.to_builtins(report)

@@ -178,25 +178,54 @@ def _files_of(directory: Path) -> dict[str, str]:
     }
 
 
-def count_parameters(directory: Path) -> int:
-    """Parameters stored in the safetensors files, read from their headers (tied weights are stored once)."""
+TensorLayout = dict[str, tuple[int, ...]]  # tensor name -> shape, as a model folder's safetensors files hold them
+
+
+def safetensors_layout(path: Path) -> TensorLayout:
+    """The tensors of one safetensors file, read from its header (no weights are loaded)."""
+    try:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError) as exc:
+        raise CoopError(f"{path} is not a readable safetensors file: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CoopError(f"{path} has a safetensors header that is not an object")
+    try:
+        return {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CoopError(f"{path} has a safetensors header without tensor shapes: {exc}") from exc
+
+
+def tensor_layout(directory: Path) -> TensorLayout:
+    """Every tensor a model folder stores, by name (tied weights are stored once, under one name)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise CoopError(f"seed directory {directory} has no *.safetensors weights file")
-    total = 0
+        raise CoopError(f"model folder {directory} has no *.safetensors weights file")
+    layout: TensorLayout = {}
     for path in files:
-        try:
-            with path.open("rb") as handle:
-                size = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(size))
-        except (OSError, ValueError) as exc:
-            raise CoopError(f"{path} is not a readable safetensors file: {exc}") from exc
-        if not isinstance(header, dict):
-            raise CoopError(f"{path} has a safetensors header that is not an object")
-        for name, entry in header.items():
-            if name != "__metadata__":
-                total += math.prod(entry["shape"])
-    return total
+        for name, shape in safetensors_layout(path).items():
+            if name in layout:
+                raise CoopError(f"{directory} stores tensor {name} twice")
+            layout[name] = shape
+    return layout
+
+
+def layout_differences(found: TensorLayout, expected: TensorLayout) -> list[str]:
+    """What keeps ``found`` from being ``expected``: missing and extra tensor names, and other shapes."""
+    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
+    problems += [f"extra {name}" for name in sorted(found.keys() - expected.keys())]
+    problems += [
+        f"{name} has shape {list(found[name])}, the seed's {list(shape)}"
+        for name, shape in sorted(expected.items())
+        if name in found and found[name] != shape
+    ]
+    return problems
+
+
+def count_parameters(directory: Path) -> int:
+    """Parameters stored in the safetensors files, read from their headers (tied weights are stored once)."""
+    return sum(math.prod(shape) for shape in tensor_layout(directory).values())
 
 
 def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:

@@ -15,6 +15,7 @@ from experiment.corpus import Prepared
 from experiment.errors import CoopError
 from experiment.layout import SELECTION
 from experiment.plan import seed_identity
+from experiment.seedmodel import tensor_layout
 
 TRAINED_ARMS = ("clean-single", "damaged-single", "clean-pair")
 
@@ -47,13 +48,15 @@ def _result(run: Path) -> dict[str, object]:
     return result
 
 
-def candidate_for(prepared: Prepared, arm: str) -> Candidate:
-    """The arm's final checkpoint as this host holds it, verified on every rank folder present here."""
+def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
+    """The arm's final checkpoint as this host holds it, verified on every rank folder present here: its files,
+    and its weights in the tensor layout of the seed in ``seed_dir``."""
     if arm == "seed":
         return Candidate(arm="seed", model_identity=seed_identity(prepared.plan))
     if arm not in TRAINED_ARMS:
         raise CoopError(f"unknown arm {arm!r}")
     final = prepared.plan.training.updates
+    layout = tensor_layout(seed_dir)
     runs = sorted((prepared.home / "runs" / arm).glob("rank-*"))
     if not runs:
         raise CoopError(f"arm {arm} has no run under {prepared.home / 'runs' / arm}")
@@ -64,7 +67,7 @@ def candidate_for(prepared: Prepared, arm: str) -> Candidate:
         if pointer.step != final:
             raise CoopError(f"{run}: the candidate is step {pointer.step}; only the final step {final} is eligible")
         binding = str(result["binding"])
-        receipt = checkpoint.verify(run, pointer, binding)
+        receipt = checkpoint.verify(run, pointer, binding, layout)
         if receipt.parameter_digest != result["parameter_digest"]:
             raise CoopError(f"{run}: the final checkpoint's digest differs from the run's result")
         if result["prepared_identity"] != prepared.identity:
@@ -85,9 +88,9 @@ def candidate_for(prepared: Prepared, arm: str) -> Candidate:
     return chosen
 
 
-def select(prepared: Prepared) -> tuple[Selection, Path]:
+def select(prepared: Prepared, seed_dir: Path) -> tuple[Selection, Path]:
     """Every arm's final candidate, each verified; written once (an identical re-run is accepted)."""
-    arms = {arm: candidate_for(prepared, arm) for arm in ("seed", *TRAINED_ARMS)}
+    arms = {arm: candidate_for(prepared, arm, seed_dir) for arm in ("seed", *TRAINED_ARMS)}
     selection = Selection(
         prepared_identity=prepared.identity, plan_identity=prepared.manifest["plan_identity"], arms=arms
     )

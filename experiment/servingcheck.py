@@ -1,11 +1,13 @@
 """The report's serving section: the three benchmark phases checked and compared (docs/evidence.md).
 
-Checks: each phase is for these inputs and served only the selected clean-pair model; no measured request
-was answered from the probe's retry cache; no request was lost; every task got the same output tokens in
-every phase; and the failure phase saw the stopped replica (a first attempt failed and was retried, or the
-client went on without it: requests kept starting on the other replica after its last). The benchmark holds new
-requests from the stop's announcement until it sees a replica leave, so the second holds however fast the rest
-of the workload goes."""
+Checks: each phase is for these inputs and served only the selected clean-pair model; every completion is the
+answer the dev evaluation of that checkpoint gave (the same output ids on CPU; on GPU at least 95% of the
+strict-check outcomes, with the id agreement stated), none is padding or one repeated token, and its correctness
+is the strict checker's; no measured request was answered from the probe's retry cache; no request was lost;
+every task got the same output tokens in every phase; and the failure phase saw the stopped replica (a first
+attempt failed and was retried, or the client went on without it: requests kept starting on the other replica
+after its last). The benchmark holds new requests from the stop's announcement until it sees a replica leave, so
+the second holds however fast the rest of the workload goes."""
 
 from __future__ import annotations
 
@@ -13,16 +15,59 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from experiment import agreement, tasks
 from experiment.canonical import read_json
-from experiment.corpus import Prepared
+from experiment.corpus import Prepared, TaskItem
+from experiment.evaluation import Answer
+from experiment.layout import evaluation
 
 PHASES = ("single", "pair", "failure")
 SERVED = "clean-pair"
+GPU_MIN_SAME_OUTCOME = 0.95  # GPU kernels may round differently from the evaluation's; outcomes must still agree
 Require = Callable[[bool, Path | str, str, str], None]
 
 
-def section(bundle: Path, prepared: Prepared, served_identity: str, require: Require) -> dict[str, Any]:
+def _served_answers(
+    path: Path, report: dict[str, Any], items: dict[str, TaskItem], tokenizer: Any, require: Require
+) -> list[agreement.ServedAnswer]:
+    """Every completion of a phase, re-decoded and re-checked by the strict checker; padding or one repeated token
+    is refused outright."""
+    eos = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    pad = int(tokenizer.pad_token_id)
+    served = []
+    for number, completion in enumerate(report["completions"]):
+        where = f"completions[{number}]"
+        item = items.get(completion["task_id"])
+        require(item is not None, path, f"{where}.task_id", "is not a prepared dev task")
+        assert item is not None
+        ids = [int(token) for token in completion["output_ids"]]
+        broken = agreement.degenerate(ids, eos, pad)
+        require(broken is None, path, f"{where}.output_ids", f"task {item.id}: {broken}; no model answers that")
+        ends = bool(ids) and ids[-1] == eos
+        check = tasks.check(str(tokenizer.decode(ids[:-1] if ends else ids, skip_special_tokens=False)), item.expected)
+        require(completion["correct"] == check.correct, path, f"{where}.correct", "is not the strict checker's outcome")
+        served.append(agreement.ServedAnswer(task_id=item.id, output_ids=ids, check=check))
+    return served
+
+
+def section(
+    bundle: Path,
+    prepared: Prepared,
+    served_identity: str,
+    reference: list[Answer],
+    dev: list[TaskItem],
+    tokenizer: Any,
+    require: Require,
+) -> dict[str, Any]:
+    """``reference``: the served checkpoint's dev evaluation, already checked against the dev tasks."""
     folder = bundle / "serving"
+    truth = {answer.id: answer for answer in reference}
+    items = {item.id: item for item in dev}
+    device = prepared.plan.runtime.device
+    workload = [item.id for item in dev[: prepared.plan.serving.workload_tasks]]
+    agreements: dict[str, agreement.Agreement] = {}
     reports: dict[str, dict[str, Any]] = {}
     for phase in PHASES:
         path = folder / f"{phase}.json"
@@ -36,6 +81,20 @@ def section(bundle: Path, prepared: Prepared, served_identity: str, require: Req
         require(not any(c["cached"] for c in report["completions"]), path, "completions.cached", "must all be false")
         require(metrics["failed"] == 0, path, "metrics.failed", "requests were lost")
         require(len(report["completions"]) == metrics["requests"], path, "completions", "must answer every request")
+        require(
+            sorted(c["task_id"] for c in report["completions"]) == sorted(workload),
+            path,
+            "completions.task_id",
+            "are not the plan's workload (the first dev tasks), each once",
+        )
+        served = _served_answers(path, report, items, tokenizer, require)
+        found = agreement.compare(truth, served)
+        require(metrics["correct"] == found.correct, path, "metrics.correct", "is not the strict checker's count")
+        reference_file = f"{evaluation('dev', SERVED)}/answers.jsonl"
+        min_outcome = GPU_MIN_SAME_OUTCOME if device != "cpu" else 1.0
+        refused = agreement.refusal(found, device, min_outcome)
+        require(refused is None, path, "completions.output_ids", f"are not the answers of {reference_file}: {refused}")
+        agreements[phase] = found
         reports[phase] = report
     outputs = {phase: {c["task_id"]: c["output_ids"] for c in r["completions"]} for phase, r in reports.items()}
     for phase in PHASES[1:]:
@@ -53,6 +112,16 @@ def section(bundle: Path, prepared: Prepared, served_identity: str, require: Req
     single, pair = reports["single"]["metrics"], reports["pair"]["metrics"]
     return {
         "phases": {phase: reports[phase]["metrics"] for phase in PHASES},
+        "reference": {
+            "evaluation": evaluation("dev", SERVED),
+            "device": device,
+            "tasks": len(workload),
+            "correct": sum(truth[task].check.correct for task in workload),
+        },
+        "agreement": {
+            phase: msgspec.to_builtins(found) | {"token_agreement": found.token_agreement}
+            for phase, found in agreements.items()
+        },
         "pair_over_single_request_throughput": pair["request_throughput"] / single["request_throughput"],
         "failure": {
             "stopped_after_completions": reports["failure"].get("stop_after"),

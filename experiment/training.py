@@ -342,6 +342,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
         # Every rank resumes from the last checkpoint all of them hold with a pointer: a host killed while its
         # peers saved a checkpoint is one checkpoint behind them, and they retrain to meet it.
         held = checkpoint.held(directory)
+        layout = seedmodel.tensor_layout(model_dir)  # every checkpoint stores the seed's tensors, as the seed does
         common = distributed.minimum(world, max(held.pointed, default=0), device)
         pointer = held.pointed.get(common) if common else None
         if common and pointer is None:
@@ -350,7 +351,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
         if pointer is None:
             model = seedmodel.load_model(model_dir)
         else:
-            receipt = checkpoint.verify(directory, pointer, binding)
+            receipt = checkpoint.verify(directory, pointer, binding, layout)
             _check_journal(receipt.journal, batches, f"checkpoint {pointer.checkpoint}")
             journal = list(receipt.journal)
             model = seedmodel.load_model(checkpoint.model_dir(directory, pointer))
@@ -408,12 +409,12 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                 if step in plan.training.checkpoint_steps:
                     digest = distributed.parameter_digest(model)
                     # Each step comes once: a pointer written here is never looked up in ``held``.
-                    kept = checkpoint.kept(directory, held, step, binding, digest)
+                    kept = checkpoint.kept(directory, held, step, binding, digest, layout)
                     if kept is None:
                         pointer = checkpoint.save(
                             directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
                         )
-                        checkpoint.verify(directory, pointer, binding)
+                        checkpoint.verify(directory, pointer, binding, layout)
                         written = "checkpoint"
                     else:
                         pointer, written = kept

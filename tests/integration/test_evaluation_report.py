@@ -52,7 +52,7 @@ def evidence(trained: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathF
     """The complete evidence bundle: selection, four test evaluations, exported."""
     home = tmp_path_factory.mktemp("evaluated") / "home"
     shutil.copytree(trained, home)
-    _chosen, path = selection.select(corpus.load_prepared(home))
+    _chosen, path = selection.select(corpus.load_prepared(home), small_seed[0])
     for arm in evaluation.EVAL_ARMS:
         evaluation.evaluate(home, small_seed[0], arm, "test", path, _quiet)
     out = tmp_path_factory.mktemp("bundle") / "bundle"
@@ -102,10 +102,10 @@ def test_test_evaluation_refused_before_selection(trained: Path, small_seed: See
     assert not (trained / "evaluations" / "test").exists()
 
 
-def test_selection_takes_only_final_verified_checkpoints(trained: Path, tmp_path: Path) -> None:
+def test_selection_takes_only_final_verified_checkpoints(trained: Path, small_seed: Seed, tmp_path: Path) -> None:
     home = tmp_path / "home"
     shutil.copytree(trained, home)
-    chosen, _ = selection.select(corpus.load_prepared(home))
+    chosen, _ = selection.select(corpus.load_prepared(home), small_seed[0])
     final = corpus.load_prepared(home).plan.training.updates
     assert {c.step for arm, c in chosen.arms.items() if arm != "seed"} == {final}
     weights = home / "runs" / "damaged-single" / "rank-0" / "checkpoints" / f"step-{final:06d}" / "model"
@@ -113,7 +113,7 @@ def test_selection_takes_only_final_verified_checkpoints(trained: Path, tmp_path
         handle.seek(-1, os.SEEK_END)
         handle.write(b"\x00")
     with pytest.raises(CoopError, match=r"model\.safetensors does not match"):
-        selection.candidate_for(corpus.load_prepared(home), "damaged-single")
+        selection.candidate_for(corpus.load_prepared(home), "damaged-single", small_seed[0])
 
 
 def test_interrupted_evaluation_restarts_only_by_reproducing_its_answers(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from experiment import corpus, distributed, seedmodel, training
 from experiment.canonical import canonical_bytes, sha256_file
@@ -295,3 +295,60 @@ def test_a_changed_checkpoint_a_kill_left_without_its_pointer_is_refused(
     # Nothing vouches for it now either: no pointer was written, and the folder is kept as it is.
     assert not (run / "pointers" / "step-000002.json").exists()
     assert changed.read_bytes() == bytes(data)
+
+
+def test_a_checkpoint_stores_the_seeds_tensors_under_the_seeds_names(stopped: Path, small_seed: Seed) -> None:
+    seed_weights = small_seed[0] / "model.safetensors"
+    run = training.run_dir(stopped, "clean-single", 0)
+    weights = run / "checkpoints" / "step-000002" / "model" / "model.safetensors"
+    # The seed ties its output layer to its embedding and stores the pair once, as model.embed_tokens.weight.
+    assert "model.embed_tokens.weight" in seedmodel.safetensors_layout(seed_weights)
+    assert "lm_head.weight" not in seedmodel.safetensors_layout(seed_weights)
+    assert seedmodel.safetensors_layout(weights) == seedmodel.safetensors_layout(seed_weights)
+    stored, seed = load_file(str(weights)), load_file(str(seed_weights))
+    model = seedmodel.load_model(weights.parent)
+    # The file holds the trained weights (not the seed's), and the loaded model's output layer is that embedding.
+    assert not torch.equal(stored["model.embed_tokens.weight"], seed["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight, stored["model.embed_tokens.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, stored["model.embed_tokens.weight"])
+
+
+def _rewrite_weights(run: Path, step: str, change: str) -> None:
+    """Rewrite a checkpoint's weights as a writer that ignored the seed's layout would have, with a receipt and a
+    pointer that vouch for them: only the layout check can tell."""
+    folder = run / "checkpoints" / step
+    weights = folder / "model" / "model.safetensors"
+    tensors = load_file(str(weights))
+    if change == "renamed":  # the tied pair stored under the other name, as safetensors' save_model does
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    else:
+        del tensors["model.norm.weight"]
+    weights.unlink()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    receipt = json.loads((folder / "receipt.json").read_bytes())
+    receipt["files"]["model/model.safetensors"] = sha256_file(weights)
+    (folder / "receipt.json").write_bytes(canonical_bytes(receipt) + b"\n")
+    pointer_path = run / "pointers" / f"{step}.json"
+    pointer = json.loads(pointer_path.read_bytes())
+    pointer["receipt_sha256"] = sha256_file(folder / "receipt.json")
+    pointer_path.write_bytes(canonical_bytes(pointer) + b"\n")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("renamed", "missing model.embed_tokens.weight; extra lm_head.weight"),
+        ("missing", "missing model.norm.weight"),
+    ],
+)
+def test_a_checkpoint_not_in_the_seeds_layout_is_refused_and_named(
+    stopped: Path, small_seed: Seed, tmp_path: Path, change: str, message: str
+) -> None:
+    broken = _copy(stopped, tmp_path)
+    run = training.run_dir(broken, "clean-single", 0)
+    _rewrite_weights(run, "step-000002", change)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    [refused] = coop_train(broken, small_seed[0], "clean-single", 1)
+    assert refused.returncode == 2
+    assert "not in the seed's tensor layout" in refused.stderr and message in refused.stderr, refused.stderr
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before  # nothing written

@@ -280,11 +280,30 @@ def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finishe
     assert sorted(r["phase"] for r in listed) == ["failure", "pair", "single"]
     selected = report["candidates"]["clean-pair"]
     assert all(r["report"]["models"] == [selected] for r in listed)
+    # Every served answer is the answer the HF dev evaluation of the same checkpoint gave (host-a evaluated it;
+    # host-b's replica was checked against it at its start, through the coordinator's copy).
+    page = server.get(f"/api/experiments/{experiment_id}/answers?role=dev&arm=clean-pair&limit=1000")
+    evaluated = {item["answer"]["id"]: item["answer"] for item in page["items"]}
+    assert len(evaluated) == COUNTS["dev"]
+    for result in listed:
+        completions = result["report"]["completions"]
+        assert len(completions) == COUNTS["workload_tasks"]
+        assert all(c["output_ids"] == evaluated[c["task_id"]]["output_ids"] for c in completions)
+        assert sum(c["correct"] for c in completions) == sum(a["check"]["correct"] for a in evaluated.values())
+    assert {phase: checked["identical"] for phase, checked in serving["agreement"].items()} == dict.fromkeys(
+        ("single", "pair", "failure"), COUNTS["workload_tasks"]
+    )
     jobs = server.jobs(experiment_id)
     starts = [j for j in jobs if j["kind"] == "replica-start"]
     stops = [j for j in jobs if j["kind"] == "replica-stop"]
     assert sorted(j["spec"]["rank"] for j in starts) == sorted(j["spec"]["rank"] for j in stops) == [0, 1]
     assert all(j["state"] == "succeeded" for j in starts + stops)
+    # On each host the probe listened only once its replica had answered 8 dev tasks with the evaluation's ids.
+    for agent in run.agents.values():
+        [log] = (agent.work_dir / "experiments" / experiment_id / "logs").glob("replica-*/probe.log")
+        events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        [listening] = [e for e in events if e["event"] == "listening"]
+        assert listening["identity"]["identical"] == listening["identity"]["tasks"] == 8
     assert all("serving_token" not in j["spec"] for j in jobs)  # the probes' token is never stored or shown
     # Every replica and probe process is gone.
     leftovers = [

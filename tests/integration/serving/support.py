@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,23 @@ class EventProcess:
         return code
 
 
-class Served:
-    """One replica of the tiny seed and the probe in front of it."""
+@dataclass(frozen=True)
+class Trained:
+    """A trained checkpoint of the tiny seed and the HF dev evaluation of it (the truth its replicas must tell)."""
 
-    def __init__(self, name: str, home: Path, token: str, logs: Path) -> None:
+    home: Path
+    model_dir: Path  # the checkpoint's model folder
+    identity: str  # its parameter digest: the served model name
+    reference: Path  # evaluations/dev/clean-single of the home
+
+
+class Served:
+    """One replica of the trained checkpoint and the probe in front of it."""
+
+    def __init__(self, name: str, trained: Trained, token: str, logs: Path) -> None:
         self.name = name
-        self.home = home
+        self.trained = trained
+        self.home = trained.home
         self.token = token
         self.logs = logs
         self.replica: EventProcess | None = None
@@ -114,14 +126,15 @@ class Served:
     def start_replica(self) -> None:
         port = free_port()
         self.replica_url = f"http://127.0.0.1:{port}"
-        args = ["replica", "--model-dir", str(TINY), "--served-model-name", "tiny-seed", "--port", str(port)]
-        self.replica = EventProcess(args, self.token, self.logs / f"replica-{self.name}.log")
+        args = ["replica", "--model-dir", str(self.trained.model_dir), "--served-model-name", self.trained.identity]
+        self.replica = EventProcess([*args, "--port", str(port)], self.token, self.logs / f"replica-{self.name}.log")
 
     def start_probe(self) -> None:
         port = free_port()
         self.probe_url = f"http://127.0.0.1:{port}"
         args = ["probe", "--home", str(self.home), "--model-dir", str(TINY), "--replica", self.replica_url]
-        self.probe = EventProcess([*args, "--port", str(port)], self.token, self.logs / f"probe-{self.name}.log")
+        args += ["--expect", str(self.trained.reference), "--port", str(port)]
+        self.probe = EventProcess(args, self.token, self.logs / f"probe-{self.name}.log")
         self.probe.wait_for("listening", 180)
 
     def ready(self) -> bool:
@@ -143,8 +156,8 @@ needs_vllm = pytest.mark.skipif(
 class Fleet:
     """The session's replicas (a and b) with their probes; one stopped by a test is started again on demand."""
 
-    def __init__(self, home: Path, token: str, logs: Path) -> None:
-        self.served = [Served(name, home, token, logs) for name in ("a", "b")]
+    def __init__(self, trained: Trained, token: str, logs: Path) -> None:
+        self.served = [Served(name, trained, token, logs) for name in ("a", "b")]
 
     def ensure(self, count: int, startup_seconds: float) -> list[Served]:
         """The first ``count`` replicas, healthy, with probes listening. Replicas that must start start together,

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from experiment import evaluation
 from tests.integration.serving.conftest import WORKLOAD
-from tests.integration.serving.support import EventProcess, Fleet, needs_vllm, serving_env
+from tests.integration.serving.support import EventProcess, Fleet, Trained, needs_vllm, serving_env
 from tests.processes import ROOT
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -29,9 +30,10 @@ def _outputs(result: dict[str, Any]) -> dict[str, list[int]]:
     return {c["task_id"]: c["output_ids"] for c in result["completions"]}
 
 
-def test_single_and_pair_phases_answer_every_request_alike(
-    pair: list[str], serving_home: Path, serving_token: str, tmp_path: Path
+def test_single_and_pair_phases_answer_every_request_as_the_evaluation_did(
+    pair: list[str], trained: Trained, serving_token: str, tmp_path: Path
 ) -> None:
+    serving_home = trained.home
     results = {}
     for phase, endpoints in (("single", pair[:1]), ("pair", pair)):
         output = tmp_path / f"{phase}.json"
@@ -44,13 +46,18 @@ def test_single_and_pair_phases_answer_every_request_alike(
         assert progress == list(range(1, WORKLOAD + 1))
     pair_result = results["pair"]
     assert {c["endpoint"] for c in pair_result["completions"]} == set(pair)  # round robin reached both
-    assert pair_result["models"] == ["tiny-seed"]
+    assert pair_result["models"] == [trained.identity]
     metrics = pair_result["metrics"]
     assert metrics["completed"] == WORKLOAD and metrics["retries"] == 0 and metrics["cache_hits"] == 0
     assert metrics["request_throughput"] == pytest.approx(WORKLOAD / metrics["duration"], rel=1e-3)
     assert metrics["mean_e2el_ms"] > 0 and metrics["median_e2el_ms"] <= metrics["p99_e2el_ms"]
     assert len(pair_result["attempts"]) == WORKLOAD
-    assert _outputs(results["single"]) == _outputs(pair_result)  # output tokens match across phases
+    # Every answer, in both phases, is the HF evaluation's answer from the same checkpoint.
+    _summary, recorded, _ = evaluation.read_answers(trained.reference)
+    truth = {a.id: a.output_ids for a in recorded}
+    for result in results.values():
+        assert _outputs(result) == {task: truth[task] for task in result["workload"]["task_ids"]}
+        assert result["metrics"]["correct"] == sum(a.check.correct for a in recorded[:WORKLOAD])
 
 
 def test_failure_phase_loses_no_request(

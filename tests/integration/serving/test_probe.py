@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import shutil
 import uuid
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
+from safetensors.torch import load_file, save_file
 
-from experiment import corpus, evaluation, seedmodel, tasks
-from tests.integration.serving.support import TINY, needs_vllm
+from experiment import corpus, evaluation, seedmodel
+from experiment.probe import IDENTITY_TASKS
+from tests.integration.serving.conftest import STARTUP_SECONDS
+from tests.integration.serving.support import TINY, EventProcess, Trained, needs_vllm
+from tests.processes import free_port
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
@@ -28,31 +33,71 @@ def _dev(home: Path) -> list[corpus.TaskItem]:
     return corpus.load_prepared(home).task_items("dev")
 
 
-def test_greedy_answers_equal_the_evaluation(probe_url: str, serving_home: Path, serving_token: str) -> None:
-    items = _dev(serving_home)[:4]
+def test_greedy_answers_equal_the_evaluation_of_the_same_checkpoint(
+    probe_url: str, trained: Trained, serving_token: str
+) -> None:
+    """Every dev task of the workload, against the HF evaluation that answered it from the same checkpoint."""
+    _summary, recorded, _ = evaluation.read_answers(trained.reference)
     tokenizer = seedmodel.load_tokenizer(TINY)
-    model = seedmodel.load_model(TINY).eval()
-    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
-    max_new_tokens = corpus.load_prepared(serving_home).plan.serving.max_new_tokens
-    generations = evaluation.generate(model, [i.prompt_ids for i in items], eos, pad, max_new_tokens)
-    for item, generation in zip(items, generations, strict=True):
-        reply = _infer(probe_url, serving_token, uuid.uuid4().hex, item.id)
+    assert sum(a.check.valid_json_object for a in recorded) > 0  # the trained model answers in the tasks' JSON
+    for truth in recorded:
+        reply = _infer(probe_url, serving_token, uuid.uuid4().hex, truth.id)
         assert reply.status_code == 200, reply.text
         answer = reply.json()
-        text = evaluation.answer_text(tokenizer, generation)
-        assert answer["output_ids"] == generation.output_ids
-        assert answer["text"] == text
-        assert answer["ended_with_eos"] == generation.ended_with_eos
-        assert answer["hit_token_limit"] == generation.hit_token_limit
-        assert answer["check"] == msgspec.to_builtins(tasks.check(text, item.expected))
-        assert answer["model"] == "tiny-seed"
+        assert answer["output_ids"] == truth.output_ids, truth.id
+        assert (
+            answer["text"]
+            == truth.text
+            == tokenizer.decode(
+                truth.output_ids[:-1] if truth.ended_with_eos else truth.output_ids, skip_special_tokens=False
+            )
+        )
+        assert (answer["ended_with_eos"], answer["hit_token_limit"]) == (truth.ended_with_eos, truth.hit_token_limit)
+        assert answer["check"] == msgspec.to_builtins(truth.check)
+        assert answer["model"] == trained.identity
         assert answer["cached"] is False
 
 
-def test_health_names_the_replica_model(probe_url: str, serving_token: str) -> None:
+def test_health_names_the_model_and_its_check_against_the_evaluation(
+    probe_url: str, trained: Trained, serving_token: str
+) -> None:
     reply = httpx.get(f"{probe_url}/health", headers=_auth(serving_token), timeout=10)
     assert reply.status_code == 200
-    assert reply.json()["model"] == "tiny-seed"
+    health = reply.json()
+    assert health["model"] == trained.identity
+    checked = health["identity"]
+    assert checked["tasks"] == checked["identical"] == checked["same_outcome"] == IDENTITY_TASKS
+    assert checked["matched_tokens"] == checked["expected_tokens"] > 0
+    assert checked["first_difference"] is None
+
+
+def test_a_probe_refuses_a_replica_of_a_checkpoint_vllm_misreads(
+    trained: Trained, serving_token: str, tmp_path: Path
+) -> None:
+    """The defect this check exists for: the tied embedding saved as lm_head.weight. HF re-ties the pair on load;
+    vLLM keeps the lm_head and builds its embedding from nothing, and every answer is padding, as in the run."""
+    broken = tmp_path / "model"
+    shutil.copytree(trained.model_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    assert seedmodel.load_model(broken).lm_head.weight.equal(seedmodel.load_model(trained.model_dir).lm_head.weight)
+    port, probe_port = free_port(), free_port()
+    replica_args = ["replica", "--model-dir", str(broken), "--served-model-name", trained.identity]
+    served = EventProcess([*replica_args, "--port", str(port)], serving_token, tmp_path / "replica.log")
+    args = ["probe", "--home", str(trained.home), "--model-dir", str(TINY), "--replica", f"http://127.0.0.1:{port}"]
+    args += ["--expect", str(trained.reference), "--port", str(probe_port)]
+    probe = EventProcess(args, serving_token, tmp_path / "probe.log")
+    try:
+        served.wait_for("healthy", STARTUP_SECONDS)
+        assert probe.wait(300) == 2
+    finally:
+        probe.terminate()
+        served.terminate()
+    refusal = (tmp_path / "probe.log").read_text()
+    first = evaluation.read_answers(trained.reference)[1][0]
+    assert f"the replica's answer to dev task {first.id} (index 0) is only padding (96 x token id 0)" in refusal
+    assert not any(event["event"] == "listening" for event in probe.events)  # it never served anything
 
 
 def test_repeated_request_id_returns_the_stored_answer(probe_url: str, serving_home: Path, serving_token: str) -> None:
