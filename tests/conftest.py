@@ -32,9 +32,9 @@ SMALL_COUNTS = {
 }
 
 
-def write_plan(path: Path, seed: seedmodel.Snapshot, **overrides: object) -> Path:
-    """A plan file derived from plans/local.toml with the given seed snapshot and counts."""
-    plan = msgspec.toml.decode(LOCAL_PLAN.read_bytes())
+def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **overrides: object) -> Path:
+    """A plan file derived from ``base`` (plans/local.toml) with the given seed snapshot and counts."""
+    plan = msgspec.toml.decode(base.read_bytes())
     counts = {**SMALL_COUNTS, **overrides}
     for key in ("train", "replay", "dev", "test", "retention"):
         plan["tasks"][key] = counts[key]

@@ -1,0 +1,156 @@
+"""A packaged model as a seed folder: a GGUF file (llama.cpp's format) of a Llama in SmolLM2's shape, read by
+transformers' GGUF loader, dequantized to fp32 and written as a Hugging Face folder in the seed's own layout
+(tied embeddings stored once, as ``model.embed_tokens.weight``), with its tokenizer and chat template.
+
+The same file gives the same bytes on every run, so the folder's snapshot can be recorded in a plan. The file
+is inspected before anything loads it: another architecture or shape is refused with the reason."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import msgspec
+import torch
+import transformers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from experiment.canonical import atomic_write_bytes, sha256_file
+from experiment.errors import CoopError
+from experiment.seedmodel import Snapshot, snapshot_of
+
+ARCHITECTURE = "llama"
+BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+# Set by transformers' GGUF loader, about the file it came from; a seed folder holds plain fp32 weights.
+LOADER_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
+
+
+class Shape(msgspec.Struct, frozen=True):
+    """The Llama a GGUF file holds, from its metadata."""
+
+    blocks: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        raise CoopError(f"the GGUF file has no {key}: it is not a Llama of the supported shape")
+    return field.contents()
+
+
+def _count(reader: gguf.GGUFReader, key: str) -> int:
+    value = _field(reader, key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 20:
+        raise CoopError(f"the GGUF file's {key} is {value!r}, not a positive count")
+    return value
+
+
+def inspect(path: Path) -> Shape:
+    """The file's Llama, or a refusal that names what is not a tied-embedding Llama (SmolLM2's shape)."""
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise CoopError(f"{path} is not a readable GGUF file: {exc}") from exc
+    architecture = _field(reader, "general.architecture")
+    if architecture != ARCHITECTURE:
+        raise CoopError(f"{path} holds a {architecture!r} model; only {ARCHITECTURE} (SmolLM2's shape) is supported")
+    shape = Shape(
+        blocks=_count(reader, "llama.block_count"),
+        hidden=_count(reader, "llama.embedding_length"),
+        intermediate=_count(reader, "llama.feed_forward_length"),
+        heads=_count(reader, "llama.attention.head_count"),
+        kv_heads=_count(reader, "llama.attention.head_count_kv"),
+        vocab=len(_field(reader, "tokenizer.ggml.tokens")),
+    )
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise CoopError(f"{path}: {shape.heads} heads in {shape.kv_heads} groups do not divide {shape.hidden} units")
+    expected = tensor_shapes(shape)
+    found = {tensor.name: tuple(int(n) for n in tensor.shape) for tensor in reader.tensors}
+    if "output.weight" in found:
+        raise CoopError(f"{path} has an untied output layer (output.weight); only tied embeddings are supported")
+    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
+    problems += [f"unexpected {name}" for name in sorted(found.keys() - expected.keys())]
+    problems += [
+        f"{name} is {list(found[name])}, expected {list(dims)}"
+        for name, dims in sorted(expected.items())
+        if name in found and found[name] != dims
+    ]
+    if problems:
+        raise CoopError(f"{path} is not a Llama of the supported shape: {'; '.join(problems[:5])}")
+    return shape
+
+
+def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """GGUF's tensor names and dimensions (innermost first) of a tied Llama."""
+    kv = shape.kv_heads * shape.head_dim
+    block = {
+        "attn_norm": (shape.hidden,),
+        "attn_q": (shape.hidden, shape.hidden),
+        "attn_k": (shape.hidden, kv),
+        "attn_v": (shape.hidden, kv),
+        "attn_output": (shape.hidden, shape.hidden),
+        "ffn_norm": (shape.hidden,),
+        "ffn_gate": (shape.hidden, shape.intermediate),
+        "ffn_up": (shape.hidden, shape.intermediate),
+        "ffn_down": (shape.intermediate, shape.hidden),
+    }
+    tensors = {"token_embd.weight": (shape.hidden, shape.vocab), "output_norm.weight": (shape.hidden,)}
+    for index in range(shape.blocks):
+        tensors |= {f"blk.{index}.{name}.weight": dims for name, dims in block.items()}
+    return tensors
+
+
+def _plain_model(loaded: Any) -> LlamaForCausalLM:
+    """The loaded weights in a model whose config says nothing of the file they came from."""
+    settings = {key: value for key, value in loaded.config.to_dict().items() if key not in LOADER_KEYS}
+    settings["dtype"] = "float32"
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    model.load_state_dict(loaded.state_dict())
+    model.train(False)
+    return model
+
+
+def import_gguf(path: Path, out: Path, expected_sha256: str | None = None) -> Snapshot:
+    """Write the GGUF file's model into the empty (or missing) folder ``out``; its snapshot. ``expected_sha256``
+    (a plan's ``seed.gguf_sha256``) refuses any other file before anything is read from it."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CoopError(f"seed output folder {out} is not empty; refusing to import into it")
+    if not path.is_file():
+        raise CoopError(f"GGUF file {path} does not exist")
+    if expected_sha256 is not None and (found := sha256_file(path)) != expected_sha256:
+        raise CoopError(f"{path} has sha256 {found}, the plan records {expected_sha256}")
+    inspect(path)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise CoopError(f"transformers cannot read {path}: {exc}") from exc
+    model = _plain_model(loaded)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    # Save through a scratch folder, then move each file with an atomic write, so out never holds half a file.
+    with tempfile.TemporaryDirectory(prefix=".seed-import-", dir=out.parent) as scratch:
+        staging = Path(scratch)
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        for file in sorted(staging.iterdir()):
+            atomic_write_bytes(out / file.name, file.read_bytes())
+    return snapshot_of(out)
