@@ -22,6 +22,7 @@ from experiment import (
     seedimport,
     seedmodel,
     selection,
+    servingrecord,
     training,
 )
 from experiment.canonical import identity, sha256_file
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("benchmark", help="one serving benchmark phase over the plan's workload")
     bench.add_argument("--endpoint", action="append", required=True, help="a probe URL; repeat for two")
-    bench.add_argument("--phase", choices=benchmark.PHASES, required=True)
+    bench.add_argument("--phase", choices=servingrecord.PHASES, required=True)
     bench.add_argument("--home", type=Path, required=True)
     bench.add_argument("--token-file", type=Path, help=f"the serving token; default: ${probe.TOKEN_ENV}")
     bench.add_argument("--output", type=Path, required=True, help="the phase's JSON (a new file)")

@@ -1,37 +1,59 @@
-"""Report figures as inline SVG (matplotlib, no display): the report page and the web UI share them."""
+"""Report figures as inline SVG (matplotlib, no display): the report page and the web UI share them.
+
+Figures are built on ``matplotlib.figure.Figure`` rather than pyplot: pyplot keeps every open figure in one
+global registry, and the coordinator draws figures in its worker threads as well as its event loop."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import matplotlib
+from matplotlib import colormaps
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")  # no display: chosen before pyplot is imported
-import matplotlib.pyplot as plt
+from experiment.servingrecord import PHASES
 
 ARM_COLOURS = {"seed": "#7f7f7f", "clean-single": "#1f77b4", "damaged-single": "#d62728", "clean-pair": "#2ca02c"}
+# matplotlib's default colour cycle, by number, so that a timeline's group keeps its colour in every figure.
+PALETTE = tuple(to_hex(colour) for colour in colormaps["tab10"](range(10)))
+SERVING_PHASES: tuple[str, ...] = PHASES
+
+
+def _figure(width: float = 7.5, height: float = 3.2) -> tuple[Figure, Axes]:
+    figure = Figure(figsize=(width, height))
+    return figure, figure.subplots()
 
 
 def _svg(figure: Figure) -> str:
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(figure)
     text = buffer.getvalue()
     return text[text.index("<svg") :]  # drop the XML prolog so the SVG can be inlined in HTML
 
 
-def grouped_bars(title: str, groups: Sequence[str], series: Mapping[str, Sequence[float]], ylabel: str) -> str:
-    """One bar per series inside each group (e.g. accuracy per family, one bar per arm)."""
-    figure, axes = plt.subplots(figsize=(7.5, 3.2))
+def grouped_bars(
+    title: str,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    ylabel: str,
+    ylim: tuple[float, float] | None = (0, 1),
+) -> str:
+    """One bar per series inside each group (e.g. accuracy per family, one bar per arm); ``ylim`` None lets the
+    axis follow the values."""
+    figure, axes = _figure()
     width = 0.8 / max(len(series), 1)
     for number, (name, values) in enumerate(series.items()):
         positions = [g + (number - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        axes.bar(positions, values, width=width, label=name, color=ARM_COLOURS.get(name))
+        axes.bar(positions, values, width=width, label=name, color=ARM_COLOURS.get(name, PALETTE[number % 10]))
     axes.set_xticks(range(len(groups)), groups)
-    axes.set_ylim(0, 1)
+    if ylim is not None:
+        axes.set_ylim(*ylim)
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.legend(fontsize="small", ncols=max(len(series), 1), loc="upper center", bbox_to_anchor=(0.5, -0.12))
@@ -39,7 +61,7 @@ def grouped_bars(title: str, groups: Sequence[str], series: Mapping[str, Sequenc
 
 
 def lines(title: str, series: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str) -> str:
-    figure, axes = plt.subplots(figsize=(7.5, 3.2))
+    figure, axes = _figure()
     for name, points in series.items():
         axes.plot(
             [p[0] for p in points], [p[1] for p in points], label=name, color=ARM_COLOURS.get(name), linewidth=1.2
@@ -53,7 +75,7 @@ def lines(title: str, series: Mapping[str, Sequence[tuple[float, float]]], xlabe
 
 def distributions(title: str, series: Mapping[str, Sequence[float]], ylabel: str) -> str:
     """Box plots, one per series (e.g. update seconds per arm, latency per serving phase)."""
-    figure, axes = plt.subplots(figsize=(7.5, 3.2))
+    figure, axes = _figure()
     names = [name for name, values in series.items() if values]
     axes.boxplot([series[name] for name in names], tick_labels=names)
     axes.set_ylabel(ylabel)
@@ -61,13 +83,117 @@ def distributions(title: str, series: Mapping[str, Sequence[float]], ylabel: str
     return _svg(figure)
 
 
+@dataclass(frozen=True)
+class Span:
+    """One bar of a timeline: something in ``lane`` (a host, a request) from ``start`` to ``end`` (on the
+    figure's x axis), coloured by its ``group`` (a job kind, an endpoint)."""
+
+    lane: str
+    start: float
+    end: float
+    group: str
+    failed: bool = False  # drawn hatched
+
+
+def _rows(spans: Sequence[Span]) -> list[int]:
+    """Each span's row inside its lane: the first row free at its start, so that overlapping spans of one lane
+    (two jobs on one host at once) are stacked rather than drawn over each other."""
+    rows = [0] * len(spans)
+    ends: dict[str, list[float]] = {}
+    for index in sorted(range(len(spans)), key=lambda i: (spans[i].start, spans[i].end)):
+        span = spans[index]
+        lane = ends.setdefault(span.lane, [])
+        row = next((number for number, end in enumerate(lane) if end <= span.start), len(lane))
+        if row == len(lane):
+            lane.append(span.end)
+        lane[row] = span.end
+        rows[index] = row
+    return rows
+
+
+def timeline(
+    title: str,
+    spans: Sequence[Span],
+    xlabel: str,
+    *,
+    ylabel: str = "",
+    groups: Sequence[str] = (),
+    marker: tuple[float, str] | None = None,
+    failed_label: str = "failed",
+) -> str:
+    """Horizontal bars in lanes (in the order the spans first name them, top to bottom), one colour per group
+    (``groups`` fixes their order and colours; others follow in order of appearance), a dashed vertical line at
+    ``marker`` (x, label)."""
+    lanes = list(dict.fromkeys(span.lane for span in spans))
+    order = list(dict.fromkeys([*groups, *(span.group for span in spans)]))
+    colour = {group: PALETTE[number % len(PALETTE)] for number, group in enumerate(order)}
+    rows = _rows(spans)
+    depth = {lane: 1 + max(row for span, row in zip(spans, rows, strict=True) if span.lane == lane) for lane in lanes}
+    gap = 0.4 if max(depth.values()) > 1 else 0.0  # stacked lanes need room (and a rule) to tell them apart
+    top: dict[str, float] = {}
+    line = 0.0
+    for lane in lanes:
+        top[lane] = line
+        line += depth[lane] + gap
+    bottom = line - gap
+    figure, axes = _figure(height=min(max(1.4 + 0.24 * bottom, 2.4), 14.0))
+    left, right = min(s.start for s in spans), max(s.end for s in spans)
+    shortest = (right - left) * 0.003  # a span too short to see still shows as a sliver
+    for span, row in zip(spans, rows, strict=True):
+        axes.barh(
+            top[span.lane] + row + 0.5,
+            max(span.end - span.start, shortest),
+            left=span.start,
+            height=0.8,
+            color=colour[span.group],
+            edgecolor="#1f2328" if span.failed else colour[span.group],
+            linewidth=0.6,
+            hatch="////" if span.failed else None,
+        )
+    if gap:
+        for lane in lanes[1:]:
+            axes.axhline(top[lane] - gap / 2, color="#d1d9e0", linewidth=0.8)
+    centres = [top[lane] + depth[lane] / 2 for lane in lanes]
+    every = max(1, len(lanes) // 32)  # a label for every lane while they fit
+    axes.set_yticks(centres[::every], lanes[::every], fontsize="small" if len(lanes) > 12 else None)
+    axes.set_ylim(bottom, 0)  # the first lane on top
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    present = [group for group in order if any(span.group == group for span in spans)]
+    handles: list[Artist] = [Patch(color=colour[group], label=group) for group in present]
+    if any(span.failed for span in spans):
+        handles.append(Patch(facecolor="white", edgecolor="#1f2328", hatch="////", label=failed_label))
+    if marker is not None:
+        handles.append(axes.axvline(marker[0], color="#1f2328", linestyle="--", linewidth=1.2, label=marker[1]))
+    # Beside the axes: below them it would sit at a different distance for every height.
+    axes.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    axes.grid(axis="x", color="#d1d9e0", linewidth=0.5)
+    axes.set_axisbelow(True)
+    return _svg(figure)
+
+
+def serving_latency(phases: Mapping[str, Mapping[str, Any]]) -> str:
+    """p50, p95 and p99 end-to-end latency per serving phase, from the report's serving metrics."""
+    names = [phase for phase in SERVING_PHASES if phase in phases]
+    keys = {"p50": "median_e2el_ms", "p95": "p95_e2el_ms", "p99": "p99_e2el_ms"}
+    return grouped_bars(
+        "End-to-end request latency by phase",
+        list(keys),
+        {phase: [float(phases[phase][key] or 0.0) for key in keys.values()] for phase in names},
+        "milliseconds",
+        ylim=None,
+    )
+
+
 def report_figures(report: Mapping[str, Any]) -> dict[str, str]:
-    """The report's four figures from its JSON (as `coop report` writes it and the coordinator records it)."""
+    """The report's figures from its JSON (as `coop report` writes it and the coordinator records it): four,
+    and a fifth (``serving``) when the report has a serving section."""
     arms = list(report["accuracy"])
     families = list(report["accuracy"]["seed"]["by_family"])
     variants = list(report["accuracy"]["seed"]["by_variant"])
     training = report["training"]
-    return {
+    found = {
         "families": grouped_bars(
             "Test accuracy by family",
             families,
@@ -88,3 +214,7 @@ def report_figures(report: Mapping[str, Any]) -> dict[str, str]:
         ),
         "updates": distributions("Update time", {arm: training[arm]["update_seconds"] for arm in training}, "seconds"),
     }
+    serving = report.get("serving")
+    if serving:
+        found["serving"] = serving_latency(serving["phases"])
+    return found

@@ -22,8 +22,8 @@ from experiment.canonical import read_json
 from experiment.corpus import Prepared, TaskItem
 from experiment.evaluation import Answer
 from experiment.layout import evaluation
+from experiment.servingrecord import PHASES
 
-PHASES = ("single", "pair", "failure")
 SERVED = "clean-pair"
 GPU_MIN_SAME_OUTCOME = 0.95  # GPU kernels may round differently from the evaluation's; outcomes must still agree
 Require = Callable[[bool, Path | str, str, str], None]

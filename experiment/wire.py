@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from experiment.ledger import Entry as LedgerEntry
+from experiment.servingrecord import Phase
 
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
@@ -40,7 +41,7 @@ Outcome = Literal["succeeded", "failed", "cancelled"]
 MeasurementKind = Literal["step", "resources"]
 Family = Literal["lookup", "filter", "total", "sort"]
 CheckReason = Literal["correct", "wrong_schema_or_value", "invalid_json_object"]
-ServingPhaseName = Literal["single", "pair", "failure"]
+ServingPhaseName = Phase  # the benchmark's phases (experiment.servingrecord)
 
 __all__ = ["LedgerEntry"]
 

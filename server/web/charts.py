@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiment import figures
+from experiment.figures import Span
 
 Series = tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
 
@@ -34,11 +35,40 @@ def distributions(title: str, by_name: Mapping[str, Sequence[float]], ylabel: st
     return _distributions(title, series, ylabel) if series else None
 
 
+@functools.lru_cache(maxsize=16)
+def _timeline(
+    title: str,
+    spans: tuple[Span, ...],
+    xlabel: str,
+    ylabel: str,
+    groups: tuple[str, ...],
+    marker: tuple[float, str] | None,
+    failed_label: str,
+) -> str:
+    return figures.timeline(
+        title, spans, xlabel, ylabel=ylabel, groups=groups, marker=marker, failed_label=failed_label
+    )
+
+
+def timeline(
+    title: str,
+    spans: Sequence[Span],
+    xlabel: str,
+    *,
+    ylabel: str = "",
+    groups: Sequence[str] = (),
+    marker: tuple[float, str] | None = None,
+    failed_label: str = "failed",
+) -> str | None:
+    """Bars in lanes (figures.timeline); None when there is nothing to draw."""
+    return _timeline(title, tuple(spans), xlabel, ylabel, tuple(groups), marker, failed_label) if spans else None
+
+
 @functools.lru_cache(maxsize=8)
 def _report(text: str) -> dict[str, str]:
     return figures.report_figures(json.loads(text))
 
 
 def report(document: Mapping[str, Any]) -> dict[str, str]:
-    """The report's four figures; the recorded report never changes, so its text keys the cache."""
+    """The report's figures; the recorded report never changes, so its text keys the cache."""
     return _report(json.dumps(document, sort_keys=True))

@@ -1,5 +1,6 @@
-"""Jobs: the experiment's queue, each job's attempts (lost kept apart from failed) with the live tail of an
-attempt's log, and the operator's cancel (a running replica is stopped from the serving page)."""
+"""Jobs: the experiment's queue (each job's phase or rank, hosts and duration) with a timeline of the hosts' work,
+each job's attempts (lost kept apart from failed) with the live tail of an attempt's log, and the operator's
+cancel (a running replica is stopped from the serving page)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import audit, experiments, queue
 from server.lifecycle import JOB_FINAL, JobState, Refused
-from server.web import access, queries, render
+from server.web import access, jobrows, queries, render
 from server.web.access import WebRequest
 from server.web.forms import Confirmation
 
@@ -24,14 +25,23 @@ def _final(job_state: str) -> bool:
     return JobState(job_state) in JOB_FINAL
 
 
-async def _queue(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
+async def _queue(db_session: AsyncSession, experiment_id: uuid.UUID, *, hosts: bool = False) -> dict[str, Any]:
+    """The queue's rows; with ``hosts``, the timeline of every attempt on each host too (the whole page draws it,
+    the polled fragment does not: a figure every two seconds for each viewer is too much drawing)."""
     experiment = await experiments.load(db_session, experiment_id)
-    rows = await queries.jobs(db_session, experiment_id)
-    return {
+    jobs = await queries.jobs(db_session, experiment_id)
+    attempts = await queries.experiment_attempts(db_session, experiment_id)
+    changes = await queries.job_changes(db_session, experiment_id)
+    at = render.now()
+    rows = jobrows.rows(jobs, attempts, changes, at)
+    found: dict[str, Any] = {
         "experiment": experiment,
-        "waiting": [job for job in rows if not _final(job.state)],
-        "finished": [job for job in rows if _final(job.state)],
+        "waiting": [row for row in rows if not _final(row.job.state)],
+        "finished": [row for row in rows if _final(row.job.state)],
     }
+    if hosts:
+        found["timeline"] = jobrows.timeline(jobs, attempts, changes, at)
+    return found
 
 
 async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUID | None) -> dict[str, Any]:
@@ -44,6 +54,7 @@ async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUI
         shown = next((row for row in attempts if row.attempt.id == attempt_id), None)
     return {
         "job": job,
+        "job_name": jobrows.name(job),
         "experiment": await experiments.load(db_session, job.experiment_id),
         "attempts": attempts,
         "shown": shown,
@@ -59,7 +70,7 @@ class JobPages(Controller):
     async def jobs(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        return render.page(request, "jobs.html", tab="jobs", **await _queue(db_session, experiment_id))
+        return render.page(request, "jobs.html", tab="jobs", **await _queue(db_session, experiment_id, hosts=True))
 
     @get("/experiments/{experiment_id:uuid}/jobs/live")
     async def jobs_live(

@@ -137,6 +137,38 @@ async def attempts(session: AsyncSession, job_id: uuid.UUID) -> list[AttemptRow]
     return [AttemptRow(attempt, name) for attempt, name in rows]
 
 
+async def experiment_attempts(session: AsyncSession, experiment_id: uuid.UUID) -> list[AttemptRow]:
+    """Every attempt of the experiment's jobs with its agent's name, in the order they were claimed."""
+    rows = await session.execute(
+        select(models.Attempt, models.Agent.name)
+        .join(models.Agent, models.Agent.id == models.Attempt.agent_id)
+        .join(models.Job, models.Job.id == models.Attempt.job_id)
+        .where(models.Job.experiment_id == experiment_id)
+        .order_by(models.Attempt.created_at, models.Attempt.rank)
+    )
+    return [AttemptRow(attempt, name) for attempt, name in rows]
+
+
+async def job_changes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[uuid.UUID, list[StateChange]]:
+    """Job -> its own state changes (not its attempts'), oldest first."""
+    rows = await session.scalars(
+        select(models.Event)
+        .where(
+            models.Event.experiment_id == experiment_id,
+            models.Event.kind == "state",
+            models.Event.job_id.is_not(None),
+            models.Event.attempt_id.is_(None),
+        )
+        .order_by(models.Event.at, models.Event.id)
+    )
+    found: dict[uuid.UUID, list[StateChange]] = {}
+    for row in rows:
+        if row.job_id is not None:  # always, by the query; the check narrows the column's type
+            before, after, reason = (str(row.body.get(key, "")) for key in ("from", "to", "reason"))
+            found.setdefault(row.job_id, []).append(StateChange(row.at, before, after, reason))
+    return found
+
+
 async def attempt(session: AsyncSession, attempt_id: uuid.UUID) -> models.Attempt:
     found = await session.get(models.Attempt, attempt_id)
     if found is None:

@@ -1,9 +1,12 @@
 """The report as the coordinator recorded it: the primary verdict and its three conditions, every comparison,
-and the report's own figures, all read from the recorded report JSON."""
+the serving phases side by side with the served answers' agreement with the evaluation, and the report's own
+figures, all read from the recorded report JSON."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 from litestar import Controller, get
@@ -12,11 +15,22 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment.figures import SERVING_PHASES
 from server import experiments
 from server.errors import NotFound
 from server.settings import Settings
-from server.web import charts, render
+from server.web import benchmarks, charts, render
 from server.web.access import WebRequest
+
+
+def serving_phases(document: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The serving section's metrics per phase, in the benchmark's order; empty when the report has none (a bundle
+    without serving phases writes null, a report from before serving existed has no key at all)."""
+    section = document.get("serving")
+    phases = section.get("phases") if isinstance(section, Mapping) else None
+    if not isinstance(phases, Mapping):
+        return {}
+    return {phase: phases[phase] for phase in SERVING_PHASES if isinstance(phases.get(phase), Mapping)}
 
 
 class ReportPages(Controller):
@@ -36,6 +50,7 @@ class ReportPages(Controller):
         except NotFound:
             return render.page(request, "report.html", tab="report", experiment=experiment, report=None, figures={})
         document = msgspec.json.decode(path.read_bytes())
+        phases = serving_phases(document)
         return render.page(
             request,
             "report.html",
@@ -43,4 +58,6 @@ class ReportPages(Controller):
             experiment=experiment,
             report=document,
             figures=charts.report(document),
+            serving_phases=list(phases),
+            serving_rows=benchmarks.comparison(phases),
         )

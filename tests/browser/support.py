@@ -5,16 +5,23 @@ records it (the same endpoints, tokens, lease proofs and idempotency keys)."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import httpx
+import msgspec
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment.servingrecord import Attempt, Completion, PhaseResult, Workload, metrics
+from server import models
 from server.lifecycle import EVALUATED_ARMS
 from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import LOCAL_PLAN, make_token, selection_body, train_result
+from tests.integration.coordinator.support import LOCAL_PLAN, make_token, selection_body, train_result, with_session
 
 T = TypeVar("T")
 
@@ -147,3 +154,168 @@ def step(arm: str, done: int, loss: float) -> dict[str, Any]:
         "documents": 8,
         "seconds": 0.05,
     }
+
+
+# Serving: benchmark phases as experiment.benchmark writes them, and the report's serving section ---------------
+
+ENDPOINTS = ("http://host-a.hosts.test:9100", "http://host-b.hosts.test:9100")
+WAVE = 0.6  # seconds between the starts of two waves of requests (longer than any request takes here)
+# How long a phase's requests take, relative to the single phase's: two replicas share the load.
+PACE = {"single": 1.0, "pair": 0.55, "failure": 0.7}
+
+
+def _request(
+    phase: str, index: int, endpoint: str, started: float, seconds: float, attempt: int = 1
+) -> tuple[Attempt, Completion]:
+    tokens = 20 + index % 5
+    request = Attempt(
+        f"{phase}-{index:04d}", f"{index:032x}", attempt, endpoint, started, started + seconds, 200, None, False
+    )
+    done = Completion(
+        request_id=request.request_id,
+        task_id=request.task_id,
+        endpoint=endpoint,
+        attempts=attempt,
+        started=started,
+        ended=request.ended,
+        e2el_ms=round(1000 * seconds, 3),
+        model=sha("clean-pair"),
+        output_ids=[100 + token for token in range(tokens)],
+        output_tokens=tokens,
+        correct=index % 4 != 3,
+        cached=False,
+    )
+    return request, done
+
+
+def phase_report(phase: str, tasks: int = 24, concurrency: int = 4, pace: float = 1.0) -> dict[str, Any]:
+    """A phase's report (experiment.servingrecord.PhaseResult as JSON): ``tasks`` requests in waves of ``concurrency``,
+    round robin over the phase's endpoints, every request's time scaled by ``pace`` and the phase's PACE. The
+    failure phase stops the second endpoint after two waves: the request it holds then fails and is retried on
+    the first, which takes every later request."""
+    endpoints = list(ENDPOINTS[: 1 if phase == "single" else 2])
+    pace *= PACE[phase]
+    stop_after = 2 * concurrency if phase == "failure" else None
+    stop_seen = 2 * WAVE * pace + 0.2 if stop_after is not None else None
+    attempts: list[Attempt] = []
+    completions: list[Completion] = []
+    for index in range(tasks):
+        started = (index // concurrency) * WAVE * pace + 0.01 * (index % concurrency)
+        seconds = pace * (0.3 + 0.04 * (index % 7))
+        endpoint = endpoints[index % len(endpoints)]
+        if stop_seen is not None and started >= stop_seen:
+            endpoint = endpoints[0]
+        if stop_seen is not None and index == stop_after + 1:  # held by the stopped replica when it left
+            failed = Attempt(
+                f"{phase}-{index:04d}",
+                f"{index:032x}",
+                1,
+                endpoint,
+                started,
+                stop_seen,
+                503,
+                "the replica is shutting down",
+                False,
+            )
+            retry, done = _request(phase, index, endpoints[0], stop_seen + 0.01, seconds, attempt=2)
+            done = msgspec.structs.replace(done, started=started, e2el_ms=round(1000 * (retry.ended - started), 3))
+            attempts += [failed, retry]
+        else:
+            retry, done = _request(phase, index, endpoint, started, seconds)
+            attempts.append(retry)
+        completions.append(done)
+    duration = max(c.ended for c in completions) - min(c.started for c in completions)
+    result = PhaseResult(
+        phase=phase,
+        run_id=sha(phase)[:16],
+        started_at="2026-05-04T10:00:00+00:00",
+        endpoints=endpoints,
+        models=[sha("clean-pair")],
+        plan_identity=sha("plan"),
+        prepared_identity=sha("prepared"),
+        workload=Workload(tasks, concurrency, 3, 48, [c.task_id for c in completions]),
+        stop_after=stop_after,
+        stop_seen=stop_seen,
+        metrics=metrics(tasks, attempts, completions, duration),
+        attempts=attempts,
+        completions=completions,
+        failures=[],
+    )
+    built: dict[str, Any] = msgspec.to_builtins(result)
+    return built
+
+
+def serving_section(reports: dict[str, dict[str, Any]], with_agreement: bool = True) -> dict[str, Any]:
+    """The report's serving section (experiment.servingcheck.section) for these phase reports; without the
+    agreement, as reports recorded before that check read."""
+    failure = reports["failure"]
+    last = {
+        endpoint: max(a["started"] for a in failure["attempts"] if a["endpoint"] == endpoint) for endpoint in ENDPOINTS
+    }
+    section: dict[str, Any] = {
+        "phases": {phase: report["metrics"] for phase, report in reports.items()},
+        "pair_over_single_request_throughput": reports["pair"]["metrics"]["request_throughput"]
+        / reports["single"]["metrics"]["request_throughput"],
+        "failure": {
+            "stopped_after_completions": failure["stop_after"],
+            "stop_seen_at_seconds": failure["stop_seen"],
+            "requests_started_after_one_replica_left": sum(
+                1 for a in failure["attempts"] if a["started"] > min(last.values())
+            ),
+            "first_attempt_failures": failure["metrics"]["first_attempt_failures"],
+            "retries": failure["metrics"]["retries"],
+            "lost": failure["metrics"]["failed"],
+        },
+    }
+    if with_agreement:
+        tasks = len(reports["single"]["completions"])
+        correct = reports["single"]["metrics"]["correct"]
+        section["reference"] = {
+            "evaluation": "evaluations/dev/clean-pair",
+            "device": "cuda",
+            "tasks": tasks,
+            "correct": correct,
+        }
+        section["agreement"] = {
+            phase: {
+                "tasks": tasks,
+                "identical": tasks - (phase == "failure"),  # one answer's last token rounded differently on the GPU
+                "same_outcome": tasks,
+                "matched_tokens": 530 - 3 * (phase == "failure"),
+                "expected_tokens": 530,
+                "token_agreement": (530 - 3 * (phase == "failure")) / 530,
+                "correct": correct,
+                "expected_correct": correct,
+                "first_difference": "task 0000000000000000000000000000000b (dev index 11) differs at output token 19"
+                if phase == "failure"
+                else None,
+                "first_other_outcome": None,
+            }
+            for phase in reports
+        }
+    return section
+
+
+def job_times(coordinator: Coordinator, job_id: str) -> tuple[datetime.datetime, datetime.datetime]:
+    """When a job's first attempt was claimed and when the job reached its final state, as recorded."""
+
+    async def read(session: AsyncSession) -> tuple[datetime.datetime, datetime.datetime]:
+        job = uuid.UUID(job_id)
+        started = await session.scalar(select(func.min(models.Attempt.created_at)).where(models.Attempt.job_id == job))
+        ended = await session.scalar(
+            select(func.max(models.Event.at)).where(models.Event.job_id == job, models.Event.attempt_id.is_(None))
+        )
+        assert started is not None and ended is not None, f"job {job_id} has not run to its end"
+        return started, ended
+
+    return off_thread(with_session, coordinator.database_url, read)
+
+
+def attempts_by_host(coordinator: Coordinator, experiment_id: str) -> dict[str, int]:
+    """Agent name -> how many attempts of the experiment's jobs it made, from the coordinator's API."""
+    names = {agent["id"]: agent["name"] for agent in coordinator.http.get("/api/agents").json()}
+    found: dict[str, int] = {}
+    for job in coordinator.http.get(f"/api/experiments/{experiment_id}/jobs").json():
+        for attempt in coordinator.http.get(f"/api/jobs/{job['id']}/attempts").json():
+            found[names[attempt["agent_id"]]] = found.get(names[attempt["agent_id"]], 0) + 1
+    return found

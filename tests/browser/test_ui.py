@@ -1,19 +1,37 @@
 """The operator's web UI in a real browser against a real coordinator: sign in, create and steer an
-experiment, watch it progress without reloading, read answers and the report."""
+experiment, watch it progress without reloading, read answers, the serving phases, the hosts' work and the
+report."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
+from typing import Any
 
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Locator, Page, expect
 
+from server.web.render import duration
 from tests.browser.conftest import screenshot
-from tests.browser.support import Agent, create_experiment, experiment_through_testing, operator_post, sha, step
+from tests.browser.support import (
+    Agent,
+    attempts_by_host,
+    create_experiment,
+    experiment_through_testing,
+    job_times,
+    operator_post,
+    phase_report,
+    serving_section,
+    sha,
+    step,
+)
 from tests.integration.agent.support import Coordinator
 from tests.integration.coordinator.support import LOCAL_PLAN, answer, report_body, train_result
 
 REPORT = Path(__file__).parent / "data" / "report-local.json"
+PHASES = ("single", "pair", "failure")
+SERVED = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
 
 
 def sign_in(page: Page, coordinator: Coordinator) -> None:
@@ -235,3 +253,181 @@ def test_an_operator_stops_a_running_replica_from_the_serving_page(page: Page, c
     stop = b.claim("replica-stop")
     assert stop["spec"] == {"rank": 1, "serving_token": stop["spec"]["serving_token"]}
     screenshot(page, "replica-stopped")
+
+
+def cells(table: Locator, label: str) -> Locator:
+    """The data cells of the table's row headed exactly ``label``."""
+    header = table.page.locator("th", has_text=re.compile(f"^{re.escape(label)}$"))
+    return table.locator("tr", has=header).locator("td")
+
+
+def fact(facts: Locator, term: str) -> Locator:
+    """The definition of ``term`` in a definition list."""
+    return facts.locator("dt", has_text=re.compile(f"^{re.escape(term)}$")).locator("xpath=following-sibling::dd[1]")
+
+
+def serve(coordinator: Coordinator, experiment: str, a: Agent, b: Agent) -> None:
+    """The serving commitment, then a replica on each host of the pair (a holds rank 0, b rank 1)."""
+    operator_post(coordinator, f"/api/experiments/{experiment}/serving", SERVED)
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    for agent, rank in ((a, 0), (b, 1)):
+        job = agent.claim("replica-start")
+        result = {"probe_url": f"http://host-{rank}:9000", "replica_url": "http://127.0.0.1:8000", "rank": rank}
+        agent.finish(job, result=result | {"model_identity": sha("clean-pair")})
+
+
+def benchmark(agent: Agent, report: dict[str, Any]) -> None:
+    job = agent.claim("benchmark")
+    assert job["spec"]["phase"] == report["phase"]
+    agent.finish(job, serving=[{"phase": report["phase"], "report": report}])
+
+
+# The side-by-side rows the serving and report pages share, with the format each shows.
+MEASURES = [
+    ("requests", "requests", "d"),
+    ("completed", "completed", "d"),
+    ("correct", "correct", "d"),
+    ("requests per second", "request_throughput", ".2f"),
+    ("output tokens per second", "output_throughput", ".1f"),
+    ("p50 end-to-end latency (ms)", "median_e2el_ms", ".0f"),
+    ("p95 end-to-end latency (ms)", "p95_e2el_ms", ".0f"),
+    ("p99 end-to-end latency (ms)", "p99_e2el_ms", ".0f"),
+    ("first attempts failed", "first_attempt_failures", "d"),
+    ("retries", "retries", "d"),
+]
+
+
+def expect_phases_side_by_side(table: Locator, reports: dict[str, dict[str, Any]]) -> None:
+    expect(table.locator("thead th")).to_have_text(["measure", *PHASES])
+    for label, key, spec in MEASURES:
+        expect(cells(table, label)).to_have_text([format(reports[p]["metrics"][key], spec) for p in PHASES])
+
+
+def test_serving_phases_read_side_by_side_with_their_latency_failure_timeline_agreement_and_the_hosts_work(
+    page: Page, coordinator: Coordinator
+) -> None:
+    experiment, a, b = experiment_through_testing(coordinator)
+    serve(coordinator, experiment, a, b)
+    reports = {phase: phase_report(phase) for phase in PHASES}
+    first_single = phase_report("single", pace=1.3)  # recorded first; the rerun's record is the one shown
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    benchmark(a, first_single)
+    page.goto(f"/experiments/{experiment}/serving")
+    table = page.get_by_test_id("phases")
+    expect(cells(table, "recorded")).to_contain_text(["UTC", "not run yet", "not run yet"])
+    expect(cells(table, "requests per second")).to_have_text(
+        [f"{first_single['metrics']['request_throughput']:.2f}", "", ""]
+    )
+
+    rerun = {"kind": "benchmark", "arm": "clean-pair", "spec": {"phase": "single"}}
+    operator_post(coordinator, f"/api/experiments/{experiment}/jobs", rerun)
+    benchmark(a, reports["single"])
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    benchmark(a, reports["pair"])
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    failure = a.claim("benchmark")
+    a.events(failure, 0, {"event": "stop-replica", "after": reports["failure"]["stop_after"]})
+    page.goto(f"/experiments/{experiment}/jobs")
+    running = page.get_by_role("row", name="benchmark clean-pair, failure phase")
+    expect(running.get_by_test_id("took")).to_contain_text("running for")
+    stop = b.claim("replica-stop")  # the coordinator stopped rank 1's replica on the benchmark's word
+    b.finish(stop)
+    time.sleep(2.1)  # long enough that the phase's duration reads as seconds
+    a.finish(failure, serving=[{"phase": "failure", "report": reports["failure"]}])
+    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
+    a.finish(a.claim("replica-stop"))
+
+    page.goto(f"/experiments/{experiment}/serving")
+    table = page.get_by_test_id("phases")
+    expect_phases_side_by_side(table, reports)
+    expect(cells(table, "recorded").first).to_contain_text("the latest of 2 records")
+    assert reports["single"]["metrics"]["request_throughput"] != first_single["metrics"]["request_throughput"]
+    expect(page.get_by_test_id("latency").locator("svg")).to_be_visible()
+    expect(page.get_by_test_id("latency").locator("figcaption")).to_contain_text("latency of every completed request")
+    stopped = reports["failure"]
+    expect(page.get_by_test_id("stop")).to_contain_text(
+        f"stopped after {stopped['stop_after']} completions; the client saw it leave {stopped['stop_seen']:.2f} s"
+    )
+    expect(page.get_by_test_id("stop")).to_contain_text("1 first attempt failed, 1 retry, 0 lost")
+    timeline = page.get_by_test_id("failure-timeline")
+    expect(timeline.locator("svg")).to_be_visible()
+    expect(timeline.locator("figcaption")).to_contain_text(f"Each of the {len(stopped['completions'])} requests")
+    page.get_by_text("Every attempt of the failure phase").click()
+    attempts = page.get_by_test_id("attempts").locator("tbody tr")
+    expect(attempts).to_have_count(len(stopped["attempts"]))
+    retried = attempts.filter(has_text="503")
+    expect(retried).to_contain_text("the replica is shutting down")
+    request = retried.locator("th").inner_text()
+    expect(attempts.filter(has=page.locator("th", has_text=re.compile(f"^{request}$")))).to_have_count(2)
+    screenshot(page, "serving")
+
+    report = json.loads(REPORT.read_text()) | {"serving": serving_section(reports)}
+    operator_post(coordinator, f"/api/experiments/{experiment}/report", report_body(report))
+    page.goto(f"/experiments/{experiment}/report")
+    expect_phases_side_by_side(page.get_by_test_id("serving-phases"), reports)
+    ratio = report["serving"]["pair_over_single_request_throughput"]
+    expect(page.get_by_test_id("pair-over-single")).to_contain_text(
+        f"Two replicas serve {ratio:.2f}\N{MULTIPLICATION SIGN}"
+    )
+    summary = report["serving"]["failure"]
+    facts = page.get_by_test_id("failure")
+    expect(fact(facts, "Replica stopped after")).to_have_text(f"{summary['stopped_after_completions']} completions")
+    seen = f"{summary['stop_seen_at_seconds']:.2f} s after the phase started"
+    expect(fact(facts, "The client saw it leave")).to_have_text(seen)
+    left = str(summary["requests_started_after_one_replica_left"])
+    expect(fact(facts, "Requests started after one replica left")).to_have_text(left)
+    expect(fact(facts, "First attempts failed")).to_have_text(str(summary["first_attempt_failures"]))
+    expect(fact(facts, "Retries")).to_have_text(str(summary["retries"]))
+    expect(fact(facts, "Requests lost")).to_have_text(str(summary["lost"]))
+    agreement = page.get_by_test_id("agreement").locator("li")
+    expect(agreement).to_have_count(3)
+    for line, (phase, found) in zip(agreement.all(), report["serving"]["agreement"].items(), strict=True):
+        expect(line).to_contain_text(
+            f"{phase}: identical to the evaluation: {found['identical']} of {found['tasks']} answers, "
+            f"token agreement {100 * found['token_agreement']:.1f}%, "
+            f"correct {found['correct']} (evaluation: {found['expected_correct']})"
+        )
+    expect(agreement.last).to_contain_text("First difference: task")
+    expect(page.locator("figure.chart svg")).to_have_count(5)  # the report's four, and serving latency by phase
+    screenshot(page, "report-serving")
+
+    page.goto(f"/experiments/{experiment}/jobs")
+    finished = page.get_by_role("table").filter(has_text="took")
+    pair = finished.get_by_role("row", name="train clean-pair")
+    expect(pair.get_by_test_id("hosts")).to_have_text("host-a (rank 0), host-b (rank 1)")
+    for name, host in [
+        ("replica-start clean-pair, rank 0", "host-a"),
+        ("replica-start clean-pair, rank 1", "host-b"),
+        ("benchmark clean-pair, pair phase", "host-a"),
+        ("replica-stop clean-pair, rank 1", "host-b"),
+        ("replica-stop clean-pair, rank 0", "host-a"),
+    ]:
+        expect(finished.get_by_role("row", name=name).get_by_test_id("hosts")).to_have_text(host)
+    expect(finished.get_by_role("row", name="benchmark clean-pair, single phase")).to_have_count(2)
+    started, ended = job_times(coordinator, failure["job_id"])
+    took = (ended - started).total_seconds()
+    assert took >= 2
+    row = finished.get_by_role("row", name="benchmark clean-pair, failure phase")
+    expect(row.get_by_test_id("took")).to_have_text(duration(took))
+    hosts = page.get_by_test_id("host-timeline")
+    expect(hosts.locator("svg")).to_be_visible()
+    counts = attempts_by_host(coordinator, experiment)
+    expect(hosts.locator("figcaption")).to_contain_text(
+        f"host-a {counts['host-a']} attempts, host-b {counts['host-b']} attempts"
+    )
+    screenshot(page, "jobs-timeline")
+
+
+def test_a_report_recorded_before_the_agreement_check_still_shows_its_serving_phases(
+    page: Page, coordinator: Coordinator
+) -> None:
+    experiment, _, _ = experiment_through_testing(coordinator)
+    operator_post(coordinator, f"/api/experiments/{experiment}/serving", SERVED)
+    reports = {phase: phase_report(phase) for phase in PHASES}
+    report = json.loads(REPORT.read_text()) | {"serving": serving_section(reports, with_agreement=False)}
+    operator_post(coordinator, f"/api/experiments/{experiment}/report", report_body(report))
+    page.goto(f"/experiments/{experiment}/report")
+    expect_phases_side_by_side(page.get_by_test_id("serving-phases"), reports)
+    expect(fact(page.get_by_test_id("failure"), "Requests lost")).to_have_text("0")
+    expect(page.get_by_test_id("agreement")).to_have_count(0)
+    expect(page.get_by_test_id("verdict")).to_be_visible()

@@ -11,10 +11,11 @@ import httpx
 import pytest
 
 from experiment import replica, seedmodel
-from experiment.benchmark import Attempt, Completion, PhaseRun, Router, metrics
+from experiment.benchmark import PhaseRun, Router
 from experiment.errors import CoopError
 from experiment.plan import ServingPlan
 from experiment.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
+from experiment.servingrecord import Attempt, Completion, metrics
 
 TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
 
@@ -177,13 +178,16 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
         assert expected in flags
     env = replica.environment(spec, {"VLLM_BATCH_INVARIANT": "1"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_BATCH_INVARIANT" not in env
+    # Not pinned to the host's first cores, where a second replica on the same machine would be pinned too.
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 def test_replica_on_gpu_is_batch_invariant() -> None:
     spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, device="cuda", python="/p")
     assert "--enforce-eager" not in replica.command(spec) and "--max-num-seqs" not in replica.command(spec)
-    env = replica.environment(spec, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    env = replica.environment(spec, {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     assert env["VLLM_BATCH_INVARIANT"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
 
 
 @pytest.mark.parametrize(
