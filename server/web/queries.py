@@ -33,22 +33,28 @@ class StateChange:
     reason: str
 
 
-async def timeline(session: AsyncSession, experiment_id: uuid.UUID) -> list[StateChange]:
-    """The experiment's own state changes (jobs' and attempts' carry their ids), oldest first."""
+async def _state_events(session: AsyncSession, experiment_id: uuid.UUID, of_jobs: bool) -> list[models.Event]:
+    """The state-change events of the experiment itself, or of its jobs (never their attempts'), oldest first."""
     rows = await session.scalars(
         select(models.Event)
         .where(
             models.Event.experiment_id == experiment_id,
             models.Event.kind == "state",
-            models.Event.job_id.is_(None),
+            models.Event.job_id.is_not(None) if of_jobs else models.Event.job_id.is_(None),
             models.Event.attempt_id.is_(None),
         )
         .order_by(models.Event.at, models.Event.id)
     )
-    return [
-        StateChange(row.at, str(row.body.get("from", "")), str(row.body.get("to", "")), str(row.body.get("reason", "")))
-        for row in rows
-    ]
+    return list(rows)
+
+
+def _change(row: models.Event) -> StateChange:
+    return StateChange(row.at, *(str(row.body.get(key, "")) for key in ("from", "to", "reason")))
+
+
+async def timeline(session: AsyncSession, experiment_id: uuid.UUID) -> list[StateChange]:
+    """The experiment's own state changes (jobs' and attempts' carry their ids), oldest first."""
+    return [_change(row) for row in await _state_events(session, experiment_id, of_jobs=False)]
 
 
 @dataclass(frozen=True)
@@ -151,21 +157,10 @@ async def experiment_attempts(session: AsyncSession, experiment_id: uuid.UUID) -
 
 async def job_changes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[uuid.UUID, list[StateChange]]:
     """Job -> its own state changes (not its attempts'), oldest first."""
-    rows = await session.scalars(
-        select(models.Event)
-        .where(
-            models.Event.experiment_id == experiment_id,
-            models.Event.kind == "state",
-            models.Event.job_id.is_not(None),
-            models.Event.attempt_id.is_(None),
-        )
-        .order_by(models.Event.at, models.Event.id)
-    )
     found: dict[uuid.UUID, list[StateChange]] = {}
-    for row in rows:
+    for row in await _state_events(session, experiment_id, of_jobs=True):
         if row.job_id is not None:  # always, by the query; the check narrows the column's type
-            before, after, reason = (str(row.body.get(key, "")) for key in ("from", "to", "reason"))
-            found.setdefault(row.job_id, []).append(StateChange(row.at, before, after, reason))
+            found.setdefault(row.job_id, []).append(_change(row))
     return found
 
 
