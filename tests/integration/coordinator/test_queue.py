@@ -48,8 +48,8 @@ def test_expired_lease_is_lost_and_retried_as_a_new_attempt(
 
 
 def test_heartbeat_renews_the_lease(make_settings: Callable[..., Settings], database_url: str) -> None:
-    # A lease many heartbeats long: a busy 2-core machine stalled one heartbeat for ~1 s (CI, session 11), which
-    # the earlier 0.6 s lease did not survive; a gap the lease does not cover is a lost attempt, as designed.
+    # A lease many heartbeats long: a busy 2-core machine can stall one heartbeat for ~1 s (seen in CI), which a
+    # 0.6 s lease does not survive; a gap the lease does not cover is a lost attempt, as designed.
     with running(make_settings(lease_seconds=2.5, heartbeat_seconds=0.25, reap_seconds=0.1)) as client:
         api = Api(client, database_url)
         a = api.agent("a")
