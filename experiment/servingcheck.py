@@ -20,7 +20,7 @@ import msgspec
 from experiment import agreement, tasks
 from experiment.canonical import read_json
 from experiment.corpus import Prepared, TaskItem
-from experiment.evaluation import Answer
+from experiment.evaluation import Answer, Generation, answer_text
 from experiment.layout import evaluation
 from experiment.servingrecord import PHASES
 
@@ -45,8 +45,9 @@ def _served_answers(
         ids = [int(token) for token in completion["output_ids"]]
         broken = agreement.degenerate(ids, eos, pad)
         require(broken is None, path, f"{where}.output_ids", f"task {item.id}: {broken}; no model answers that")
-        ends = bool(ids) and ids[-1] == eos
-        check = tasks.check(str(tokenizer.decode(ids[:-1] if ends else ids, skip_special_tokens=False)), item.expected)
+        # The probe cut the ids at the first EOS, as the evaluation does; its reading of them is the evaluation's.
+        generation = Generation(output_ids=ids, ended_with_eos=ids[-1:] == [eos], hit_token_limit=False)
+        check = tasks.check(answer_text(tokenizer, generation), item.expected)
         require(completion["correct"] == check.correct, path, f"{where}.correct", "is not the strict checker's outcome")
         served.append(agreement.ServedAnswer(task_id=item.id, output_ids=ids, check=check))
     return served
