@@ -412,19 +412,20 @@ def run(
         del number, frame  # uvicorn re-raises the signal it shut down for; it has been handled
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request to the replica
-    previous = {sig: signal.signal(sig, noted) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     async def main() -> None:
+        # Until it serves, a stop ends the probe at once (the default handlers); uvicorn handles it from then on.
         if reference is not None:
             emit(
                 {"event": "checking", "replica": service.replica, "tasks": min(IDENTITY_TASKS, len(reference.answers))}
             )
             checked = await service.check_identity(reference, prepared.plan.runtime.device)
             info["identity"] = msgspec.to_builtins(checked)
-        await _serve(create_app(service, token), host, port, emit, info)
+        previous = {sig: signal.signal(sig, noted) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            await _serve(create_app(service, token), host, port, emit, info)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
-    try:
-        asyncio.run(main())
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    asyncio.run(main())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -98,6 +100,19 @@ def test_a_probe_refuses_a_replica_of_a_checkpoint_vllm_misreads(
     first = evaluation.read_answers(trained.reference)[1][0]
     assert f"the replica's answer to dev task {first.id} (index 0) is only padding (96 x token id 0)" in refusal
     assert not any(event["event"] == "listening" for event in probe.events)  # it never served anything
+
+
+def test_a_probe_still_checking_its_replica_stops_at_once(trained: Trained, serving_token: str, tmp_path: Path) -> None:
+    """Until it serves, nothing holds a probe up: a stop while it waits for its replica ends it (as an agent stops a
+    replica that is still starting)."""
+    nowhere = f"http://127.0.0.1:{free_port()}"  # no replica ever answers there
+    args = ["probe", "--home", str(trained.home), "--model-dir", str(TINY), "--replica", nowhere]
+    args += ["--expect", str(trained.reference), "--port", str(free_port())]
+    probe = EventProcess(args, serving_token, tmp_path / "probe.log")
+    probe.wait_for("checking", 120)
+    began = time.monotonic()
+    assert probe.terminate(timeout=30) == -signal.SIGTERM  # not killed after the grace period
+    assert time.monotonic() - began < 10
 
 
 def test_repeated_request_id_returns_the_stored_answer(probe_url: str, serving_home: Path, serving_token: str) -> None:
