@@ -52,13 +52,7 @@ def as_blobs(files: dict[str, Path]) -> tuple[dict[str, str], dict[str, bytes]]:
 
 def fetch_prepared(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace, prepared_identity: str) -> None:
     """Download the committed prepared inputs into this host's home (nothing is written unless all verify)."""
-    listed = [f for f in client.evidence(experiment_id) if f.path.startswith(f"{PREPARED}/")]
-    files: dict[str, bytes] = {}
-    for item in listed:
-        data = client.download_blob(item.sha256)
-        if sha256_bytes(data) != item.sha256:
-            raise CoopError(f"the coordinator sent {item.path} with sha256 {sha256_bytes(data)}, not {item.sha256}")
-        files[item.path.removeprefix(f"{PREPARED}/")] = data
+    files = {path.removeprefix(f"{PREPARED}/"): data for path, data in _download(client, experiment_id, PREPARED)}
     if MANIFEST not in files:
         raise CoopError("the coordinator holds no prepared/manifest.json for this experiment")
     manifest = json.loads(files[MANIFEST])
@@ -78,17 +72,24 @@ def fetch_prepared(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace,
 def fetch_folder(client: Coordinator, experiment_id: uuid.UUID, ws: Workspace, folder: str) -> None:
     """Download the evidence files under ``folder`` (another host's evaluation, say) into this host's home, each
     checked against its blob's sha256; a file already there must be identical."""
-    listed = [f for f in client.evidence(experiment_id) if f.path.startswith(f"{folder}/")]
-    if not listed:
+    files = _download(client, experiment_id, folder)
+    if not files:
         raise CoopError(f"the coordinator holds no evidence under {folder}/")
-    files: dict[str, bytes] = {}
-    for item in listed:
-        data = client.download_blob(item.sha256)
-        if sha256_bytes(data) != item.sha256:
-            raise CoopError(f"the coordinator sent {item.path} with sha256 {sha256_bytes(data)}, not {item.sha256}")
-        files[item.path] = data
-    for path, data in files.items():
+    for path, data in files:
         write_new_bytes(ws.home / path, data)
+
+
+def _download(client: Coordinator, experiment_id: uuid.UUID, folder: str) -> list[tuple[str, bytes]]:
+    """Every evidence file under ``folder`` (bundle path, bytes), each checked against its blob's sha256 before
+    any is returned."""
+    files = []
+    for item in client.evidence(experiment_id):
+        if item.path.startswith(f"{folder}/"):
+            data = client.download_blob(item.sha256)
+            if sha256_bytes(data) != item.sha256:
+                raise CoopError(f"the coordinator sent {item.path} with sha256 {sha256_bytes(data)}, not {item.sha256}")
+            files.append((item.path, data))
+    return files
 
 
 def write_selection(entries: list[wire.LedgerEntry], ws: Workspace) -> Path:

@@ -86,9 +86,10 @@ def save(
     parameter_digest: str,
     journal: list[StepRecord],
     seed_dir: Path,
+    layout: seedmodel.TensorLayout,
 ) -> Pointer:
     """Write the checkpoint into a temporary folder, rename it into place, then write its pointer. The weights
-    take the seed's tensor layout; its other files come from ``seed_dir``."""
+    take the seed's tensor ``layout``; its other files come from ``seed_dir``."""
     final = run_dir / "checkpoints" / _name(step)
     if final.exists():
         raise CoopError(f"checkpoint {final} already exists; refusing to overwrite it")
@@ -96,7 +97,7 @@ def save(
     if staging.exists():
         shutil.rmtree(staging)  # an unfinished write of a previous, interrupted attempt
     (staging / MODEL_DIR).mkdir(parents=True)
-    _save_model(model, staging / MODEL_DIR, seedmodel.tensor_layout(seed_dir))
+    _save_model(model, staging / MODEL_DIR, layout)
     for source in sorted(seed_dir.iterdir()):
         if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name:
             shutil.copyfile(source, staging / MODEL_DIR / source.name)

@@ -412,7 +412,7 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
                     kept = checkpoint.kept(directory, held, step, binding, digest, layout)
                     if kept is None:
                         pointer = checkpoint.save(
-                            directory, step, model, trainer.optimizer, binding, digest, journal, model_dir
+                            directory, step, model, trainer.optimizer, binding, digest, journal, model_dir, layout
                         )
                         checkpoint.verify(directory, pointer, binding, layout)
                         written = "checkpoint"
