@@ -146,8 +146,11 @@ class Coordinator:
         response = self._send("POST", f"/api/attempts/{attempt_id}/result", body=body, headers={"Idempotency-Key": key})
         return msgspec.json.decode(response.content, type=wire.Attempt)
 
-    def upload_blob(self, sha256: str, data: bytes, media_type: str = "application/octet-stream") -> wire.Blob:
-        response = self._send("PUT", f"/api/blobs/{sha256}", body=data, headers={"Content-Type": media_type})
+    def upload_blob(self, attempt_id: uuid.UUID, sha256: str, data: bytes) -> wire.Blob:
+        """``data``, evidence of the attempt (an agent's upload names it: the coordinator refuses one for an attempt
+        that has ended)."""
+        path = f"/api/blobs/{sha256}?attempt={attempt_id}"
+        response = self._send("PUT", path, body=data, headers={"Content-Type": "application/octet-stream"})
         return msgspec.json.decode(response.content, type=wire.Blob)
 
     def ledger(self, experiment_id: uuid.UUID) -> list[wire.LedgerEntry]:

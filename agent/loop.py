@@ -9,17 +9,20 @@ import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 
-from agent import evidence, jobs
+from agent import evidence, jobs, processes
 from agent.client import Coordinator, Rejected, Stopping, Unreachable, forever
 from agent.services import Services
 from agent.spool import BLOB_PREFIX, OpenAttempt, Spool
@@ -27,6 +30,10 @@ from experiment import layout, wire
 from experiment.errors import CoopError
 
 log = logging.getLogger("coop.agent")
+
+# What an earlier run of this agent left running is orphaned and its attempt is reported lost (and retried): its
+# TERM need only release files and ports.
+LEFTOVER_GRACE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -71,13 +78,27 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+def _without_nul(value: Any) -> Any:
+    """``value`` with every NUL in its strings as U+FFFD: a Postgres text holds no NUL, so the coordinator
+    refuses an event with one (a command may print it raw, or escaped in a JSON line)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_without_nul(key): _without_nul(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(item) for item in value]
+    return value
+
+
 def to_event(line: str) -> tuple[wire.Event, dict[str, Any] | None]:
     """One stdout line as a coordinator event (and the decoded object, when the line is a JSON object)."""
+    line = _without_nul(line)
     try:
         decoded = json.loads(line)
     except ValueError:
         decoded = None
     if isinstance(decoded, dict):
+        decoded = _without_nul(decoded)
         return wire.Event(kind=str(decoded.get("event", "event"))[:100] or "event", body=decoded, at=_now()), decoded
     return wire.Event(kind="output", body={"line": line[:4000]}, at=_now()), None
 
@@ -96,15 +117,26 @@ class Agent:
         self.stopping = threading.Event()
         self._current: OpenAttempt | None = None
         self._stop: _Stop | None = None
+        # The attempts this agent holds, from the reply of their claim until the coordinator has settled their
+        # result (a spooled result may wait for it), and the key of the claim in flight, whose reply has not been
+        # read. Every heartbeat names both: the coordinator ends as lost an active attempt of this agent it names
+        # neither by id nor by claim key.
+        self._held: set[uuid.UUID] = set()
+        self._claiming: str | None = None
         self._lock = threading.Lock()
-        self.services = Services(settings.grace_seconds)
+        # Held by a heartbeat from reading what it names until its reply: a claim takes it before it is sent, so
+        # that no heartbeat read before the claim reaches the coordinator after it.
+        self._beating = threading.Lock()
+        self.services = Services(settings.grace_seconds, spool)
 
     # The threads ----------------------------------------------------------------------------------
 
     def run(self) -> None:
+        self._recover()
+        with self._lock:
+            self._held.update(self.spool.undelivered())
         sender = threading.Thread(target=self._send_loop, name="sender", daemon=True)
         sender.start()
-        self._recover()
         try:
             agent = forever(
                 lambda: self.client.register(
@@ -126,29 +158,40 @@ class Agent:
             wait_seconds=self.settings.claim_wait_seconds,
             kinds=list(self.settings.kinds) or None,  # type: ignore[arg-type]
         )
+        key: str | None = None
         while not self.stopping.is_set():
+            if key is None:
+                key = secrets.token_urlsafe(24)
+                with self._beating, self._lock:
+                    self._claiming = key
             try:
-                reply = self.client.claim(request)
+                reply = self.client.claim(msgspec.structs.replace(request, claim_key=key))
             except Unreachable as exc:
+                # The coordinator may have leased an attempt and lost the reply: the same key gets it back.
                 log.warning("claim: %s", exc)
                 self.stopping.wait(1.0)
                 continue
-            if reply.assignment is not None:
-                self.supervise(reply.assignment)
+            assignment, key = reply.assignment, None
+            with self._lock:
+                if assignment is not None:
+                    self._held.add(assignment.attempt_id)
+                self._claiming = None
+            if assignment is not None:
+                self.supervise(assignment)
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.settings.heartbeat_seconds):
             self.heartbeat_once()
 
     def heartbeat_once(self) -> None:
-        with self._lock:
-            current = self._current
-        ids = [current.attempt_id] if current is not None else []
-        try:
-            reply = self.client.heartbeat(wire.HeartbeatRequest(attempt_ids=ids), retries=0)
-        except (Unreachable, Rejected) as exc:
-            log.warning("heartbeat: %s", exc)
-            return
+        with self._beating:
+            with self._lock:
+                request = wire.HeartbeatRequest(attempt_ids=sorted(self._held), claiming=self._claiming)
+            try:
+                reply = self.client.heartbeat(request, retries=0)
+            except (Unreachable, Rejected) as exc:
+                log.warning("heartbeat: %s", exc)
+                return
         for directive in reply.directives:
             if directive.action == "stop":
                 grace = self.settings.grace_seconds
@@ -176,7 +219,7 @@ class Agent:
                     if upload.kind == "events":
                         self.client.upload_events(upload.attempt_id, upload.key, upload.body)
                     elif upload.kind == "blob":  # idempotent by content: a blob stored before is not stored again
-                        self.client.upload_blob(upload.key.rsplit(BLOB_PREFIX, 1)[1], upload.body)
+                        self.client.upload_blob(upload.attempt_id, upload.key.rsplit(BLOB_PREFIX, 1)[1], upload.body)
                     else:
                         self.client.upload_result(upload.attempt_id, upload.key, upload.body)
                 except Unreachable as exc:
@@ -187,9 +230,15 @@ class Agent:
                     # as rejected, for the record, and go on with the rest.
                     log.error("upload %s rejected: %s", upload.key, exc)
                     self.spool.settle(upload, "rejected", str(exc))
-                    continue
-                self.spool.settle(upload, "acknowledged")
+                else:
+                    self.spool.settle(upload, "acknowledged")
+                if upload.kind == "result":  # the coordinator has the attempt's last word, or refused it
+                    self._release(upload.attempt_id)
         return True
+
+    def _release(self, attempt_id: uuid.UUID) -> None:
+        with self._lock:
+            self._held.discard(attempt_id)
 
     def drain(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -201,17 +250,27 @@ class Agent:
         return not self.spool.pending(limit=1)
 
     def _recover(self) -> None:
-        """Attempts left open by an earlier run of this agent: their commands died with it."""
+        """What an earlier run of this agent left: the process groups it started that still run are ended, and
+        the attempts it had not finished are reported lost (the coordinator retries them)."""
+        groups = self.spool.groups()
+        ended = processes.end(groups, LEFTOVER_GRACE_SECONDS)
+        for group in groups:
+            if group in ended:
+                log.warning("ended %s (process group %d), left running by the agent's last run", group.what, group.pid)
+            self.spool.forget_group(group)
+        commands = {group.attempt_id: group for group in groups if group.attempt_id is not None}
         for attempt in self.spool.unfinished():
-            log.warning("attempt %s was running when the agent stopped; reporting it failed", attempt.attempt_id)
-            self.spool.add_result(
-                attempt,
-                wire.AttemptResult(
-                    lease_token=attempt.lease_token,
-                    outcome="failed",
-                    reason="the agent restarted while the command ran",
-                ),
+            reason = "the agent restarted while the command ran"
+            command = commands.get(attempt.attempt_id)
+            if command is not None and command in ended:
+                reason += f"; its command (pid {command.pid}) was ended"
+            elif command is not None:
+                reason += f"; its command (pid {command.pid}) had ended with the agent"
+            log.warning(
+                "attempt %s was running when the agent stopped; reporting it lost: %s", attempt.attempt_id, reason
             )
+            result = wire.AttemptResult(lease_token=attempt.lease_token, outcome="lost", reason=reason)
+            self.spool.add_result(attempt, result)
 
     # One job ----------------------------------------------------------------------------------------
 
@@ -229,6 +288,7 @@ class Agent:
             forever(lambda: self.client.start(job.attempt_id, job.lease_token), self.stopping)
         except Rejected as exc:
             log.error("start of attempt %s refused: %s", job.attempt_id, exc)
+            self._release(job.attempt_id)
             return
         except Stopping:
             return
@@ -262,15 +322,23 @@ class Agent:
         stderr_path = logs / f"{job.kind}-{job.attempt_id}.stderr"
         argv = handler.argv(job, ws)
         with stderr_path.open("wb") as stderr:
-            process = subprocess.Popen(
+            process, group = processes.start(
+                self.spool,
+                f"`coop {job.kind}` of attempt {job.attempt_id}",
                 argv,
                 cwd=jobs.ROOT,
                 env=jobs.environment(job, dict(os.environ)),
                 stdout=subprocess.PIPE,
                 stderr=stderr,
-                start_new_session=True,  # its own process group: TERM and KILL reach every child it starts
+                attempt_id=job.attempt_id,
             )
-            decoded, stopped = self._forward(process, attempt)
+            try:
+                decoded, stopped = self._forward(process, attempt)
+            finally:
+                # The group ends with its command: what the command left running (or the command itself, when
+                # forwarding failed) would otherwise hold its files, ports and GPUs.
+                processes.end([group], self.settings.grace_seconds)
+                self.spool.forget_group(group)
         code = process.returncode
         if stopped is not None:
             reason = stopped[:4000]

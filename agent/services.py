@@ -2,15 +2,14 @@
 
 A replica-start job starts both (``coop replica`` and ``coop probe``, each in its own process group), waits
 until the probe's ``/health`` answers (the probe listens only once the replica has answered dev tasks as the
-evaluation of its model did), and reports their URLs and that check; they outlive the job. A replica-stop job,
-or the agent's own shutdown, stops them: TERM, the grace period, then KILL.
+evaluation of its model did), and reports their URLs and that check; they outlive the job, not the agent (each
+is an agent.processes group). A replica-stop job, or the agent's own shutdown, stops them: TERM, the grace
+period, then KILL.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import threading
@@ -21,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from agent import processes
+from agent.spool import Group, Spool
 from experiment.errors import CoopError
 
 
@@ -35,16 +36,7 @@ def free_port(host: str) -> int:
 class Service:
     name: str
     process: subprocess.Popen[bytes]
-
-    def stop(self, grace: float) -> int | None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait(timeout=30)
+    group: Group
 
 
 @dataclass
@@ -54,13 +46,6 @@ class Replica:
     probe_url: str
     services: tuple[Service, Service]
     identity: dict[str, Any]  # the probe's check of the replica's answers against the evaluation (its /health)
-
-
-def _spawn(name: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> Service:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=out, start_new_session=True)
-    return Service(name, process)
 
 
 def _last_words(log: Path) -> str:
@@ -93,10 +78,25 @@ def _wait_healthy(
 class Services:
     """Replicas by experiment; at most one per experiment on a host."""
 
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, spool: Spool) -> None:
         self.grace = grace
+        self.spool = spool
         self._replicas: dict[str, Replica] = {}
         self._lock = threading.Lock()
+
+    def _spawn(self, name: str, key: str, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> Service:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            what = f"the {name} of experiment {key}"
+            process, group = processes.start(self.spool, what, argv, cwd=cwd, env=env, stdout=out, stderr=out)
+        return Service(name, process, group)
+
+    def _end(self, service: Service) -> None:
+        """TERM, the grace period, KILL: the service's whole process group, which is then no longer recorded."""
+        processes.end([service.group], self.grace)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            service.process.wait(timeout=30)
+        self.spool.forget_group(service.group)
 
     def start(
         self,
@@ -123,12 +123,11 @@ class Services:
         replica_port, probe_port = free_port(bind), free_port(bind)
         replica_url = f"http://127.0.0.1:{replica_port}"
         argv = [*coop, "replica", "--model-dir", str(model_dir), "--served-model-name", model_identity]
-        replica = _spawn(
-            "replica", [*argv, "--port", str(replica_port), "--grace", str(self.grace)], cwd, env, logs / "replica.log"
-        )
+        replica_argv = [*argv, "--port", str(replica_port), "--grace", str(self.grace)]
+        replica = self._spawn("replica", key, replica_argv, cwd, env, logs / "replica.log")
         probe_argv = [*coop, "probe", "--home", str(home), "--model-dir", str(seed_dir), "--replica", replica_url]
         probe_argv += ["--bind", bind, "--port", str(probe_port), "--token-file", str(token_file)]
-        probe = _spawn("probe", [*probe_argv, "--expect", str(reference)], cwd, env, logs / "probe.log")
+        probe = self._spawn("probe", key, [*probe_argv, "--expect", str(reference)], cwd, env, logs / "probe.log")
         token = token_file.read_text().strip()
         try:
             health = _wait_healthy(
@@ -136,7 +135,7 @@ class Services:
             )
         except CoopError:
             for service in (probe, replica):
-                service.stop(self.grace)
+                self._end(service)
             raise
         probe_url = f"http://{advertise}:{probe_port}"
         started = Replica(model_identity, replica_url, probe_url, (replica, probe), health.get("identity") or {})
@@ -151,8 +150,8 @@ class Services:
         if replica is None:
             return False
         probe, vllm = replica.services[1], replica.services[0]
-        vllm.stop(self.grace)  # the replica first: the probe then answers 503, as a stopped host would
-        probe.stop(self.grace)
+        self._end(vllm)  # the replica first: the probe then answers 503, as a stopped host would
+        self._end(probe)
         return True
 
     def stop_all(self) -> None:

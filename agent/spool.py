@@ -1,6 +1,7 @@
 """The agent's local spool (SQLite under the work dir): every event batch and result is written here before it
 is sent and kept until the coordinator acknowledges it, so that nothing is lost while the coordinator is
-unreachable or the agent restarts. Uploads replay in the order they were spooled, under the same keys."""
+unreachable or the agent restarts. Uploads replay in the order they were spooled, under the same keys. It also
+records the process groups the agent started, so that a restarted agent can end those an earlier run left."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ CREATE TABLE IF NOT EXISTS attempts (
     next_sequence INTEGER NOT NULL DEFAULT 0,
     finished INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS process_groups (
+    pid INTEGER PRIMARY KEY,  -- the leader's pid, which is also the group's id
+    started REAL NOT NULL,  -- the leader's create time (psutil): a recycled pid is never taken for the leader
+    marker TEXT NOT NULL,  -- in the environment of every process of the group, and of those that left it
+    what TEXT NOT NULL,
+    attempt_id TEXT  -- the attempt whose command it is; NULL for a service
+);
 """
 
 
@@ -54,6 +62,17 @@ class OpenAttempt:
     attempt_id: uuid.UUID
     job_id: uuid.UUID
     lease_token: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group the agent started (agent.processes), recorded until it has ended."""
+
+    pid: int
+    started: float
+    marker: str
+    what: str
+    attempt_id: uuid.UUID | None = None
 
 
 class Spool:
@@ -133,6 +152,33 @@ class Spool:
     def settle(self, upload: Upload, state: Literal["acknowledged", "rejected"], note: str | None = None) -> None:
         with self._lock:
             self._db.execute("UPDATE uploads SET state = ?, note = ? WHERE id = ?", (state, note, upload.id))
+
+    def undelivered(self) -> list[uuid.UUID]:
+        """The attempts whose result is spooled and not yet settled with the coordinator."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT attempt_id FROM uploads WHERE kind = 'result' AND state = 'pending' ORDER BY id"
+            ).fetchall()
+        return [uuid.UUID(a) for (a,) in rows]
+
+    def record_group(self, group: Group) -> None:
+        attempt_id = None if group.attempt_id is None else str(group.attempt_id)
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO process_groups (pid, started, marker, what, attempt_id) VALUES (?, ?, ?, ?, ?)",
+                (group.pid, group.started, group.marker, group.what, attempt_id),
+            )
+
+    def forget_group(self, group: Group) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM process_groups WHERE pid = ? AND started = ?", (group.pid, group.started))
+
+    def groups(self) -> list[Group]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT pid, started, marker, what, attempt_id FROM process_groups ORDER BY rowid"
+            ).fetchall()
+        return [Group(int(p), float(s), m, w, None if a is None else uuid.UUID(a)) for p, s, m, w, a in rows]
 
     def counts(self) -> dict[str, int]:
         with self._lock:

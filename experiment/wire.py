@@ -15,6 +15,13 @@ from experiment.servingrecord import Phase
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+# Integers the coordinator stores in 32-bit columns: every inbound integer is bounded to what its column holds.
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Step = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+# A moment with its time zone: a naive time is refused, since the coordinator cannot know which zone it meant.
+Moment = Annotated[datetime.datetime, msgspec.Meta(tz=True)]
 # A file's path inside the evidence bundle (docs/evidence.md), e.g. ``runs/clean-pair/rank-1/result.json``;
 # the server also refuses empty, ``.`` and ``..`` segments.
 BundlePath = Annotated[str, msgspec.Meta(min_length=1, max_length=500, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]
@@ -37,7 +44,8 @@ JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "re
 ArmName = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent"]
-Outcome = Literal["succeeded", "failed", "cancelled"]
+# "lost": the agent lost track of the command (it restarted while the command ran); the job is retried.
+Outcome = Literal["succeeded", "failed", "cancelled", "lost"]
 MeasurementKind = Literal["step", "resources"]
 Family = Literal["lookup", "filter", "total", "sort"]
 CheckReason = Literal["correct", "wrong_schema_or_value", "invalid_json_object"]
@@ -105,7 +113,7 @@ class PreparedCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SelectedArm(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    step: Annotated[int, msgspec.Meta(ge=1)]
+    step: Step
     model_identity: Sha256
 
 
@@ -118,13 +126,6 @@ class SelectionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ServingCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     arm: ArmName
     model_identity: Sha256
-
-
-class ReportCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The report JSON (as `coop report` wrote it) and its identity, which the server recomputes."""
-
-    report_identity: Sha256
-    report: dict[str, Any]
 
 
 # Jobs and attempts -----------------------------------------------------------------------------
@@ -175,10 +176,15 @@ class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # Agents ----------------------------------------------------------------------------------------
 
 
+LabelKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+LabelValue = Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class AgentRegister(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The address other hosts reach this agent at (rank 0's becomes MASTER_ADDR of a gang).
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
-    labels: dict[str, str] = {}
+    # Host facts (agent.loop.host_facts): a few short pairs, published on every GET /api/agents.
+    labels: Annotated[dict[LabelKey, LabelValue], msgspec.Meta(max_length=32)] = {}
 
 
 class Agent(msgspec.Struct, frozen=True):
@@ -205,9 +211,15 @@ class HeartbeatReply(msgspec.Struct, frozen=True):
     directives: list[Directive]
 
 
+# A claim's client key (a fresh random key per claim, the same on every retry of it): a retried claim whose
+# first reply was lost gets the same attempt again, and a heartbeat names the claim it has in flight.
+ClaimKey = Annotated[str, msgspec.Meta(min_length=16, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
+
+
 class ClaimRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     wait_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 0.0
-    kinds: list[JobKind] | None = None
+    kinds: Annotated[list[JobKind], msgspec.Meta(max_length=16)] | None = None
+    claim_key: ClaimKey | None = None
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -242,12 +254,12 @@ class LeaseProof(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
     body: dict[str, Any] = {}
-    at: datetime.datetime | None = None
+    at: Moment | None = None
 
 
 class EventBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_token: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
-    sequence: Annotated[int, msgspec.Meta(ge=0)]
+    sequence: Count
     events: Annotated[list[Event], msgspec.Meta(min_length=1, max_length=10_000)]
 
 
@@ -262,7 +274,7 @@ class PrepareResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TrainResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    step: Annotated[int, msgspec.Meta(ge=1)]
+    step: Step
     model_identity: Sha256
     receipt_sha256: Sha256
     final: bool
@@ -277,7 +289,7 @@ class SelectResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     arm: ArmName
     model_identity: Sha256
     path: Annotated[str, msgspec.Meta(max_length=500)]
-    step: Annotated[int, msgspec.Meta(ge=1)]
+    step: Step
     binding: Sha256
     receipt_sha256: Sha256
 
@@ -287,15 +299,15 @@ class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     The training journal itself uses this type (experiment.checkpoint), so receipts and uploads agree."""
 
-    step: Annotated[int, msgspec.Meta(ge=1)]
-    positions: list[int]
-    local_positions: list[int]
+    step: Step
+    positions: list[Count]
+    local_positions: list[Count]
     loss: float
     learning_rate: float
     gradient_norm: float
-    targets: int
-    weighted_targets: int
-    documents: int
+    targets: Count
+    weighted_targets: Count
+    documents: Count
     seconds: float
 
 
@@ -303,10 +315,10 @@ class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One whole-process resource sample (experiment.resources.Sample, field for field)."""
 
     seconds: float
-    rss_bytes: int
+    rss_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
     cpu_user_seconds: float
     cpu_system_seconds: float
-    threads: int
+    threads: Count
 
 
 class AnswerCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -319,12 +331,12 @@ class AnswerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One evaluated answer (experiment.evaluation.Answer, field for field: a line of answers.jsonl)."""
 
     id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    index: Annotated[int, msgspec.Meta(ge=0)]
+    index: Count
     family: Family
-    variant: Annotated[int, msgspec.Meta(ge=0)]
+    variant: Count
     input_dependent: bool
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: list[Count]
+    output_ids: list[Count]
     text: str
     seconds: float
     ended_with_eos: bool
@@ -342,7 +354,7 @@ class ServingPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class AttemptResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_token: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
     outcome: Outcome
-    exit_code: int | None = None
+    exit_code: Int32 | None = None
     reason: Text | None = None
     # Checked against the job kind: PrepareResult for prepare, TrainResult for train, free otherwise.
     result: dict[str, Any] = {}
@@ -368,8 +380,11 @@ class RecordedEvent(msgspec.Struct, frozen=True):
 
 
 class HeartbeatRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    # The attempts this agent is running; the reply says, for each, whether to go on.
+    # The attempts this agent holds: only these leases are renewed, and the reply says, for each, whether to
+    # go on. An active attempt of the agent that is named neither here nor by ``claiming`` ends lost.
     attempt_ids: Annotated[list[uuid.UUID], msgspec.Meta(max_length=64)] = []
+    # The key of the claim this agent has in flight, whose reply it has not yet read.
+    claiming: ClaimKey | None = None
 
 
 # Reads -----------------------------------------------------------------------------------------

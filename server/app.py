@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 
 from advanced_alchemy.extensions.litestar import AsyncSessionConfig, SQLAlchemyAsyncConfig, SQLAlchemyPlugin
 from litestar import Litestar, MediaType, Request, Response
-from litestar.datastructures import State
+from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
 from experiment.errors import CoopError
-from server import auth, db, queue, reporter
+from server import auth, bodies, db, queue, reporter
+from server.api import spec
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
 from server.api.blobs import BlobController
@@ -116,13 +117,18 @@ def create_app(settings: Settings | None = None) -> Litestar:
         dependencies={
             "settings": Provide(lambda: settings, use_cache=True, sync_to_thread=False),
             "principal": Provide(auth.provide_principal, sync_to_thread=False),
-            "agent": Provide(auth.provide_agent),
+            "agent": Provide(auth.provide_agent, sync_to_thread=False),
         },
         guards=[auth.authorize],
+        before_request=bodies.before_request,
         exception_handlers={CoopError: _problem},
         template_config=web_templates(),
         lifespan=[background],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="coop coordinator", version="0.1.0", path="/schema"),
+        # No browser guesses a type for what the coordinator serves (blobs are uploaded data).
+        response_headers=[ResponseHeader(name="X-Content-Type-Options", value="nosniff")],
+        openapi_config=OpenAPIConfig(
+            title="coop coordinator", version="0.1.0", path="/schema", components=spec.SECURITY_SCHEMES
+        ),
     )

@@ -18,7 +18,7 @@ from litestar.handlers.base import BaseRouteHandler
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from server import models, tokens
+from server import db, models, tokens
 from server.errors import Forbidden, Unauthenticated
 from server.lifecycle import Refused
 from server.settings import Settings
@@ -54,18 +54,36 @@ def _bearer(connection: ASGIConnection) -> str | None:  # type: ignore[type-arg]
 
 
 async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+    """Check the token, and set the request's database session up so that no request holds the SQLite write
+    lock while it reads a body or waits: the token (and an agent's row) is read in a reader's transaction,
+    which ends here; a GET stays a reader; any other method's handler writes in transactions of its own."""
+    ctx = context(connection)
+    session = ctx.database.provide_session(connection.app.state, connection.scope)
+    writes = connection.scope.get("method", "GET") not in {"GET", "HEAD"}
+    db.reading(session)
+    try:
+        await _check(connection, handler, ctx, session)
+        await session.commit()
+    finally:
+        if writes:
+            db.writing(session)
+
+
+async def _check(
+    connection: ASGIConnection,  # type: ignore[type-arg]
+    handler: BaseRouteHandler,
+    ctx: Context,
+    session: AsyncSession,
+) -> None:
     if handler.opt.get("web"):
         return  # the web UI's pages and assets: server.web checks their session cookie, never a bearer token
-    ctx = context(connection)
     role = handler.opt.get("role")
     if role is None and (ctx.settings.public_read or connection.url.path.startswith("/schema")):
         return
     secret = _bearer(connection)
     if secret is None:
         raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
-    # The token is looked up in the session (and transaction) the handler then uses: one connection and,
-    # on SQLite, one write-lock turn per request instead of two (claims were queueing twice for the lock).
-    principal = await tokens.lookup(ctx.database.provide_session(connection.app.state, connection.scope), secret)
+    principal = await tokens.lookup(session, secret)
     if principal is None:
         raise Unauthenticated("the bearer token is unknown or revoked")
     roles = (role,) if isinstance(role, str) else tuple(role or ())
@@ -74,6 +92,10 @@ async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> No
             f"this request needs an {' or '.join(roles)} token; {principal.name!r} is an {principal.role} token"
         )
     connection.state.principal = principal
+    if principal.role == "agent":
+        connection.state.agent = await session.scalar(
+            select(models.Agent).where(models.Agent.token_id == principal.token_id)
+        )
 
 
 def provide_principal(request: Request[Any, Any, Any]) -> Principal:
@@ -83,10 +105,9 @@ def provide_principal(request: Request[Any, Any, Any]) -> Principal:
     return principal
 
 
-async def provide_agent(
-    principal: NamedDependency[Principal], db_session: NamedDependency[AsyncSession]
-) -> models.Agent:
-    agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
-    if agent is None:
+def provide_agent(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> models.Agent:
+    """The calling agent's row, read by the guard."""
+    agent = request.state.get("agent")
+    if not isinstance(agent, models.Agent):
         raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it claims work")
     return agent

@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import Connection, event
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from experiment.errors import CoopError
@@ -32,9 +33,26 @@ def _sqlite_pragmas(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEn
     dbapi_connection.isolation_level = None
 
 
-def _sqlite_begin_immediate(connection: Connection) -> None:
-    # Take the write lock at BEGIN, where busy_timeout makes a second writer wait its turn.
-    connection.exec_driver_sql("BEGIN IMMEDIATE")
+# session.info key: False makes the session's SQLite transactions readers (a deferred BEGIN, no write lock).
+WRITES = "coop.writes"
+
+
+def _sqlite_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
+    """Begin each SQLite transaction a session starts: a writer takes the write lock at BEGIN IMMEDIATE, where
+    busy_timeout makes a second writer wait its turn; a reader (``session.info[WRITES] = False``) begins a
+    deferred transaction, which in WAL mode reads a snapshot and never takes the write lock."""
+    if connection.dialect.name != "sqlite" or transaction.nested:
+        return
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if session.info.get(WRITES, True) else "BEGIN")
+
+
+def reading(session: AsyncSession) -> None:
+    """Make the session's next transactions readers (a writer is the default)."""
+    session.info[WRITES] = False
+
+
+def writing(session: AsyncSession) -> None:
+    session.info[WRITES] = True
 
 
 def create_engine(url: str, **options: Any) -> AsyncEngine:
@@ -43,9 +61,11 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
     if is_sqlite(url):
         engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **options)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-        event.listen(engine.sync_engine, "begin", _sqlite_begin_immediate)
         return engine
     return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, **options)
+
+
+event.listen(Session, "after_begin", _sqlite_begin)
 
 
 def session_maker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

@@ -20,7 +20,7 @@ from experiment.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.errors import CoopError
 from experiment.plan import Plan, parse_plan, plan_identity, seed_identity
 from server import blobs, commitments, evidence, models
-from server.errors import BadRequest, NotFound
+from server.errors import NotFound
 from server.lifecycle import (
     EVALUATED_ARMS,
     SERVED_ARM,
@@ -321,22 +321,21 @@ async def start_serving(session: AsyncSession, experiment: models.Experiment, bo
 
 
 async def record_report(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.ReportCommit
-) -> None:
-    """Keep the report JSON as a blob (its canonical bytes, so the blob's name is the report identity)."""
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, report: dict[str, Any]
+) -> str:
+    """Commit the report the coordinator computed (server.reporter), kept as a blob of its canonical bytes so that
+    the blob's name is the report identity; returns that identity. Nothing else records a report."""
     experiment_target(experiment.state, E.REPORTED)
-    data = canonical_bytes(body.report)
-    if sha256_bytes(data) != body.report_identity:
-        raise BadRequest(
-            f"report_identity {body.report_identity} is not the identity of the report sent ({sha256_bytes(data)})"
-        )
+    data = canonical_bytes(report)
+    report_identity = sha256_bytes(data)
 
     async def chunks() -> AsyncIterator[bytes]:
         yield data
 
-    await blobs.store(session, settings, body.report_identity, chunks(), "application/json", len(data))
-    await commitments.append(session, experiment.id, "report", body.report_identity, {"blob": body.report_identity})
+    await blobs.store(session, settings, report_identity, chunks(), "application/json", len(data))
+    await commitments.append(session, experiment.id, "report", report_identity, {"blob": report_identity})
     move_experiment(session, experiment, E.REPORTED, "report recorded")
+    return report_identity
 
 
 async def report_file(session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> Path:

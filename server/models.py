@@ -118,6 +118,8 @@ class Attempt(UUIDv7AuditBase):
     __table_args__ = (
         UniqueConstraint("job_id", "number", "rank"),
         Index("ix_attempts_state_lease", "state", "lease_expires_at"),
+        # A claim's client key names one attempt of one agent: a retried claim finds it again.
+        UniqueConstraint("agent_id", "claim_key"),
     )
     job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
@@ -125,6 +127,7 @@ class Attempt(UUIDv7AuditBase):
     agent_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("agents.id"), index=True)
     state: Mapped[str] = mapped_column(String(20))
     lease_token_hash: Mapped[str] = mapped_column(String(64))
+    claim_key: Mapped[str | None] = mapped_column(String(64), default=None)
     lease_expires_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
     master_addr: Mapped[str | None] = mapped_column(String(255), default=None)
     master_port: Mapped[int | None] = mapped_column(Integer, default=None)

@@ -138,6 +138,26 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
     return "queued " + ", ".join(str(want) for want in missing)
 
 
+async def request_report(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> models.Job:
+    """Queue the coordinator's own report job: once every serving stage before it succeeded, and again after a
+    report job failed. The report is always the coordinator's recomputation from the stored evidence."""
+    state = E(experiment.state)
+    if state in EXPERIMENT_FINAL:
+        raise Refused("experiment-final", f"the experiment is {state}; its report can no longer change")
+    if state != E.SERVING:
+        raise Refused("report-not-ready", f"the report is computed after the serving phase; the experiment is {state}")
+    jobs = await jobs_of(session, experiment.id)
+    busy = _busy(jobs)
+    if busy:
+        names = ", ".join(f"{Want(j.kind, j.arm, j.role)} ({j.state})" for j in busy)  # type: ignore[arg-type]
+        raise Refused("phase-running", f"the {state} phase is still running: {names}")
+    missing = _next_stage(state, jobs)
+    if missing != [Want("report")]:
+        waiting = ", ".join(str(want) for want in missing)
+        raise Refused("report-not-ready", f"the report is computed after the serving phase; it still needs {waiting}")
+    return await experiments.enqueue(session, settings, experiment, wire.JobCreate("report"))
+
+
 async def autopilot(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str | None:
     """Advance if autopilot is on, nothing runs, and no job of the next stage has failed or been cancelled."""
     actions = []

@@ -16,6 +16,7 @@ import hashlib
 import secrets
 import uuid
 from collections.abc import Sequence
+from typing import Literal
 
 from sqlalchemy import or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -24,11 +25,12 @@ from sqlalchemy.orm import aliased
 from experiment import wire
 from server import experiments, lifecycle, models, phases, serving
 from server.errors import Forbidden, NotFound
-from server.lifecycle import COORDINATOR_KIND, JOB_ACTIVE, JOB_FINAL, JobState, Refused
+from server.lifecycle import COORDINATOR_KIND, EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, JobState, Refused
 from server.settings import Settings
 
 J = JobState
 ACTIVE = [J.LEASED.value, J.RUNNING.value]
+NOT_HELD = "not held by its agent: its heartbeat did not name it"
 
 
 def _now() -> datetime.datetime:
@@ -58,7 +60,13 @@ async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence
         .exists()
     )
     # Report jobs are the coordinator's own (phases.py, reporter.py); agents never claim them.
-    kind_filter = [candidate.kind.in_(list(kinds)) if kinds else true(), candidate.kind != COORDINATOR_KIND]
+    # A job of an experiment that has ended (reported, failed, halted) is never handed out.
+    live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))
+    kind_filter = [
+        candidate.kind.in_(list(kinds)) if kinds else true(),
+        candidate.kind != COORDINATOR_KIND,
+        candidate.experiment_id.in_(live),
+    ]
     open_gang = (
         select(candidate.id)
         .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, *kind_filter)
@@ -108,10 +116,66 @@ async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence
     return taken.scalar_one_or_none()
 
 
+def _lease(settings: Settings, attempt: models.Attempt) -> str:
+    """A new lease token for the attempt (only its hash is kept) and a full lease term from now."""
+    token = secrets.token_urlsafe(32)
+    attempt.lease_token_hash = hash_secret(token)
+    attempt.lease_expires_at = _now() + datetime.timedelta(seconds=settings.lease_seconds)
+    return token
+
+
+def _assignment(settings: Settings, job: models.Job, attempt: models.Attempt, token: str) -> wire.Assignment:
+    return wire.Assignment(
+        job_id=job.id,
+        attempt_id=attempt.id,
+        experiment_id=job.experiment_id,
+        kind=job.kind,  # type: ignore[arg-type]
+        arm=job.arm,  # type: ignore[arg-type]
+        role=job.role,  # type: ignore[arg-type]
+        # The probes' bearer token goes only to the agent of a serving job, and is stored nowhere.
+        spec=job.spec
+        | ({"serving_token": serving.token(settings, job.experiment_id)} if job.kind in serving.KINDS else {}),
+        number=attempt.number,
+        rank=attempt.rank,
+        world_size=job.world_size,
+        master_addr=attempt.master_addr,
+        master_port=attempt.master_port,
+        lease_token=token,
+        lease_expires_at=attempt.lease_expires_at,
+    )
+
+
+async def _claimed_before(
+    session: AsyncSession, settings: Settings, agent: models.Agent, claim_key: str
+) -> wire.Assignment | Literal[False] | None:
+    """The attempt a retried claim was given the first time (its reply was lost), with a new lease token;
+    None when that attempt has ended since; False when the key is new."""
+    attempt = await session.scalar(
+        select(models.Attempt)
+        .where(models.Attempt.agent_id == agent.id, models.Attempt.claim_key == claim_key)
+        .with_for_update()
+    )
+    if attempt is None:
+        return False
+    if attempt.state != J.LEASED.value:
+        return None  # ended (or started, which its agent would have needed the first reply for)
+    job = await session.get_one(models.Job, attempt.job_id)
+    return _assignment(settings, job, attempt, _lease(settings, attempt))
+
+
 async def claim(
-    session: AsyncSession, settings: Settings, agent: models.Agent, kinds: Sequence[str] | None
+    session: AsyncSession,
+    settings: Settings,
+    agent: models.Agent,
+    kinds: Sequence[str] | None,
+    claim_key: str | None = None,
 ) -> wire.Assignment | None:
-    """One claim in the session's current transaction; the caller commits."""
+    """One claim in the session's current transaction; the caller commits. A claim key seen before from this
+    agent gets the attempt of its first claim again, never a second one."""
+    if claim_key is not None:
+        earlier = await _claimed_before(session, settings, agent, claim_key)
+        if earlier is not False:
+            return earlier
     job_id = await _claim_row(session, agent, kinds)
     if job_id is None:
         return None
@@ -123,40 +187,21 @@ async def claim(
         job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
     if job.ranks_open == 0:
         job.formation_deadline = None
-    token = secrets.token_urlsafe(32)
-    expires = now + datetime.timedelta(seconds=settings.lease_seconds)
     attempt = models.Attempt(
         job_id=job.id,
         number=job.attempts_made,
         rank=rank,
         agent_id=agent.id,
         state=J.LEASED.value,
-        lease_token_hash=hash_secret(token),
-        lease_expires_at=expires,
+        claim_key=claim_key,
         master_addr=job.master_addr,
         master_port=job.master_port,
     )
+    token = _lease(settings, attempt)
     session.add(attempt)
     await session.flush()
     lifecycle.record_claim(session, job, attempt)
-    return wire.Assignment(
-        job_id=job.id,
-        attempt_id=attempt.id,
-        experiment_id=job.experiment_id,
-        kind=job.kind,  # type: ignore[arg-type]
-        arm=job.arm,  # type: ignore[arg-type]
-        role=job.role,  # type: ignore[arg-type]
-        # The probes' bearer token goes only to the agent of a serving job, and is stored nowhere.
-        spec=job.spec
-        | ({"serving_token": serving.token(settings, job.experiment_id)} if job.kind in serving.KINDS else {}),
-        number=job.attempts_made,
-        rank=rank,
-        world_size=job.world_size,
-        master_addr=job.master_addr,
-        master_port=job.master_port,
-        lease_token=token,
-        lease_expires_at=expires,
-    )
+    return _assignment(settings, job, attempt, token)
 
 
 async def _settle(session: AsyncSession, settings: Settings, job: models.Job, ended: models.Attempt) -> None:
@@ -319,18 +364,35 @@ async def finish(
 
 
 async def heartbeat(
-    session: AsyncSession, settings: Settings, agent: models.Agent, attempt_ids: Sequence[uuid.UUID]
+    session: AsyncSession,
+    settings: Settings,
+    agent: models.Agent,
+    attempt_ids: Sequence[uuid.UUID],
+    claiming: str | None = None,
 ) -> wire.HeartbeatReply:
-    """Renew every lease this agent holds and tell it, per attempt it names, whether to go on."""
+    """Renew the leases this agent names and tell it, per attempt named, whether to go on.
+
+    An active attempt of the agent that it does not name, and whose claim is not the one it has in flight, is
+    not held by it (its result was refused, its claim reply lost, or it restarted): it ends lost and is retried.
+    Only attempts claimed before the agent's previous heartbeat was answered are judged, so that a heartbeat
+    sent before a claim was made, and answered after, takes nothing away. An agent heartbeats one at a time."""
     now = _now()
     expires = now + datetime.timedelta(seconds=settings.lease_seconds)
-    agent.last_seen_at = now
-    await session.execute(
-        update(models.Attempt)
+    previous, agent.last_seen_at = agent.last_seen_at, now
+    named = set(attempt_ids)
+    held = await session.scalars(
+        select(models.Attempt)
         .where(models.Attempt.agent_id == agent.id, models.Attempt.state.in_(ACTIVE))
-        .values(lease_expires_at=expires)
-        .execution_options(synchronize_session=False)
+        .order_by(models.Attempt.id)
+        .with_for_update()
     )
+    for active in list(held):
+        if active.id in named or (claiming is not None and active.claim_key == claiming):
+            active.lease_expires_at = expires
+        elif active.created_at < previous:
+            job = await session.get_one(models.Job, active.job_id, with_for_update=True)
+            lifecycle.move_attempt(session, job, active, J.LOST, NOT_HELD)
+            await _settle(session, settings, job, active)
     directives = []
     for attempt_id in attempt_ids:
         attempt = await session.get(models.Attempt, attempt_id, populate_existing=True)

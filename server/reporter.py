@@ -17,8 +17,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from experiment import wire
-from experiment.canonical import canonical_bytes, sha256_bytes, write_new_bytes
+from experiment.canonical import write_new_bytes
 from experiment.errors import CoopError
 from server import evidence, experiments, models
 from server.lifecycle import COORDINATOR_KIND, JobState, move_job
@@ -75,8 +74,7 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
         experiment = await experiments.load(session, experiment_id, lock=True)
         job = await session.get_one(models.Job, job_id, with_for_update=True)
         if failure is None:
-            body = wire.ReportCommit(report_identity=sha256_bytes(canonical_bytes(report)), report=report)
-            await experiments.record_report(session, settings, experiment, body)
+            await experiments.record_report(session, settings, experiment, report)
             move_job(session, job, J.SUCCEEDED, f"report written to {folder / 'report.json'}")
         else:
             log.error("report of experiment %s failed: %s", experiment_id, failure)

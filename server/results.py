@@ -14,15 +14,18 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
-from experiment import wire
-from server import models
+from experiment import layout, wire
+from server import blobs, models
 from server.errors import BadRequest
 from server.lifecycle import Refused
+from server.settings import Settings
 
 MAX_PAGE = 1000
 
 
-async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult) -> None:
+async def record(
+    session: AsyncSession, settings: Settings, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult
+) -> None:
     """Store the result's measurements (any outcome) and its answers and serving phases (success only)."""
     if len({entry.step for entry in body.journal}) != len(body.journal):
         raise BadRequest("the journal names a step twice; each update appears once")
@@ -41,6 +44,8 @@ async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt
         )
         for index, sample in enumerate(body.resource_samples)
     )
+    if job.kind == "evaluate" and body.outcome == "succeeded":
+        await _check_answers(session, settings, job, body)
     if body.answers:
         await _record_answers(session, job, attempt, body.answers)
     if body.serving:
@@ -52,6 +57,30 @@ async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt
             )
             for phase in body.serving
         )
+
+
+async def _check_answers(session: AsyncSession, settings: Settings, job: models.Job, body: wire.AttemptResult) -> None:
+    """An evaluation's answers are published three ways: the rows, the hash its commitment takes and the
+    answers.jsonl blob the report recomputes from. They must be one record: the result names the blob as evidence,
+    ``answers_sha256`` is that blob's name, and the answers sent are its lines, in order."""
+    path = f"{layout.evaluation(str(job.role), str(job.arm))}/answers.jsonl"
+    sha256 = body.evidence.get(path)
+    if sha256 is None:
+        raise BadRequest(f"an evaluate result names its answers file {path} among its evidence")
+    claimed = body.result.get("answers_sha256")
+    if claimed != sha256:
+        raise BadRequest(f"result.answers_sha256 {claimed!r} is not the sha256 of {path} ({sha256})")
+    _, file = await blobs.find(session, settings, sha256)
+    try:
+        lines = [line for line in file.read_bytes().splitlines() if line.strip()]
+        recorded = [msgspec.json.decode(line, type=wire.AnswerRecord) for line in lines]
+    except msgspec.MsgspecError as exc:
+        raise BadRequest(f"{path} (blob {sha256}) is not a file of answers: {exc}") from None
+    if len(recorded) != len(body.answers):
+        raise BadRequest(f"the result sends {len(body.answers)} answers; {path} holds {len(recorded)}")
+    for index, (sent, kept) in enumerate(zip(body.answers, recorded, strict=True)):
+        if sent != kept:
+            raise BadRequest(f"answers[{index}] (task {sent.id}) is not line {index + 1} of {path} (task {kept.id})")
 
 
 async def _record_answers(

@@ -26,6 +26,7 @@ async def events(
     checked = idempotency.require_key(key, idempotency.expected_key(job.id, attempt.id, body.sequence))
 
     async def work() -> tuple[int, bytes]:
+        queue.require_active(attempt)  # an ended attempt's command is gone: what it printed late is not its record
         await serving.on_events(session, settings, job, {event.kind for event in body.events})
         received = datetime.datetime.now(datetime.UTC)
         session.add_all(
@@ -59,7 +60,7 @@ async def result(
 
     async def work() -> tuple[int, bytes]:
         queue.require_active(attempt)
-        await results.record(session, job, attempt, body)
+        await results.record(session, settings, job, attempt, body)
         if body.evidence:
             await evidence.record(session, job, attempt, body.evidence)
         finished = await queue.finish(session, settings, job, attempt, body)

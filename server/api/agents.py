@@ -14,10 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import audit, models, queue, views
+from server.api import spec
 from server.settings import Settings
 from server.tokens import Principal
 
-AGENT = {"role": "agent"}
 # How often a waiting claim looks for work again.
 POLL_SECONDS = 0.2
 
@@ -26,12 +26,12 @@ class AgentController(Controller):
     path = "/api/agents"
     tags = ("agents",)
 
-    @get("/", operation_id="listAgents")
+    @get("/", operation_id="listAgents", **spec.read(found=False))
     async def list_agents(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Agent]:
         rows = await db_session.scalars(select(models.Agent).order_by(models.Agent.id))
         return [views.agent(row) for row in rows]
 
-    @post("/register", operation_id="registerAgent", opt=AGENT)
+    @post("/register", operation_id="registerAgent", **spec.write("agent", found=False))
     async def register(
         self,
         data: JSONBody[wire.AgentRegister],
@@ -57,20 +57,17 @@ class AgentController(Controller):
         await db_session.refresh(agent)
         return views.agent(agent)
 
-    @post("/heartbeat", operation_id="heartbeat", opt=AGENT, status_code=200)
+    @post("/heartbeat", operation_id="heartbeat", status_code=200, **spec.write("agent", found=False))
     async def heartbeat(
         self,
         data: JSONBody[wire.HeartbeatRequest],
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
         agent: NamedDependency[models.Agent],
     ) -> wire.HeartbeatReply:
-        reply = await queue.heartbeat(db_session, settings, agent, data.attempt_ids)
-        audit.record(db_session, principal, "agent.heartbeat", f"agent:{agent.id}")
-        return reply
+        return await queue.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
 
-    @post("/claim", operation_id="claimJob", opt=AGENT, status_code=200)
+    @post("/claim", operation_id="claimJob", status_code=200, **spec.write("agent", found=False))
     async def claim(
         self,
         data: JSONBody[wire.ClaimRequest],
@@ -82,7 +79,7 @@ class AgentController(Controller):
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued."""
         deadline = time.monotonic() + min(data.wait_seconds, settings.max_claim_wait_seconds)
         while True:
-            assignment = await queue.claim(db_session, settings, agent, data.kinds)
+            assignment = await queue.claim(db_session, settings, agent, data.kinds, data.claim_key)
             if assignment is not None:
                 audit.record(
                     db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank

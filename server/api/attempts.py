@@ -13,12 +13,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import audit, models, queue, uploads, views
+from server.api import spec
 from server.errors import NotFound
 from server.idempotency import Stored
 from server.settings import Settings
 from server.tokens import Principal
 
-AGENT = {"role": "agent"}
 IdempotencyKey = Annotated[
     str | None, HeaderParameter(name="Idempotency-Key", description="job:attempt:sequence ('result' for results)")
 ]
@@ -32,7 +32,7 @@ class AttemptController(Controller):
     path = "/api/attempts"
     tags = ("attempts",)
 
-    @get("/{attempt_id:uuid}", operation_id="getAttempt")
+    @get("/{attempt_id:uuid}", operation_id="getAttempt", **spec.read())
     async def get_attempt(
         self, attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> wire.Attempt:
@@ -41,7 +41,7 @@ class AttemptController(Controller):
             raise NotFound(f"attempt {attempt_id} does not exist")
         return views.attempt(attempt)
 
-    @get("/{attempt_id:uuid}/events", operation_id="listAttemptEvents")
+    @get("/{attempt_id:uuid}/events", operation_id="listAttemptEvents", **spec.read())
     async def list_events(
         self, attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.RecordedEvent]:
@@ -52,7 +52,7 @@ class AttemptController(Controller):
         )
         return [views.event(row) for row in rows]
 
-    @post("/{attempt_id:uuid}/start", operation_id="startAttempt", opt=AGENT)
+    @post("/{attempt_id:uuid}/start", operation_id="startAttempt", **spec.write("agent"))
     async def start(
         self,
         attempt_id: FromPath[uuid.UUID],
@@ -70,7 +70,7 @@ class AttemptController(Controller):
     @post(
         "/{attempt_id:uuid}/events",
         operation_id="uploadEvents",
-        opt=AGENT,
+        **spec.write("agent", body=None),
         status_code=201,
         response_description="wire.EventBatchReply; a replay returns the stored reply",
     )
@@ -92,7 +92,7 @@ class AttemptController(Controller):
     @post(
         "/{attempt_id:uuid}/result",
         operation_id="uploadResult",
-        opt=AGENT,
+        **spec.write("agent", body=None),
         status_code=200,
         response_description="wire.Attempt; a replay returns the stored reply",
     )

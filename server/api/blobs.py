@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 from litestar import Controller, Request, Response, get, put
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
+from litestar.params import FromPath, QueryParameter
 from litestar.response import File
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, blobs
+from server import audit, blobs, models, queue
+from server.api import spec
 from server.errors import BadRequest
+from server.lifecycle import Refused
 from server.settings import Settings
 from server.tokens import Principal
 
-WRITERS = {"role": ("agent", "operator")}
 _SHA256 = re.compile("^[0-9a-f]{64}$")
 
 
@@ -27,6 +33,35 @@ def _digest(sha256: str) -> str:
     return sha256
 
 
+async def _require_active_attempt(session: AsyncSession, principal: Principal, attempt_id: uuid.UUID | None) -> None:
+    if attempt_id is None:
+        raise BadRequest("an agent's blob upload names its attempt: PUT /api/blobs/SHA256?attempt=ATTEMPT_ID")
+    agent = await session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
+    if agent is None:
+        raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it uploads")
+    _, attempt = await queue.owned_attempt(session, agent, attempt_id, None)
+    queue.require_active(attempt)
+
+
+@dataclass
+class _BlobUpload(Operation):
+    """The upload's body is the blob's bytes, streamed (not a parameter the handler decodes)."""
+
+    def __post_init__(self) -> None:
+        binary = OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY))
+        self.request_body = RequestBody(
+            content={"application/octet-stream": binary},
+            required=True,
+            description="The blob's bytes; their sha256 must be the path's",
+        )
+
+
+_UPLOAD = spec.write(("agent", "operator"), streams=True)
+_UPLOAD["responses"] |= {
+    201: ResponseSpec(data_container=wire.Blob, description="Stored now", generate_examples=False),
+}
+
+
 class BlobController(Controller):
     path = "/api/blobs"
     tags = ("blobs",)
@@ -34,10 +69,9 @@ class BlobController(Controller):
     @put(
         "/{sha256:str}",
         operation_id="uploadBlob",
-        opt=WRITERS,
+        operation_class=_BlobUpload,
         # The blob limit (settings.max_blob_bytes) is enforced while the body streams to disk.
-        request_max_body_size=None,
-        response_description="wire.Blob: 201 when stored now, 200 when it was already stored",
+        **_UPLOAD,
     )
     async def upload(
         self,
@@ -46,19 +80,29 @@ class BlobController(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
+        attempt: Annotated[
+            uuid.UUID | None,
+            QueryParameter(description="the agent's attempt this evidence belongs to (agent tokens must name it)"),
+        ] = None,
     ) -> Response[wire.Blob]:
-        """Store the body under its sha256; the server hashes it and refuses a body that is not that content."""
-        media_type = request.headers.get("content-type") or "application/octet-stream"
+        """Store the body under its sha256; the server hashes it and refuses a body that is not that content.
+        An agent names the attempt the blob is evidence of: an attempt that has ended gets 409."""
+        digest = _digest(sha256)
+        if principal.role == "agent":
+            await _require_active_attempt(db_session, principal, attempt)
+            await db_session.commit()  # the check's transaction ends before the body streams
         blob = await blobs.store(
-            db_session, settings, _digest(sha256), request.stream(), media_type[:100], request.content_length
+            db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length
         )
         if blob.created:
             audit.record(db_session, principal, "blob.upload", f"blob:{sha256}", size=blob.size)
         return Response(blob, status_code=201 if blob.created else 200)
 
-    @get("/{sha256:str}", operation_id="downloadBlob", media_type="application/octet-stream")
+    @get("/{sha256:str}", operation_id="downloadBlob", media_type="application/octet-stream", **spec.read())
     async def download(
         self, sha256: FromPath[str], db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
     ) -> File:
-        blob, path = await blobs.find(db_session, settings, _digest(sha256))
-        return File(path, media_type=blob.media_type, filename=sha256)
+        """The stored bytes, always as an attachment of type application/octet-stream: a blob is served as data,
+        never with a content type an uploader chose."""
+        _, path = await blobs.find(db_session, settings, _digest(sha256))
+        return File(path, media_type="application/octet-stream", filename=sha256)

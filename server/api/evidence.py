@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import audit, evidence, experiments
+from server.api import spec
 from server.settings import Settings
 from server.tokens import Principal
 
@@ -20,7 +21,7 @@ class EvidenceController(Controller):
     path = "/api/experiments/{experiment_id:uuid}"
     tags = ("evidence",)
 
-    @get("/evidence", operation_id="listEvidence")
+    @get("/evidence", operation_id="listEvidence", **spec.read())
     async def listing(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.EvidenceFile]:
@@ -28,7 +29,7 @@ class EvidenceController(Controller):
         await experiments.load(db_session, experiment_id)
         return await evidence.listing(db_session, experiment_id)
 
-    @post("/evidence", operation_id="attachEvidence", opt={"role": "operator"})
+    @post("/evidence", operation_id="attachEvidence", **spec.write("operator", body=spec.DOCUMENT))
     async def attach(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -43,7 +44,7 @@ class EvidenceController(Controller):
         await db_session.flush()
         return await evidence.listing(db_session, experiment_id)
 
-    @get("/evidence.tar", operation_id="exportEvidence", media_type="application/x-tar")
+    @get("/evidence.tar", operation_id="exportEvidence", media_type="application/x-tar", **spec.read())
     async def export(
         self,
         experiment_id: FromPath[uuid.UUID],

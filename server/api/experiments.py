@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
-from litestar import Controller, get, post
+from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import File
@@ -13,10 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import audit, commitments, experiments, lifecycle, models, phases, serving, views
+from server.api import spec
+from server.errors import BadRequest
 from server.settings import Settings
 from server.tokens import Principal
-
-OPERATOR = {"role": "operator"}
 
 
 async def _view(session: AsyncSession, experiment: models.Experiment) -> wire.Experiment:
@@ -30,7 +31,7 @@ class ExperimentController(Controller):
     path = "/api/experiments"
     tags = ("experiments",)
 
-    @post("/", operation_id="createExperiment", opt=OPERATOR)
+    @post("/", operation_id="createExperiment", **spec.write("operator", body=spec.PLAN, found=False))
     async def create(
         self,
         data: JSONBody[wire.ExperimentCreate],
@@ -42,18 +43,18 @@ class ExperimentController(Controller):
         audit.record(db_session, principal, "experiment.create", f"experiment:{experiment.id}", commit=data.commit)
         return await _view(db_session, experiment)
 
-    @get("/", operation_id="listExperiments")
+    @get("/", operation_id="listExperiments", **spec.read(found=False))
     async def list_experiments(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Experiment]:
         rows = await db_session.scalars(select(models.Experiment).order_by(models.Experiment.id))
         return [views.experiment(row) for row in rows]
 
-    @get("/{experiment_id:uuid}", operation_id="getExperiment")
+    @get("/{experiment_id:uuid}", operation_id="getExperiment", **spec.read())
     async def get_experiment(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> wire.Experiment:
         return views.experiment(await experiments.load(db_session, experiment_id))
 
-    @post("/{experiment_id:uuid}/commit", operation_id="commitPlan", opt=OPERATOR)
+    @post("/{experiment_id:uuid}/commit", operation_id="commitPlan", **spec.write("operator"))
     async def commit(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -66,7 +67,7 @@ class ExperimentController(Controller):
         audit.record(db_session, principal, "experiment.commit", f"experiment:{experiment.id}")
         return await _view(db_session, experiment)
 
-    @get("/{experiment_id:uuid}/arms", operation_id="listArms")
+    @get("/{experiment_id:uuid}/arms", operation_id="listArms", **spec.read())
     async def arms(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Arm]:
@@ -74,14 +75,14 @@ class ExperimentController(Controller):
         arms = await experiments.arms_of(db_session, experiment_id)
         return [views.arm(arms[name]) for name in sorted(arms)]
 
-    @get("/{experiment_id:uuid}/ledger", operation_id="getLedger")
+    @get("/{experiment_id:uuid}/ledger", operation_id="getLedger", **spec.read())
     async def ledger(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.LedgerEntry]:
         await experiments.load(db_session, experiment_id)
         return await commitments.entries(db_session, experiment_id)
 
-    @get("/{experiment_id:uuid}/jobs", operation_id="listExperimentJobs")
+    @get("/{experiment_id:uuid}/jobs", operation_id="listExperimentJobs", **spec.read())
     async def jobs(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Job]:
@@ -91,7 +92,7 @@ class ExperimentController(Controller):
         )
         return [views.job(row) for row in rows]
 
-    @post("/{experiment_id:uuid}/jobs", operation_id="queueJob", opt=OPERATOR)
+    @post("/{experiment_id:uuid}/jobs", operation_id="queueJob", **spec.write("operator", body=spec.DOCUMENT))
     async def queue_job(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -111,7 +112,9 @@ class ExperimentController(Controller):
         await db_session.refresh(job)
         return views.job(job)
 
-    @post("/{experiment_id:uuid}/selection", operation_id="commitSelection", opt=OPERATOR)
+    @post(
+        "/{experiment_id:uuid}/selection", operation_id="commitSelection", **spec.write("operator", body=spec.DOCUMENT)
+    )
     async def selection(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -126,7 +129,7 @@ class ExperimentController(Controller):
         await phases.autopilot(db_session, settings, experiment)
         return await _view(db_session, experiment)
 
-    @post("/{experiment_id:uuid}/advance", operation_id="advanceExperiment", opt=OPERATOR, status_code=200)
+    @post("/{experiment_id:uuid}/advance", operation_id="advanceExperiment", status_code=200, **spec.write("operator"))
     async def advance(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -140,7 +143,7 @@ class ExperimentController(Controller):
         audit.record(db_session, principal, "experiment.advance", f"experiment:{experiment.id}", queued=action)
         return wire.Advanced(await _view(db_session, experiment), action)
 
-    @post("/{experiment_id:uuid}/autopilot", operation_id="setAutopilot", opt=OPERATOR, status_code=200)
+    @post("/{experiment_id:uuid}/autopilot", operation_id="setAutopilot", status_code=200, **spec.write("operator"))
     async def autopilot(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -156,7 +159,7 @@ class ExperimentController(Controller):
         await phases.autopilot(db_session, settings, experiment)
         return await _view(db_session, experiment)
 
-    @post("/{experiment_id:uuid}/serving", operation_id="commitServing", opt=OPERATOR)
+    @post("/{experiment_id:uuid}/serving", operation_id="commitServing", **spec.write("operator"))
     async def serving(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -169,33 +172,39 @@ class ExperimentController(Controller):
         audit.record(db_session, principal, "experiment.serve", f"experiment:{experiment.id}", arm=data.arm)
         return await _view(db_session, experiment)
 
-    @post("/{experiment_id:uuid}/report", operation_id="commitReport", opt=OPERATOR)
+    @post("/{experiment_id:uuid}/report", operation_id="requestReport", **spec.write("operator"))
     async def report(
         self,
         experiment_id: FromPath[uuid.UUID],
-        data: JSONBody[wire.ReportCommit],
+        request: Request[Any, Any, Any],
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
-    ) -> wire.Experiment:
+    ) -> wire.Job:
+        """Ask the coordinator to compute the report from the stored evidence (it queues its own report job).
+        The request has no body: a report is only ever the coordinator's recomputation, never one sent to it."""
+        if (await request.body()).strip():
+            raise BadRequest("a report request has no body: the coordinator computes the report itself")
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        await experiments.record_report(db_session, settings, experiment, data)
-        audit.record(db_session, principal, "experiment.report", f"experiment:{experiment.id}")
-        return await _view(db_session, experiment)
+        job = await phases.request_report(db_session, settings, experiment)
+        audit.record(db_session, principal, "experiment.report", f"experiment:{experiment.id}", job=str(job.id))
+        await db_session.flush()
+        await db_session.refresh(job)
+        return views.job(job)
 
-    @get("/{experiment_id:uuid}/report", operation_id="getReport", media_type="application/json")
+    @get("/{experiment_id:uuid}/report", operation_id="getReport", media_type="application/json", **spec.read())
     async def get_report(
         self,
         experiment_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> File:
-        """The report JSON as recorded by the operator (404 until it is recorded)."""
+        """The report JSON the coordinator computed and committed (404 until then)."""
         await experiments.load(db_session, experiment_id)
         path = await experiments.report_file(db_session, settings, experiment_id)
         return File(path, media_type="application/json", content_disposition_type="inline")
 
-    @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", opt=OPERATOR)
+    @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", **spec.write("operator"))
     async def halt(
         self,
         experiment_id: FromPath[uuid.UUID],

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import audit, models, queue, views
+from server.api import spec
 from server.errors import NotFound
 from server.tokens import Principal
 
@@ -27,11 +28,11 @@ class JobController(Controller):
     path = "/api/jobs"
     tags = ("jobs",)
 
-    @get("/{job_id:uuid}", operation_id="getJob")
+    @get("/{job_id:uuid}", operation_id="getJob", **spec.read())
     async def get_job(self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]) -> wire.Job:
         return views.job(await _job(db_session, job_id))
 
-    @get("/{job_id:uuid}/attempts", operation_id="listAttempts")
+    @get("/{job_id:uuid}/attempts", operation_id="listAttempts", **spec.read())
     async def attempts(
         self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Attempt]:
@@ -43,7 +44,7 @@ class JobController(Controller):
         )
         return [views.attempt(row) for row in rows]
 
-    @post("/{job_id:uuid}/cancel", operation_id="cancelJob", opt={"role": "operator"})
+    @post("/{job_id:uuid}/cancel", operation_id="cancelJob", **spec.write("operator"))
     async def cancel(
         self,
         job_id: FromPath[uuid.UUID],

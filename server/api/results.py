@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import experiments, models, results
+from server.api import spec
 from server.errors import NotFound
 
 
@@ -19,7 +20,7 @@ class ResultController(Controller):
     path = "/api"
     tags = ("results",)
 
-    @get("/jobs/{job_id:uuid}/measurements", operation_id="listJobMeasurements")
+    @get("/jobs/{job_id:uuid}/measurements", operation_id="listJobMeasurements", **spec.read())
     async def job_measurements(
         self,
         job_id: FromPath[uuid.UUID],
@@ -31,7 +32,7 @@ class ResultController(Controller):
             raise NotFound(f"job {job_id} does not exist")
         return await results.measurements(db_session, job_id=job_id, kind=kind)
 
-    @get("/attempts/{attempt_id:uuid}/measurements", operation_id="listAttemptMeasurements")
+    @get("/attempts/{attempt_id:uuid}/measurements", operation_id="listAttemptMeasurements", **spec.read())
     async def attempt_measurements(
         self,
         attempt_id: FromPath[uuid.UUID],
@@ -42,7 +43,7 @@ class ResultController(Controller):
             raise NotFound(f"attempt {attempt_id} does not exist")
         return await results.measurements(db_session, attempt_id=attempt_id, kind=kind)
 
-    @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers")
+    @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers", **spec.read())
     async def answers(
         self,
         experiment_id: FromPath[uuid.UUID],
@@ -50,17 +51,17 @@ class ResultController(Controller):
         role: FromQuery[wire.Role | None] = None,
         arm: FromQuery[wire.ArmName | None] = None,
         family: FromQuery[wire.Family | None] = None,
-        variant: FromQuery[int | None] = None,
+        variant: Annotated[int | None, QueryParameter(ge=0, le=wire.INT32_MAX)] = None,
         correct: FromQuery[bool | None] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=results.MAX_PAGE)] = 100,
-        offset: Annotated[int, QueryParameter(ge=0)] = 0,
+        offset: Annotated[int, QueryParameter(ge=0, le=wire.INT32_MAX)] = 0,
     ) -> wire.AnswerPage:
         """Every recorded answer (the protocol publishes all final-test answers), in task order, paginated."""
         await experiments.load(db_session, experiment_id)
         where = results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
         return await results.answers(db_session, experiment_id, where, limit, offset)
 
-    @get("/experiments/{experiment_id:uuid}/serving-results", operation_id="listServingResults")
+    @get("/experiments/{experiment_id:uuid}/serving-results", operation_id="listServingResults", **spec.read())
     async def serving_results(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.ServingResult]:

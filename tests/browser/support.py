@@ -21,7 +21,15 @@ from experiment.servingrecord import Attempt, Completion, PhaseResult, Workload,
 from server import models
 from server.lifecycle import EVALUATED_ARMS
 from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import LOCAL_PLAN, make_token, selection_body, train_result, with_session
+from tests.integration.coordinator.support import (
+    LOCAL_PLAN,
+    answer,
+    answers_file,
+    make_token,
+    selection_body,
+    train_result,
+    with_session,
+)
 
 T = TypeVar("T")
 
@@ -100,10 +108,18 @@ class Agent:
             )
         )
 
-    def upload(self, data: bytes) -> str:
+    def upload(self, data: bytes, job: dict[str, Any]) -> str:
+        """A blob of evidence of the attempt ``job``."""
         digest = hashlib.sha256(data).hexdigest()
-        self._ok(self.http.put(f"/api/blobs/{digest}", content=data, headers=self.headers))
+        url = f"/api/blobs/{digest}?attempt={job['attempt_id']}"
+        self._ok(self.http.put(url, content=data, headers=self.headers))
         return digest
+
+    def evaluated(self, job: dict[str, Any], answers: list[dict[str, Any]]) -> None:
+        """An evaluate job's result: its answers, and their answers.jsonl named as evidence."""
+        digest = self.upload(answers_file(answers), job)
+        evidence = {f"evaluations/{job['role']}/{job['arm']}/answers.jsonl": digest}
+        self.finish(job, result={"answers_sha256": digest}, answers=answers, evidence=evidence)
 
 
 def operator_post(coordinator: Coordinator, path: str, body: dict[str, Any]) -> Any:
@@ -133,7 +149,7 @@ def experiment_through_testing(coordinator: Coordinator) -> tuple[str, Agent, Ag
     for _ in EVALUATED_ARMS:
         # A trained arm's evaluation runs on the host holding its checkpoint: either agent may get one.
         agent, job = next((agent, job) for agent in (a, b) if (job := agent.try_claim("evaluate")) is not None)
-        agent.finish(job, result={"answers_sha256": sha(f"answers {job['arm']}")})
+        agent.evaluated(job, [answer(0, True)])
     return str(experiment), a, b
 
 

@@ -20,6 +20,7 @@ from tests.browser.support import (
     create_experiment,
     experiment_through_testing,
     job_times,
+    off_thread,
     operator_post,
     phase_report,
     serving_section,
@@ -27,7 +28,7 @@ from tests.browser.support import (
     step,
 )
 from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import LOCAL_PLAN, answer, report_body, train_result
+from tests.integration.coordinator.support import LOCAL_PLAN, answer, record_report, train_result
 
 REPORT = Path(__file__).parent / "data" / "report-local.json"
 PHASES = ("single", "pair", "failure")
@@ -132,14 +133,14 @@ def test_an_answer_opens_with_its_prompt_output_and_check(page: Page, coordinato
         }
         for a in answers
     ]
-    dev = agent.upload("".join(json.dumps(task) + "\n" for task in tasks).encode())
     prepare = agent.claim("prepare")
+    dev = agent.upload("".join(json.dumps(task) + "\n" for task in tasks).encode(), prepare)
     agent.finish(prepare, result={"prepared_identity": sha("prepared")}, evidence={"prepared/dev.jsonl": dev})
     operator_post(
         coordinator, f"/api/experiments/{experiment}/jobs", {"kind": "evaluate", "arm": "seed", "role": "dev"}
     )
     evaluation = agent.claim("evaluate")
-    agent.finish(evaluation, answers=answers)
+    agent.evaluated(evaluation, answers)
 
     page.goto(f"/experiments/{experiment}/evaluations?role=dev")
     grid = page.get_by_role("table").first
@@ -207,7 +208,7 @@ def test_the_report_page_shows_the_recorded_reports_verdict_and_comparisons(
     serving = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     operator_post(coordinator, f"/api/experiments/{experiment}/serving", serving)
     report = json.loads(REPORT.read_text())  # what `coop report` wrote for a local run
-    operator_post(coordinator, f"/api/experiments/{experiment}/report", report_body(report))
+    off_thread(record_report, coordinator.database_url, coordinator.home, experiment, report)
     page.reload()
     verdict = report["primary"]["verdict"]
     expect(page.get_by_test_id("verdict")).to_have_text("PASSED" if verdict["passed"] else "NOT PASSED")
@@ -362,7 +363,7 @@ def test_serving_phases_read_side_by_side_with_their_latency_failure_timeline_ag
     screenshot(page, "serving")
 
     report = json.loads(REPORT.read_text()) | {"serving": serving_section(reports)}
-    operator_post(coordinator, f"/api/experiments/{experiment}/report", report_body(report))
+    off_thread(record_report, coordinator.database_url, coordinator.home, experiment, report)
     page.goto(f"/experiments/{experiment}/report")
     expect_phases_side_by_side(page.get_by_test_id("serving-phases"), reports)
     ratio = report["serving"]["pair_over_single_request_throughput"]
@@ -425,7 +426,7 @@ def test_a_report_recorded_before_the_agreement_check_still_shows_its_serving_ph
     operator_post(coordinator, f"/api/experiments/{experiment}/serving", SERVED)
     reports = {phase: phase_report(phase) for phase in PHASES}
     report = json.loads(REPORT.read_text()) | {"serving": serving_section(reports, with_agreement=False)}
-    operator_post(coordinator, f"/api/experiments/{experiment}/report", report_body(report))
+    off_thread(record_report, coordinator.database_url, coordinator.home, experiment, report)
     page.goto(f"/experiments/{experiment}/report")
     expect_phases_side_by_side(page.get_by_test_id("serving-phases"), reports)
     expect(fact(page.get_by_test_id("failure"), "Requests lost")).to_have_text("0")

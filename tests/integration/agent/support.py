@@ -178,6 +178,16 @@ class AgentProcess:
 
         return sum(len(json.loads(body)["events"]) for (body,) in bodies)
 
+    def recorded_groups(self) -> list[int]:
+        """The process groups (by leader pid) the agent has recorded in its spool as started and not yet ended."""
+        path = self.work_dir / "spool.sqlite3"
+        if not path.exists():
+            return []
+        with sqlite3.connect(path, timeout=5) as db:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'process_groups'").fetchone():
+                return []
+            return [int(pid) for (pid,) in db.execute("SELECT pid FROM process_groups")]
+
     def results_spooled(self) -> int:
         path = self.work_dir / "spool.sqlite3"
         if not path.exists():

@@ -1,21 +1,25 @@
 """The agent against a real coordinator: it registers and heartbeats, runs a claimed job as a `coop` subprocess
 and reports its events and result, keeps everything in its spool while the coordinator is down (and across its
-own restart), and cannot act on another agent's lease."""
+own restart), holds its leases through heartbeats that name them, ends its command when it is killed and
+reports the attempt lost when it restarts, and cannot act on another agent's lease."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from agent.client import Coordinator as Client
 from agent.client import Rejected, upload_key
-from experiment import wire
+from experiment import seedmodel, wire
 from tests.integration.agent.support import AgentProcess, Coordinator, wait_for
 
 pytestmark = pytest.mark.slow
@@ -36,9 +40,23 @@ def _forwarded(server: Coordinator, attempt_id: str) -> list[dict[str, Any]]:
     return [e for e in events if e["sequence"] is not None]
 
 
+def _attempts(server: Coordinator, job_id: str) -> list[dict[str, Any]]:
+    attempts: list[dict[str, Any]] = server.get(f"/api/jobs/{job_id}/attempts")
+    return attempts
+
+
 def _attempt(server: Coordinator, job_id: str) -> dict[str, Any] | None:
-    attempts = server.get(f"/api/jobs/{job_id}/attempts")
+    attempts = _attempts(server, job_id)
     return attempts[-1] if attempts else None
+
+
+def _ended(attempt: dict[str, Any]) -> dict[str, Any] | None:
+    return None if attempt["state"] in {"leased", "running"} else attempt
+
+
+def _every_attempt(server: Coordinator, experiment_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+    jobs = [j for j in server.jobs(experiment_id) if kind in {None, j["kind"]}]
+    return [a for j in jobs for a in _attempts(server, j["id"])]
 
 
 def test_agent_registers_host_facts_and_heartbeats(
@@ -114,6 +132,87 @@ def test_spool_keeps_events_and_result_while_the_coordinator_is_down_and_across_
     sequences = sorted({e["sequence"] for e in events})
     assert sequences == list(range(len(sequences)))
     wait_for(lambda: set(agent.spool()) == {"acknowledged"}, 10, "the spool to be acknowledged")
+
+
+def _command(agent: AgentProcess, kind: str) -> psutil.Process | None:
+    """The agent's running `coop KIND` subprocess."""
+    assert agent.process is not None
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(agent.process.pid).children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if kind in child.cmdline():
+                    return child
+    return None
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_an_agent_killed_while_its_command_runs_takes_the_command_with_it_and_reports_the_attempt_lost(
+    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+) -> None:
+    experiment = coordinator.create_experiment(small_plan)
+    job = _prepare_job(coordinator, experiment["id"])
+    agent = start_agent("host-a")
+    command = wait_for(lambda: _command(agent, "prepare"), 30, "the agent to start `coop prepare`")
+    wait_for(lambda: command.pid in agent.recorded_groups(), 10, "the agent to record the command's process group")
+    agent.stop(signal.SIGKILL)  # the agent alone: its command is not signalled by the test
+    agent.start()  # at once, on the same work dir
+    wait_for(lambda: _gone(command), 10, "the killed agent's command to end")
+    lost = wait_for(lambda: _ended(_attempts(coordinator, job["id"])[0]), 30, "the restarted agent's report")
+    assert lost["state"] == "lost", (lost, agent.log())
+    # The parent-death signal ended the command with the agent; the restart found nothing left of its group.
+    assert lost["reason"] == (
+        f"the agent restarted while the command ran; its command (pid {command.pid}) had ended with the agent"
+    )
+    assert "reporting it lost" in agent.log()
+    done = wait_for(
+        lambda: (j := coordinator.get(f"/api/jobs/{job['id']}"))["state"] in {"succeeded", "failed"} and j,
+        90,
+        "the retry to finish",
+    )
+    assert done["state"] == "succeeded", agent.log()
+    attempts = _attempts(coordinator, job["id"])
+    assert [(a["number"], a["state"]) for a in attempts] == [(1, "lost"), (2, "succeeded")]
+    wait_for(lambda: set(agent.spool()) == {"acknowledged"}, 10, "the spool to be acknowledged")
+
+
+def test_heartbeats_hold_the_leases_of_the_attempts_the_agent_runs_beyond_a_short_lease(
+    tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot], small_plan: Path
+) -> None:
+    home = tmp_path / "coordinator"
+    home.mkdir()
+    server = Coordinator(home, COOP_LEASE_SECONDS="3", COOP_HEARTBEAT_SECONDS="0.5")
+    server.start()
+    agent = AgentProcess(server, "host-a", tmp_path / "host-a", small_seed[0], server.agent_token("host-a"))
+    try:
+        experiment = server.create_experiment(small_plan)
+        job = _prepare_job(server, experiment["id"])
+        agent.start()
+        done = wait_for(
+            lambda: (j := server.get(f"/api/jobs/{job['id']}"))["state"] in {"succeeded", "failed", "lost"} and j,
+            90,
+            "the prepare job to finish",
+        )
+        assert done["state"] == "succeeded", agent.log()
+        (attempt,) = _attempts(server, job["id"])
+        times = [datetime.datetime.fromisoformat(e["at"]) for e in server.get(f"/api/attempts/{attempt['id']}/events")]
+        assert (max(times) - min(times)).total_seconds() > 3.0  # it outlived its lease: heartbeats renewed it
+        # The next claims (the arms' train jobs, queued once prepared was committed) hold their leases too.
+        wait_for(
+            lambda: any(a["state"] != "leased" for a in _every_attempt(server, experiment["id"], "train")),
+            30,
+            "a train attempt to start",
+        )
+        time.sleep(4.0)
+        assert all(a["state"] != "lost" for a in _every_attempt(server, experiment["id"])), agent.log()
+    finally:
+        agent.stop()
+        server.close()
 
 
 def test_cancel_stops_the_command_and_reports_it_cancelled(

@@ -50,5 +50,6 @@ def make_settings(database_url: str, tmp_path: Path) -> Callable[..., Settings]:
 
 @pytest.fixture
 def api(make_settings: Callable[..., Settings], database_url: str) -> Iterator[support.Api]:
-    with support.running(make_settings()) as client:
-        yield support.Api(client, database_url)
+    settings = make_settings()
+    with support.running(settings) as client:
+        yield support.Api(client, database_url, settings.home)

@@ -90,9 +90,10 @@ def bearer(token: str) -> dict[str, str]:
 class Api:
     """The coordinator as a client sees it, with the operator's and agents' tokens at hand."""
 
-    def __init__(self, client: TestClient[Any], url: str) -> None:
+    def __init__(self, client: TestClient[Any], url: str, home: Path | None = None) -> None:
         self.client = client
         self.url = url
+        self.home = home
         self.operator = make_token(url, "operator", "operator")
         self.agents: dict[str, str] = {}
 
@@ -145,6 +146,24 @@ class Api:
             json=body,
             headers={**bearer(token), "Idempotency-Key": f"{assignment['job_id']}:{assignment['attempt_id']}:result"},
         )
+
+    def upload(self, token: str, data: bytes, job: dict[str, Any] | None = None) -> str:
+        """Store a blob as the operator, or as an agent naming the attempt ``job`` whose evidence it is."""
+        import hashlib
+
+        digest = hashlib.sha256(data).hexdigest()
+        query = f"?attempt={job['attempt_id']}" if job is not None else ""
+        response = self.client.put(f"/api/blobs/{digest}{query}", content=data, headers=bearer(token))
+        assert response.status_code in {200, 201}, response.text
+        return digest
+
+    def evaluated(self, token: str, job: dict[str, Any], answers: list[dict[str, Any]] | None = None) -> Any:
+        """An evaluate job's result as the agent sends it: the answers, their answers.jsonl blob named as
+        evidence, and that blob's sha256 as ``answers_sha256``."""
+        answers = [answer(0, True)] if answers is None else answers
+        digest = self.upload(token, answers_file(answers), job)
+        path = f"evaluations/{job['role']}/{job['arm']}/answers.jsonl"
+        return self.report(token, job, result={"answers_sha256": digest}, answers=answers, evidence={path: digest})
 
     def get(self, path: str) -> Any:
         response = self.client.get(path)
@@ -217,10 +236,24 @@ def select_and_advance(api: Api, experiment_id: str) -> None:
     assert advanced.status_code == 200 and advanced.json()["action"].startswith("queued evaluate test"), advanced.text
 
 
-def report_body(report: dict[str, Any]) -> dict[str, Any]:
-    from experiment.canonical import identity
+def record_report(database_url: str, home: Path, experiment_id: str, report: dict[str, Any]) -> str:
+    """Commit ``report`` as the coordinator's report job does (server.reporter), for tests of what a recorded
+    report looks like; over HTTP an operator can only ask the coordinator to compute one."""
+    from server import experiments
 
-    return {"report_identity": identity(report), "report": report}
+    async def record(session: AsyncSession) -> str:
+        experiment = await experiments.load(session, uuid.UUID(experiment_id), lock=True)
+        settings = Settings(home=home, database_url=database_url)
+        return await experiments.record_report(session, settings, experiment, report)
+
+    return with_session(database_url, record)
+
+
+def answers_file(answers: list[dict[str, Any]]) -> bytes:
+    """answers.jsonl as experiment.evaluation writes it: one answer per line."""
+    import json
+
+    return "".join(json.dumps(item) + "\n" for item in answers).encode()
 
 
 def answer(index: int, correct: bool, family: str = "lookup", variant: int = 0) -> dict[str, Any]:
@@ -254,6 +287,6 @@ def experiment_through_testing(api: Api) -> tuple[str, str]:
         # A trained arm's evaluation is pinned to the host holding its checkpoint: either agent may get one.
         token, job = next((t, j) for t in (a, b) if (j := api.claim(t)) is not None)
         assert job["kind"] == "evaluate" and job["role"] == "test"
-        assert api.finish(token, job, answers_sha256=sha(f"answers {job['arm']}")).status_code == 200
+        assert api.evaluated(token, job).status_code == 200
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
     return experiment_id, a

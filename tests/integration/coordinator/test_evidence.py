@@ -25,22 +25,28 @@ from tests.integration.coordinator.support import (
 )
 
 
-def _put(api: Api, token: str, data: bytes, name: str | None = None) -> Any:
+def _put(api: Api, token: str, data: bytes, name: str | None = None, job: dict[str, Any] | None = None) -> Any:
+    """An upload as the operator, or as an agent naming the attempt ``job`` whose evidence it is."""
     digest = name or hashlib.sha256(data).hexdigest()
+    query = f"?attempt={job['attempt_id']}" if job is not None else ""
     return api.client.put(
-        f"/api/blobs/{digest}", content=data, headers={**bearer(token), "Content-Type": "application/json"}
+        f"/api/blobs/{digest}{query}", content=data, headers={**bearer(token), "Content-Type": "text/html"}
     )
 
 
 def test_blob_upload_is_verified_idempotent_and_downloadable(api: Api, tmp_path: Path) -> None:
     a = api.agent("a")
-    data = b'{"hello": "blob"}\n'
+    api.create_experiment()
+    job = api.claim(a)
+    assert job is not None
+    data = b'<script>alert("a blob")</script>\n'
     digest = hashlib.sha256(data).hexdigest()
-    first = _put(api, a, data)
+    first = _put(api, a, data, job=job)
+    # The uploader's content type is not kept: a blob is data.
     assert first.status_code == 201 and first.json() == {
         "sha256": digest,
         "size": len(data),
-        "media_type": "application/json",
+        "media_type": "application/octet-stream",
         "created": True,
     }
     again = _put(api, api.operator, data)
@@ -49,10 +55,13 @@ def test_blob_upload_is_verified_idempotent_and_downloadable(api: Api, tmp_path:
     assert stored.read_bytes() == data
     download = api.client.get(f"/api/blobs/{digest}")
     assert download.status_code == 200 and download.content == data
-    mismatch = _put(api, a, b"other bytes", name=digest)
+    assert download.headers["content-type"] == "application/octet-stream"
+    assert download.headers["x-content-type-options"] == "nosniff"
+    assert download.headers["content-disposition"].startswith("attachment")
+    mismatch = _put(api, a, b"other bytes", name=digest, job=job)
     assert mismatch.status_code == 400 and "sha256" in mismatch.json()["detail"]
     assert stored.read_bytes() == data  # never overwritten
-    assert _put(api, a, data, name="not-a-digest").status_code == 400
+    assert _put(api, a, data, name="not-a-digest", job=job).status_code == 400
     assert api.client.put(f"/api/blobs/{digest}", content=data).status_code == 401
     assert api.client.get(f"/api/blobs/{sha('never uploaded')}").status_code == 404
     assert not list((tmp_path / "blobs" / ".incoming").iterdir())
@@ -77,10 +86,10 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
     a, b = api.agent("a"), api.agent("b")
     uploaded: dict[str, bytes] = {}
 
-    def upload(token: str, files: dict[str, bytes]) -> dict[str, str]:
+    def upload(token: str, files: dict[str, bytes], job: dict[str, Any] | None = None) -> dict[str, str]:
         named = {}
         for path, data in files.items():
-            assert _put(api, token, data).status_code in {200, 201}
+            assert _put(api, token, data, job=job).status_code in {200, 201}
             named[path] = hashlib.sha256(data).hexdigest()
         uploaded.update(files)
         return named
@@ -90,7 +99,9 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
     prepare = api.claim(a)
     assert prepare is not None
     prepared = upload(
-        a, _files("prepared/", ("plan.json", "manifest.json", "test.jsonl")) | _files("seed/", ("tokenizer.json",))
+        a,
+        _files("prepared/", ("plan.json", "manifest.json", "test.jsonl")) | _files("seed/", ("tokenizer.json",)),
+        prepare,
     )
     reply = api.report(a, prepare, result={"prepared_identity": sha("prepared")}, evidence=prepared)
     assert reply.status_code == 200, reply.text
@@ -98,17 +109,17 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
         job = api.claim(token)
         assert job is not None and job["kind"] == "train"
         outside = api.report(
-            token, job, result=train_result(job["arm"]), evidence=upload(token, _files("prepared/", ("x",)))
+            token, job, result=train_result(job["arm"]), evidence=upload(token, _files("prepared/", ("x",)), job)
         )
         assert outside.status_code == 409 and outside.json()["rule"] == "evidence-outside-job"
         uploaded.pop("prepared/x")
-        runs = upload(token, _files(f"runs/{job['arm']}/rank-0/", ("result.json", "run.json")))
+        runs = upload(token, _files(f"runs/{job['arm']}/rank-0/", ("result.json", "run.json")), job)
         assert api.report(token, job, result=train_result(job["arm"]), evidence=runs).status_code == 200
     ranks = [api.claim(a), api.claim(b)]
     assert api.operator_post(f"/api/experiments/{experiment_id}/autopilot", {"on": False}).status_code == 200
     for token, job in zip((a, b), ranks, strict=True):
         assert job is not None
-        runs = upload(token, _files(f"runs/clean-pair/rank-{job['rank']}/", ("result.json", "run.json")))
+        runs = upload(token, _files(f"runs/clean-pair/rank-{job['rank']}/", ("result.json", "run.json")), job)
         assert api.report(token, job, result=train_result("clean-pair"), evidence=runs).status_code == 200
     select_and_advance(api, experiment_id)
     # The committed selection is the bundle's selection.json, written by the coordinator; it is never replaced.
@@ -155,7 +166,7 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation(
         first = {"runs/clean-pair/rank-0/run.json": b"first\n"}
         named = {p: hashlib.sha256(d).hexdigest() for p, d in first.items()}
         for data in first.values():
-            assert _put(api, a, data).status_code == 201
+            assert _put(api, a, data, job=rank0).status_code == 201
         assert api.report(a, rank0, result=train_result("clean-pair"), evidence=named).status_code == 200
         # rank 1 falls silent: the gang is lost and retried; the retry's rank 0 writes the same path anew.
         import time
@@ -167,7 +178,7 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation(
         retry0, retry1 = api.claim(a), api.claim(b)
         assert retry0 is not None and retry1 is not None and retry0["rank"] == 0
         second = b"second\n"
-        assert _put(api, a, second).status_code == 201
+        assert _put(api, a, second, job=retry0).status_code == 201
         path = "runs/clean-pair/rank-0/run.json"
         evidence = {path: hashlib.sha256(second).hexdigest()}
         assert api.report(a, retry0, result=train_result("clean-pair"), evidence=evidence).status_code == 200

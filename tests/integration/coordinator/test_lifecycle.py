@@ -8,9 +8,10 @@ from experiment.ledger import Entry, verify_ledger
 from tests.integration.coordinator.support import (
     FINAL_STEP,
     Api,
+    bearer,
     experiment_through_testing,
     prepared_experiment,
-    report_body,
+    record_report,
     selection_body,
     sha,
     trained_experiment,
@@ -106,16 +107,23 @@ def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pai
 
 
 def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -> None:
-    experiment_id, _ = experiment_through_testing(api)
-    refused(
-        api.operator_post(f"/api/experiments/{experiment_id}/report", report_body({"early": True})),
-        "experiment-transition",
-    )
+    experiment_id, a = experiment_through_testing(api)
+    path = f"/api/experiments/{experiment_id}/report"
+    early = api.client.post(path, headers=bearer(api.operator))
+    refused(early, "report-not-ready")
     api.operator_post(
         f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     )
-    reported = api.operator_post(f"/api/experiments/{experiment_id}/report", report_body({"verdict": "passed"}))
-    assert reported.status_code == 201 and reported.json()["state"] == "reported"
+    # A report is only the coordinator's own computation: one sent by the operator is refused, and nothing changes.
+    made_up = api.client.post(path, json={"verdict": "PASSED", "gain": 0.99}, headers=bearer(api.operator))
+    assert made_up.status_code == 400 and "computes the report itself" in made_up.json()["detail"]
+    refused(api.client.post(path, headers=bearer(api.operator)), "report-not-ready")  # the replicas never ran
+    assert api.get(f"/api/experiments/{experiment_id}")["state"] == "serving"
+    assert api.client.get(path).status_code == 404
+    replica = {"kind": "replica-start", "arm": "clean-pair", "spec": {"rank": 0}}
+    assert api.operator_post(f"/api/experiments/{experiment_id}/jobs", replica).status_code == 201
+    assert api.home is not None
+    record_report(api.url, api.home, experiment_id, {"verdict": "passed"})  # as the report job commits it
     ledger = api.get(f"/api/experiments/{experiment_id}/ledger")
     assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "serving", "report"]
     verify_ledger([Entry(**entry) for entry in ledger])
@@ -123,6 +131,8 @@ def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -
         api.operator_post(f"/api/experiments/{experiment_id}/jobs", {"kind": "evaluate", "arm": "seed", "role": "dev"}),
         "experiment-final",
     )
+    # Serving jobs queued before the experiment ended are never handed out after it.
+    assert api.claim(a) is None
 
 
 def test_halted_experiment_takes_no_more_steps(api: Api) -> None:

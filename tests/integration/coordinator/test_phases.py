@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tests.integration.coordinator.support import FINAL_STEP, LOCAL_PLAN, Api, sha, train_result
+from tests.integration.coordinator.support import FINAL_STEP, LOCAL_PLAN, Api, bearer, sha, train_result
 from tests.integration.coordinator.test_lifecycle import refused
 
 
@@ -26,8 +26,11 @@ def _finish_all(api: Api, tokens: dict[str, str], kind: str, result: Any) -> dic
             return ran
         name, job = claimed
         assert job["kind"] == kind, job
-        fields = result(job) if callable(result) else result
-        assert api.finish(tokens[name], job, **fields).status_code == 200
+        if kind == "evaluate":
+            assert api.evaluated(tokens[name], job).status_code == 200
+        else:
+            fields = result(job) if callable(result) else result
+            assert api.finish(tokens[name], job, **fields).status_code == 200
         ran[str(job["arm"])] = name
 
 
@@ -72,7 +75,7 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "trained"
 
     assert _advance(api, experiment_id).startswith("queued evaluate dev seed")
-    ran = _finish_all(api, tokens, "evaluate", {"answers_sha256": sha("dev")})
+    ran = _finish_all(api, tokens, "evaluate", None)
     assert {arm: ran[arm] for arm in holders} == holders  # each trained arm evaluated where its checkpoint is
     assert _advance(api, experiment_id) == "queued select clean-single, select damaged-single, select clean-pair"
     assert _finish_all(api, tokens, "select", _verified) == holders
@@ -84,7 +87,7 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     assert selection["body"]["arms"]["clean-pair"]["path"] == "runs/clean-pair/rank-0/checkpoints/step-000128/model"
 
     assert _advance(api, experiment_id).startswith("queued evaluate test seed")
-    ran = _finish_all(api, tokens, "evaluate", {"answers_sha256": sha("test")})
+    ran = _finish_all(api, tokens, "evaluate", None)
     assert {arm: ran[arm] for arm in holders} == holders
     assert _advance(api, experiment_id).startswith("serving committed: the clean-pair final checkpoint")
     _serve(api, experiment_id, tokens)
@@ -96,6 +99,19 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
         time.sleep(0.2)
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "serving"
     assert api.claim(tokens["a"]) is None and api.claim(tokens["b"]) is None  # agents never take report jobs
+    # The operator may ask for the computation again, but never send a report of their own.
+    path = f"/api/experiments/{experiment_id}/report"
+    made_up = api.client.post(path, json={"verdict": "PASSED", "gain": 0.99}, headers=bearer(api.operator))
+    assert made_up.status_code == 400 and "computes the report itself" in made_up.json()["detail"]
+    again = api.operator_post(path, {})
+    assert again.status_code == 400  # {} is a body too
+    again = api.client.post(path, headers=bearer(api.operator))
+    assert again.status_code == 201 and again.json()["kind"] == "report", again.text
+    assert [j["state"] for j in api.get(f"/api/experiments/{experiment_id}/jobs") if j["kind"] == "report"][1] in {
+        "queued",
+        "running",
+        "failed",
+    }
 
 
 def test_autopilot_queues_the_next_stage_when_the_last_job_succeeds(api: Api) -> None:
@@ -113,12 +129,12 @@ def test_autopilot_queues_the_next_stage_when_the_last_job_succeeds(api: Api) ->
     claimed = api.claim(tokens["a"])
     assert claimed is not None and claimed["arm"] == "seed"
     assert api.finish(tokens["a"], claimed, outcome="failed").status_code == 200
-    _finish_all(api, tokens, "evaluate", {"answers_sha256": sha("dev")})
+    _finish_all(api, tokens, "evaluate", None)
     assert not [j for j in api.get(f"/api/experiments/{experiment_id}/jobs") if j["kind"] == "select"]
     assert _advance(api, experiment_id) == "queued evaluate dev seed"
     retried = api.claim(tokens["b"])
     assert retried is not None and (retried["kind"], retried["arm"]) == ("evaluate", "seed")
-    assert api.finish(tokens["b"], retried, answers_sha256=sha("dev")).status_code == 200
+    assert api.evaluated(tokens["b"], retried).status_code == 200
     assert [j["arm"] for j in api.get(f"/api/experiments/{experiment_id}/jobs") if j["kind"] == "select"] == [
         "clean-single",
         "damaged-single",

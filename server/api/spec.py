@@ -1,0 +1,64 @@
+"""What each API route declares once, for both the server and its OpenAPI document: the token roles it takes,
+the largest body it reads, and every refusal it can answer (each a wire.Problem)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import Components, SecurityScheme
+
+from experiment import wire
+
+KIB = 1024
+# Body limits, sized to each route's real bodies: a control message, a small document (a selection, a job's spec,
+# a list of evidence files), a plan; event batches and results use the app-wide limit (settings.max_body_bytes).
+CONTROL = 16 * KIB
+DOCUMENT = 256 * KIB
+PLAN = 2 * KIB * KIB
+
+_PROBLEMS = {
+    400: "The request is malformed; the detail names the field",
+    401: "No bearer token, or an unknown or revoked one (reads too, when the coordinator's reads are not public)",
+    403: "A token of another role, or an agent acting on another agent's attempt",
+    404: "No such experiment, job, attempt or blob",
+    409: "Refused by the protocol: the rule names the step or state that forbids it",
+    413: "The body is larger than this route's limit",
+}
+
+SECURITY_SCHEMES = Components(
+    security_schemes={
+        role: SecurityScheme(type="http", scheme="bearer", description=f"an {role} token (coop-server token create)")
+        for role in ("operator", "agent")
+    }
+)
+
+
+def _responses(*codes: int) -> dict[int, ResponseSpec]:
+    return {
+        code: ResponseSpec(data_container=wire.Problem, description=_PROBLEMS[code], generate_examples=False)
+        for code in sorted(codes)
+    }
+
+
+def read(*, found: bool = True) -> dict[str, Any]:
+    """A public read (a token of either role when reads are not public); ``found``: it names a row (404)."""
+    return {
+        "responses": _responses(400, 401, *((404,) if found else ())),
+        "security": [{}, {"operator": []}, {"agent": []}],
+    }
+
+
+def write(
+    role: str | tuple[str, ...], *, body: int | None = CONTROL, streams: bool = False, found: bool = True
+) -> dict[str, Any]:
+    """A write by ``role``. ``body`` is its body limit (None: the app-wide limit); a route that ``streams`` its
+    body enforces its own limit while it reads."""
+    roles = (role,) if isinstance(role, str) else role
+    limit = {"request_max_body_size": None} if streams else {} if body is None else {"request_max_body_size": body}
+    return {
+        "opt": {"role": role},
+        "responses": _responses(400, 401, 403, 409, 413, *((404,) if found else ())),
+        "security": [{name: []} for name in roles],
+        **limit,
+    }

@@ -1,0 +1,51 @@
+"""Every JSON body is checked before a handler runs, so that no input reaches the database as a value it cannot
+hold: the body must decode strictly into the handler's type (no "true" or 0 for a boolean, no "1" for a
+number), and no text anywhere in it, key or value, may hold a NUL character, which Postgres cannot store.
+A refusal is a 400 that names the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+from litestar import Request
+
+from server.errors import BadRequest
+
+NUL = "\x00"
+
+
+def _nul_paths(value: Any, path: str = "$") -> Iterator[str]:
+    if isinstance(value, str):
+        if NUL in value:
+            yield path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if NUL in key:
+                yield f"{path} (a key)"
+            yield from _nul_paths(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _nul_paths(item, f"{path}[{index}]")
+
+
+def check(raw: bytes, target: Any) -> None:
+    """Raise BadRequest unless ``raw`` decodes strictly into ``target`` and holds no NUL in any text."""
+    try:
+        msgspec.json.decode(raw, type=target, strict=True)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"the body is not valid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    where = next(_nul_paths(msgspec.json.decode(raw)), None)
+    if where is not None:
+        raise BadRequest(f"the body is not valid: a NUL character (\\u0000) in text - at `{where}`")
+
+
+async def before_request(request: Request[Any, Any, Any]) -> None:
+    """The API's JSON bodies (the web UI's forms are parsed by their own pages)."""
+    field = request.route_handler.parsed_fn_signature.parameters.get("data")
+    if field is None or request.route_handler.opt.get("web"):
+        return
+    check(await request.body(), field.annotation)

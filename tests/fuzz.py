@@ -1,0 +1,197 @@
+"""A fuzzer over the coordinator's own OpenAPI document: schemathesis generates requests for every operation, valid
+and invalid, and sends them to a real `coop-server serve` process with an operator token, an agent token and no
+token. Any 5xx is a defect: bad input must get a 4xx that says why. Prints one JSON object.
+
+    .venv/bin/python -m tests.fuzz [--examples 25] [--backends sqlite,postgres]
+
+The test suite runs it too (tests/integration/coordinator/test_fuzz.py), with fewer examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+
+from server import migrate
+from server.settings import sqlite_url
+from tests.integration.coordinator import support
+from tests.processes import ROOT, free_port
+
+ROLES = ("operator", "agent", "none")
+
+
+@dataclass
+class Tally:
+    """What the fuzzer sent and got back, per token role."""
+
+    requests: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
+    statuses: collections.Counter[int] = field(default_factory=collections.Counter)
+    # The first few 5xx: operation, role, status and the start of the body.
+    server_errors: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "requests": sum(self.requests.values()),
+            "requests_by_role": self.requests,
+            "statuses": {str(code): count for code, count in sorted(self.statuses.items())},
+            "server_errors": sum(count for code, count in self.statuses.items() if code >= 500),
+            "first_server_errors": self.server_errors,
+        }
+
+
+@contextmanager
+def served(database_url: str, home: Path, **environment: str) -> Iterator[str]:
+    """`coop-server serve` on a free loopback port (``environment``: COOP_* settings), until the block ends."""
+    port = free_port()
+    env = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": database_url, **environment}
+    log = (home / "server.log").open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/schema/openapi.json", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        log.close()
+
+
+@dataclass(frozen=True)
+class Principals:
+    """The tokens of each role, and the rows they made: an experiment, and the attempt the agent claimed and
+    started, so that operations on those ids reach their handlers' checks, not only their 404s."""
+
+    tokens: dict[str, str | None]
+    ids: dict[str, str]
+
+
+def _principals(base: str, database_url: str) -> Principals:
+    operator = support.make_token(database_url, "operator", "fuzz-operator")
+    agent = support.make_token(database_url, "agent", "fuzz-agent")
+    with httpx.Client(base_url=base, timeout=30) as http:
+        http.post("/api/agents/register", json={"address": "127.0.0.1"}, headers=support.bearer(agent))
+        plan = {"plan_toml": support.LOCAL_PLAN.read_text()}
+        experiment = http.post("/api/experiments", json=plan, headers=support.bearer(operator)).json()
+        claimed = http.post("/api/agents/claim", json={}, headers=support.bearer(agent)).json()["assignment"]
+        proof = {"lease_token": claimed["lease_token"]}
+        http.post(f"/api/attempts/{claimed['attempt_id']}/start", json=proof, headers=support.bearer(agent))
+    ids = {"experiment_id": experiment["id"], "job_id": claimed["job_id"], "attempt_id": claimed["attempt_id"]}
+    return Principals({"operator": operator, "agent": agent, "none": None}, ids)
+
+
+def _sender(base: str, operation: Any, role: str, token: str | None, tally: Tally) -> Any:
+    headers = support.bearer(token) if token else {}
+
+    def send(case: schemathesis.Case) -> None:
+        response = case.call(base_url=base, headers={**(case.headers or {}), **headers}, timeout=60)
+        tally.requests[role] += 1
+        tally.statuses[response.status_code] += 1
+        if response.status_code >= 500 and len(tally.server_errors) < 10:
+            tally.server_errors.append(
+                {
+                    "operation": operation.label,
+                    "role": role,
+                    "status": response.status_code,
+                    "body": response.text[:300],
+                }
+            )
+
+    return send
+
+
+def fuzz(base: str, principals: Principals, examples: int) -> Tally:
+    """Every operation, in both generation modes, with each role's token, once on random ids and once on the ids
+    of real rows; never stops at the first 5xx."""
+    schema = schemathesis.openapi.from_url(f"{base}/schema/openapi.json")
+    tally = Tally()
+    budget = settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        names = {parameter.name for parameter in operation.iter_parameters() if parameter.location == "path"}
+        known = {name: value for name, value in principals.ids.items() if name in names}
+        for path_parameters in [None, known] if known else [None]:
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                for role, token in principals.tokens.items():
+                    send = _sender(base, operation, role, token, tally)
+                    strategy = operation.as_strategy(generation_mode=mode, path_parameters=path_parameters)
+                    # An operation with nothing to get wrong (no parameters, no body) has no negative case.
+                    with contextlib.suppress(Unsatisfiable):
+                        budget(given(case=strategy)(send))()
+    return tally
+
+
+def run(backend: str, examples: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"coop-fuzz-{backend}-") as folder:
+        home = Path(folder)
+        if backend == "sqlite":
+            url: str | None = sqlite_url(home / "coordinator.sqlite3")
+        else:
+            url = support.create_postgres_database(support.postgres_admin_url())
+            if url is None:
+                raise RuntimeError(f"no Postgres server answers at {support.postgres_admin_url()}")
+        try:
+            migrate.upgrade(url)
+            started = time.monotonic()
+            # Claims long-poll for work at most 1 s here, well inside the client's timeout.
+            with served(url, home, COOP_MAX_CLAIM_WAIT_SECONDS="1") as base:
+                tally = fuzz(base, _principals(base, url), examples)
+            return {"backend": backend, "examples": examples, "seconds": round(time.monotonic() - started, 1)} | (
+                tally.as_json()
+            )
+        finally:
+            if backend == "postgres":
+                support.drop_postgres_database(support.postgres_admin_url(), url)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=25, help="examples per operation, mode and role")
+    parser.add_argument("--backends", default="sqlite,postgres")
+    args = parser.parse_args()
+    results = [run(backend, args.examples) for backend in args.backends.split(",")]
+    print(json.dumps({"fuzz": results}, indent=2))
+    return 1 if any(result["server_errors"] for result in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,491 @@
+"""Nothing wedges: each test drives a real `coop-server serve` process, on SQLite and on Postgres, the way a faulty
+agent or host behaves, and checks that the coordinator ends in a state that recovers by itself."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from agent.client import Coordinator as AgentClient
+from agent.loop import Agent as AgentLoop
+from agent.loop import Settings as AgentSettings
+from agent.spool import OpenAttempt, Spool
+from experiment import wire
+from tests.fuzz import served
+from tests.integration.coordinator.support import (
+    LOCAL_PLAN,
+    answer,
+    answers_file,
+    bearer,
+    empty_database,
+    make_token,
+    sha,
+)
+
+
+class Server:
+    """One real coordinator process and the tokens a test needs."""
+
+    def __init__(self, base: str, database_url: str) -> None:
+        self.base = base
+        self.url = database_url
+        self.http = httpx.Client(base_url=base, timeout=60)
+        self.operator = make_token(database_url, "operator", "operator")
+
+    def agent(self, name: str) -> str:
+        token = make_token(self.url, "agent", name)
+        registered = self.http.post("/api/agents/register", json={"address": "127.0.0.1"}, headers=bearer(token))
+        assert registered.status_code == 201, registered.text
+        return token
+
+    def experiment(self) -> str:
+        created = self.http.post(
+            "/api/experiments", json={"plan_toml": LOCAL_PLAN.read_text()}, headers=bearer(self.operator)
+        )
+        assert created.status_code == 201, created.text
+        return str(created.json()["id"])
+
+    def claim(self, token: str, key: str | None = None) -> dict[str, Any] | None:
+        body = {"claim_key": key} if key else {}
+        reply = self.http.post("/api/agents/claim", json=body, headers=bearer(token))
+        assert reply.status_code == 200, reply.text
+        assignment: dict[str, Any] | None = reply.json()["assignment"]
+        return assignment
+
+    def start(self, token: str, job: dict[str, Any]) -> None:
+        proof = {"lease_token": job["lease_token"]}
+        started = self.http.post(f"/api/attempts/{job['attempt_id']}/start", json=proof, headers=bearer(token))
+        assert started.status_code == 201, started.text
+
+    def heartbeat(self, token: str, *held: str, claiming: str | None = None) -> httpx.Response:
+        body: dict[str, Any] = {"attempt_ids": list(held), "claiming": claiming}
+        return self.http.post("/api/agents/heartbeat", json=body, headers=bearer(token))
+
+    def result(self, token: str, job: dict[str, Any], **fields: Any) -> httpx.Response:
+        body = {"lease_token": job["lease_token"], "outcome": "succeeded", "exit_code": 0, **fields}
+        key = f"{job['job_id']}:{job['attempt_id']}:result"
+        headers = {**bearer(token), "Idempotency-Key": key}
+        return self.http.post(f"/api/attempts/{job['attempt_id']}/result", json=body, headers=headers)
+
+    def events(self, token: str, job: dict[str, Any], sequence: int, events: list[Any]) -> httpx.Response:
+        body = {"lease_token": job["lease_token"], "sequence": sequence, "events": events}
+        key = f"{job['job_id']}:{job['attempt_id']}:{sequence}"
+        headers = {**bearer(token), "Idempotency-Key": key}
+        return self.http.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
+
+    def put_blob(self, token: str, data: bytes, job: dict[str, Any] | None) -> httpx.Response:
+        query = f"?attempt={job['attempt_id']}" if job else ""
+        return self.http.put(
+            f"/api/blobs/{hashlib.sha256(data).hexdigest()}{query}", content=data, headers=bearer(token)
+        )
+
+    def get(self, path: str) -> Any:
+        response = self.http.get(path)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def attempt(self, job: dict[str, Any]) -> dict[str, Any]:
+        attempt: dict[str, Any] = self.get(f"/api/attempts/{job['attempt_id']}")
+        return attempt
+
+
+@pytest.fixture
+def serve(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """Start the coordinator with COOP_* settings (fast reaper by default); stopped when the test ends."""
+    stack: list[Any] = []
+
+    def start(**environment: str) -> Server:
+        empty_database(database_url)
+        context = served(database_url, tmp_path, **{"COOP_REAP_SECONDS": "0.1", **environment})
+        server = Server(context.__enter__(), database_url)
+        stack.append(context)
+        return server
+
+    yield start
+    for context in reversed(stack):
+        context.__exit__(None, None, None)
+
+
+def _output(server: Server, job: dict[str, Any]) -> list[str]:
+    """The attempt's recorded output lines (its state changes are events too)."""
+    events = server.get(f"/api/attempts/{job['attempt_id']}/events")
+    return [event["body"]["line"] for event in events if event["kind"] == "output"]
+
+
+def wait_for(predicate: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {seconds:g}s waiting for {what}"
+        time.sleep(0.1)
+
+
+# 1. A lease nobody holds expires -----------------------------------------------------------------------------
+
+
+def test_an_attempt_its_agent_does_not_name_is_lost_and_retried(serve: Callable[..., Server]) -> None:
+    server = serve(COOP_LEASE_SECONDS="3", COOP_HEARTBEAT_SECONDS="0.5")
+    a = server.agent("a")
+    server.experiment()
+    job = server.claim(a)
+    assert job is not None
+    server.start(a, job)
+    # The agent forgot the attempt (its result was refused, say) but heartbeats on with nothing named.
+    for _ in range(3):
+        assert server.heartbeat(a).status_code == 200
+        time.sleep(0.2)
+    attempt = server.attempt(job)
+    assert attempt["state"] == "lost" and attempt["reason"].startswith("not held by its agent"), attempt
+    state = server.get(f"/api/jobs/{job['job_id']}")
+    assert state["state"] == "queued" and state["attempts_made"] == 1  # retried, well within one lease
+    retry = server.claim(a)
+    assert retry is not None and retry["job_id"] == job["job_id"] and retry["number"] == 2
+
+
+def test_a_named_attempt_keeps_its_lease_and_an_unnamed_one_of_the_same_agent_does_not(
+    serve: Callable[..., Server],
+) -> None:
+    server = serve(COOP_LEASE_SECONDS="1.5", COOP_HEARTBEAT_SECONDS="0.3")
+    a, b = server.agent("a"), server.agent("b")
+    experiment = server.experiment()
+    prepare = server.claim(a)
+    assert prepare is not None
+    assert server.result(a, prepare, result={"prepared_identity": sha("prepared")}).status_code == 200
+    single_a, single_b = server.claim(a), server.claim(b)
+    assert single_a is not None and single_b is not None
+    ends = time.monotonic() + 4  # past two leases
+    while time.monotonic() < ends:
+        assert server.heartbeat(a, single_a["attempt_id"]).json()["directives"][0]["action"] == "continue"
+        time.sleep(0.3)
+    assert server.attempt(single_a)["state"] == "leased"
+    assert server.attempt(single_b)["state"] == "lost"  # b never heartbeat: its lease expired
+    assert server.get(f"/api/experiments/{experiment}")["state"] != "failed"
+
+
+def test_a_retried_claim_gets_the_same_attempt_and_a_heartbeat_naming_the_claim_keeps_it(
+    serve: Callable[..., Server],
+) -> None:
+    server = serve(COOP_LEASE_SECONDS="3", COOP_HEARTBEAT_SECONDS="0.5")
+    a = server.agent("a")
+    server.experiment()
+    key = secrets.token_urlsafe(24)
+    first = server.claim(a, key)
+    assert first is not None
+    # The reply was lost. Heartbeats while the claim is retried name the claim in flight, not an attempt.
+    for _ in range(3):
+        assert server.heartbeat(a, claiming=key).status_code == 200
+        time.sleep(0.2)
+    again = server.claim(a, key)
+    assert again is not None and again["attempt_id"] == first["attempt_id"] and again["job_id"] == first["job_id"]
+    assert again["lease_token"] != first["lease_token"]  # a new token: the lost reply's is no good any more
+    stale = server.http.post(
+        f"/api/attempts/{first['attempt_id']}/start", json={"lease_token": first["lease_token"]}, headers=bearer(a)
+    )
+    assert stale.status_code == 403
+    server.start(a, again)
+    attempts = server.get(f"/api/jobs/{first['job_id']}/attempts")
+    assert len(attempts) == 1 and attempts[0]["state"] == "running"
+    # Once the attempt has started, the same key never hands out a second one.
+    assert server.claim(a, key) is None
+
+
+# 2. A slow upload cannot block the others ------------------------------------------------------------------
+
+
+def _stalled_upload(base: str, token: str, job: dict[str, Any], sent: threading.Event, stop: threading.Event) -> None:
+    """A PUT of a 1,024-byte blob that sends 16 bytes and then waits, as a client on a dying link does."""
+    data = bytes(1024)
+    digest = hashlib.sha256(data).hexdigest()
+    address = urlsplit(base)
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        head = (
+            f"PUT /api/blobs/{digest}?attempt={job['attempt_id']} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Length: {len(data)}\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n"
+        )
+        sock.sendall(head.encode() + data[:16])
+        sent.set()
+        stop.wait(60)
+
+
+def test_a_stalled_upload_blocks_no_other_request_and_no_reaper_round(serve: Callable[..., Server]) -> None:
+    server = serve(COOP_LEASE_SECONDS="2", COOP_HEARTBEAT_SECONDS="0.5")
+    a, b = server.agent("a"), server.agent("b")
+    server.experiment()
+    job = server.claim(a)
+    assert job is not None
+    sent, stop = threading.Event(), threading.Event()
+    uploader = threading.Thread(target=_stalled_upload, args=(server.base, a, job, sent, stop), daemon=True)
+    uploader.start()
+    try:
+        assert sent.wait(10)
+        time.sleep(0.5)  # the server has read the headers and is waiting for the rest of the body
+        timings = {}
+        for name, call in [
+            ("heartbeat", lambda: server.heartbeat(a, job["attempt_id"])),
+            ("experiments", lambda: server.http.get("/api/experiments")),
+            ("agents", lambda: server.http.get("/api/agents")),
+            ("register", lambda: server.http.post("/api/agents/register", json={"address": "b"}, headers=bearer(b))),
+        ]:
+            began = time.monotonic()
+            response = call()
+            timings[name] = time.monotonic() - began
+            assert response.status_code in {200, 201}, (name, response.status_code, response.text)
+        assert max(timings.values()) < 3.0, timings  # they waited 30 s and got 500 while the upload held the lock
+        # The reaper goes on too: with no more heartbeats, the attempt is lost when its 2 s lease ends.
+        wait_for(lambda: server.attempt(job)["state"] == "lost", 10, "the reaper to end the lease")
+    finally:
+        stop.set()
+        uploader.join(10)
+
+
+# 3. Values the database cannot hold are refused at the schema ------------------------------------------------
+
+
+def test_values_the_database_cannot_hold_are_refused_with_the_field_named_and_nothing_changes(
+    serve: Callable[..., Server],
+) -> None:
+    server = serve()
+    a = server.agent("a")
+    experiment = server.experiment()
+    job = server.claim(a)
+    assert job is not None
+    server.start(a, job)
+    cases: list[tuple[httpx.Response, str]] = [
+        (server.events(a, job, 0, [{"kind": "output", "body": {"line": "a\u0000b"}}]), "$.events[0].body.line"),
+        (server.events(a, job, 0, [{"kind": "a\u0000b"}]), "$.events[0].kind"),
+        (server.events(a, job, 0, [{"kind": "x", "at": "2026-12-02T10:00:00"}]), "$.events[0].at"),
+        (server.events(a, job, 2**63, [{"kind": "x"}]), "$.sequence"),
+        (server.events(a, job, 2**31, [{"kind": "x"}]), "$.sequence"),
+        (server.result(a, job, outcome="failed", reason="a\u0000b"), "$.reason"),
+        (server.result(a, job, outcome="failed", exit_code=2**31), "$.exit_code"),
+        (server.result(a, job, outcome="failed", exit_code=2**63), "$.exit_code"),
+        (server.result(a, job, outcome="failed", journal=[_step(2**31)]), "$.journal[0].step"),
+        (server.result(a, job, result={"prepared_identity": sha("p")}, answers=[_nul_answer()]), "$.answers[0].text"),
+    ]
+    for response, field in cases:
+        assert response.status_code == 400, (field, response.status_code, response.text)
+        assert field in response.json()["detail"], (field, response.json()["detail"])
+    offset = server.http.get(f"/api/experiments/{experiment}/answers?offset=9223372036854775808")  # public
+    assert offset.status_code == 400 and "offset" in offset.text
+    assert server.attempt(job)["state"] == "running"
+    assert _output(server, job) == []
+    good = server.events(a, job, 0, [{"kind": "output", "body": {"line": "a\ufffdb"}, "at": "2026-12-02T10:00:00Z"}])
+    assert good.status_code == 201, good.text
+
+
+def _step(step: int) -> dict[str, Any]:
+    fields = ("loss", "learning_rate", "gradient_norm", "seconds")
+    counts = ("targets", "weighted_targets", "documents")
+    return (
+        {"step": step, "positions": [0], "local_positions": [0]} | dict.fromkeys(fields, 0.5) | dict.fromkeys(counts, 1)
+    )
+
+
+def _nul_answer() -> dict[str, Any]:
+    return answer(0, True) | {"text": "{\u0000}"}
+
+
+def test_a_refused_upload_leaves_the_spool_and_the_uploads_after_it_arrive(
+    serve: Callable[..., Server], tmp_path: Path
+) -> None:
+    server = serve()
+    token = server.agent("a")
+    server.experiment()
+    job = server.claim(token)
+    assert job is not None
+    server.start(token, job)
+    spool = Spool(tmp_path / "agent" / "spool.sqlite3")
+    client = AgentClient(server.base, token, retries=1, backoff=0.05)
+    settings = AgentSettings(server.base, token, "a", "127.0.0.1", tmp_path / "agent", tmp_path, tmp_path)
+    loop = AgentLoop(settings, client, spool)
+    try:
+        held = OpenAttempt(uuid.UUID(job["attempt_id"]), uuid.UUID(job["job_id"]), job["lease_token"])
+        spool.open_attempt(held.attempt_id, held.job_id, held.lease_token)
+        spool.add_events(held, [wire.Event(kind="output", body={"line": "a\x00b"})])  # a value Postgres cannot hold
+        spool.add_events(held, [wire.Event(kind="output", body={"line": "after"})])
+        assert loop.send_pending()
+        assert spool.counts() == {"rejected": 1, "acknowledged": 1}
+        assert _output(server, job) == ["after"]
+    finally:
+        client.close()
+        spool.close()
+
+
+# 5. A report is only what the coordinator computed ----------------------------------------------------------
+
+
+def test_an_operator_cannot_supply_a_report(serve: Callable[..., Server]) -> None:
+    server = serve()
+    experiment = server.experiment()
+    path = f"/api/experiments/{experiment}/report"
+    made_up = server.http.post(path, json={"verdict": "PASSED", "gain": 0.99}, headers=bearer(server.operator))
+    assert made_up.status_code == 400 and "computes the report itself" in made_up.json()["detail"]
+    early = server.http.post(path, headers=bearer(server.operator))
+    assert early.status_code == 409 and early.json()["rule"] == "report-not-ready"
+    assert server.get(f"/api/experiments/{experiment}")["state"] == "committed"
+    assert server.http.get(path).status_code == 404
+
+
+# 6. Nothing is accepted for an attempt that has ended ---------------------------------------------------------
+
+
+def test_events_results_and_blobs_of_an_ended_attempt_get_409(serve: Callable[..., Server]) -> None:
+    server = serve(COOP_LEASE_SECONDS="1", COOP_HEARTBEAT_SECONDS="0.2")
+    a = server.agent("a")
+    server.experiment()
+    job = server.claim(a)
+    assert job is not None
+    server.start(a, job)
+    assert server.events(a, job, 0, [{"kind": "output", "body": {"line": "early"}}]).status_code == 201
+    wait_for(lambda: server.attempt(job)["state"] == "lost", 10, "the lease to expire")
+    retry = server.claim(a)
+    assert retry is not None and retry["job_id"] == job["job_id"]
+    server.start(a, retry)
+    late = server.events(a, job, 1, [{"kind": "output", "body": {"line": "late"}}])
+    assert late.status_code == 409 and late.json()["rule"] == "attempt-already-ended", late.text
+    replay = server.events(a, job, 0, [{"kind": "output", "body": {"line": "early"}}])
+    assert replay.status_code == 201  # a replay of what was accepted still gets its stored reply
+    blob = server.put_blob(a, b"late evidence\n", job)
+    assert blob.status_code == 409 and blob.json()["rule"] == "attempt-already-ended", blob.text
+    unnamed = server.put_blob(a, b"late evidence\n", None)
+    assert unnamed.status_code == 400 and "names its attempt" in unnamed.json()["detail"]
+    result = server.result(a, job, result={"prepared_identity": sha("p")})
+    assert result.status_code == 409 and result.json()["rule"] == "attempt-already-ended"
+    assert _output(server, job) == ["early"]
+    assert server.put_blob(a, b"evidence\n", retry).status_code == 201
+
+
+# 7. The published answers are the evidence's ------------------------------------------------------------------
+
+
+def test_answers_their_hash_and_the_blob_must_agree(serve: Callable[..., Server]) -> None:
+    server = serve()
+    a = server.agent("a")
+    experiment = server.experiment()
+    prepare = server.claim(a)
+    assert prepare is not None
+    assert server.result(a, prepare, result={"prepared_identity": sha("prepared")}).status_code == 200
+    queued = server.http.post(
+        f"/api/experiments/{experiment}/jobs",
+        json={"kind": "evaluate", "arm": "seed", "role": "dev"},
+        headers=bearer(server.operator),
+    )
+    assert queued.status_code == 201, queued.text
+    job = next(j for _ in range(5) if (j := server.claim(a)) is not None and j["kind"] == "evaluate")
+    answers = [answer(0, True), answer(1, False)]
+    data = answers_file(answers)
+    assert server.put_blob(a, data, job).status_code == 201
+    digest = hashlib.sha256(data).hexdigest()
+    path = "evaluations/dev/seed/answers.jsonl"
+    altered = [answers[0], answer(1, True)]  # the rows would publish a correct answer the file holds as wrong
+    for fields, reason in [
+        ({"answers": answers, "result": {"answers_sha256": digest}}, "among its evidence"),
+        ({"answers": answers, "result": {"answers_sha256": sha("x")}, "evidence": {path: digest}}, "answers_sha256"),
+        ({"answers": altered, "result": {"answers_sha256": digest}, "evidence": {path: digest}}, "answers[1]"),
+        ({"answers": answers[:1], "result": {"answers_sha256": digest}, "evidence": {path: digest}}, "holds 2"),
+    ]:
+        refused = server.result(a, job, **fields)
+        assert refused.status_code == 400 and reason in refused.json()["detail"], refused.text
+    assert server.get(f"/api/experiments/{experiment}/answers")["total"] == 0
+    assert server.attempt(job)["state"] == "leased"
+    kept = server.result(a, job, answers=answers, result={"answers_sha256": digest}, evidence={path: digest})
+    assert kept.status_code == 200, kept.text
+    published = server.get(f"/api/experiments/{experiment}/answers?arm=seed&role=dev")["items"]
+    assert [item["answer"] for item in published] == [json.loads(line) for line in data.splitlines()]
+
+
+# 8. Each route takes bodies of its real size -----------------------------------------------------------------
+
+
+def test_small_routes_refuse_large_bodies(serve: Callable[..., Server]) -> None:
+    server = serve()
+    token = make_token(server.url, "agent", "a")
+    labels = {f"label{i}": "x" * 200 for i in range(10_000)}  # about 2 MB
+    register = server.http.post("/api/agents/register", json={"address": "a", "labels": labels}, headers=bearer(token))
+    assert register.status_code == 413, register.text
+    many = {f"label{i}": "x" for i in range(33)}
+    register = server.http.post("/api/agents/register", json={"address": "a", "labels": many}, headers=bearer(token))
+    assert register.status_code == 400 and "$.labels" in register.json()["detail"]
+    assert server.agent("b")
+    heartbeat = server.http.post(
+        "/api/agents/heartbeat", content=b'{"attempt_ids": []' + b" " * 2_000_000 + b"}", headers=bearer(token)
+    )
+    assert heartbeat.status_code == 413
+    assert server.get("/api/agents")[0]["labels"] == {}
+
+
+# 9. The OpenAPI document describes the service ----------------------------------------------------------------
+
+
+def test_the_openapi_document_lists_statuses_tokens_bodies_and_bounds(serve: Callable[..., Server]) -> None:
+    server = serve()
+    document = server.get("/schema/openapi.json")
+    assert set(document["components"]["securitySchemes"]) == {"operator", "agent"}
+    for path, operations in document["paths"].items():
+        if not path.startswith("/api/"):
+            continue
+        for method, operation in operations.items():
+            codes = set(operation["responses"])
+            assert {"400", "401"} <= codes, (method, path, codes)
+            if method != "get":
+                assert {"401", "403", "409", "413"} <= codes, (method, path, codes)
+                assert operation["security"] and all(operation["security"]), (method, path)
+    upload = document["paths"]["/api/blobs/{sha256}"]["put"]
+    assert "application/octet-stream" in upload["requestBody"]["content"] and "201" in upload["responses"]
+    schemas = document["components"]["schemas"]
+    unbounded = [
+        f"{name}.{field}"
+        for name, schema in schemas.items()
+        for field, value in schema.get("properties", {}).items()
+        if _integer(value) and not ("maximum" in value and "minimum" in value) and name in _REQUEST_SCHEMAS
+    ]
+    assert unbounded == []
+    switch = f"/api/experiments/{server.experiment()}/autopilot"
+    for value in (0, "true", 1.0):
+        refused = server.http.post(switch, json={"on": value}, headers=bearer(server.operator))
+        assert refused.status_code == 400 and "$.on" in refused.json()["detail"], (value, refused.text)
+
+
+_REQUEST_SCHEMAS = {
+    "AttemptResult",
+    "EventBatch",
+    "StepRecord",
+    "ResourceSample",
+    "AnswerRecord",
+    "ClaimRequest",
+    "HeartbeatRequest",
+    "AgentRegister",
+    "SelectedArm",
+    "SelectionCreate",
+    "CancelRequest",
+    "JobCreate",
+    "ExperimentCreate",
+}
+
+
+def _integer(schema: dict[str, Any]) -> bool:
+    kinds = [schema.get("type"), *(option.get("type") for option in schema.get("oneOf", []))]
+    return "integer" in kinds
+
+
+def test_a_fuzzer_over_the_openapi_document_finds_no_server_error(database_url: str, tmp_path: Path) -> None:
+    """Every operation, valid and invalid requests, as operator, agent and anonymous (tests/fuzz.py)."""
+    from tests.fuzz import run
+
+    del tmp_path
+    backend = "sqlite" if database_url.startswith("sqlite") else "postgres"
+    result = run(backend, examples=3)
+    assert result["requests"] > 500 and result["server_errors"] == 0, result["first_server_errors"]
+    assert {"400", "401", "403", "404", "409"} <= set(result["statuses"])

@@ -1,0 +1,192 @@
+"""The agent's process groups, with real processes: a command dies with the agent, a restarted agent ends what a
+group left running after its leader died (a command's children get no parent-death signal), in the group or in a
+session of its own, and a recorded pid that now names another process is never signalled."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent import processes
+from agent.spool import Group, Spool
+from tests.processes import ROOT
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+@pytest.fixture
+def leftovers() -> Iterator[list[psutil.Process]]:
+    """Processes a failing test must not leave running."""
+    started: list[psutil.Process] = []
+    yield started
+    for process in started:
+        with contextlib.suppress(psutil.Error):
+            process.kill()  # psutil refuses a pid that now names another process
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Iterator[Spool]:
+    opened = Spool(tmp_path / "spool.sqlite3")
+    yield opened
+    opened.close()
+
+
+def test_a_command_dies_with_the_agent_that_started_it(tmp_path: Path, leftovers: list[psutil.Process]) -> None:
+    stand_in = (
+        "import subprocess, sys, time\n"
+        "from pathlib import Path\n"
+        "from agent import processes\n"
+        "from agent.spool import Spool\n"
+        "spool = Spool(Path(sys.argv[1]))\n"
+        "command, _ = processes.start(\n"
+        "    spool, 'a sleep', ['sleep', '300'], cwd=Path('.'), env={'PATH': '/usr/bin:/bin'},\n"
+        "    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,\n"
+        ")\n"
+        "print(command.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-c", stand_in, str(tmp_path / "spool.sqlite3")], cwd=ROOT, stdout=subprocess.PIPE
+    )
+    try:
+        assert agent.stdout is not None
+        command = int(agent.stdout.readline())
+        leftovers.append(psutil.Process(command))
+        assert not _gone(command)
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
+    assert _wait_gone(command, 5.0), "the command outlived the agent"
+
+
+def test_a_restart_ends_what_a_group_left_running_after_its_leader_died(
+    tmp_path: Path, spool: Spool, leftovers: list[psutil.Process]
+) -> None:
+    leader, group = processes.start(
+        spool,
+        "a shell and its sleep",
+        ["sh", "-c", "sleep 300 & echo $!; wait"],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert leader.stdout is not None
+    child = int(leader.stdout.readline())
+    leftovers.append(psutil.Process(child))
+    leader.kill()  # as the parent-death signal would: the leader dies, its child lives on in the group
+    leader.wait(timeout=10)
+    time.sleep(0.2)
+    assert not _gone(child) and os.getpgid(child) == group.pid
+
+    restarted = Spool(spool.path)  # the agent's next run reads what its last run recorded
+    try:
+        assert restarted.groups() == [group]
+        assert processes.end(restarted.groups(), 2.0) == [group]
+    finally:
+        restarted.close()
+    assert _gone(child)
+    assert processes.end([group], 2.0) == []  # nothing is left to end
+
+
+def test_a_restart_ends_what_left_the_group_for_a_session_of_its_own(
+    tmp_path: Path, spool: Spool, leftovers: list[psutil.Process]
+) -> None:
+    # As `coop replica` starts vLLM: in a session of its own, where no signal to the group reaches it.
+    starter = (
+        "import subprocess, sys, time\n"
+        "server = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    leader, group = processes.start(
+        spool,
+        "a starter and its server",
+        [sys.executable, "-c", starter],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert leader.stdout is not None
+    server = int(leader.stdout.readline())
+    leftovers.append(psutil.Process(server))
+    leader.kill()
+    leader.wait(timeout=10)
+    assert not _gone(server) and os.getpgid(server) == server != group.pid
+
+    assert processes.end(spool.groups(), 2.0) == [group]
+    assert _wait_gone(server, 5.0)
+
+
+def test_a_group_that_ignores_term_is_killed_after_the_grace(tmp_path: Path, spool: Spool) -> None:
+    stubborn, group = processes.start(
+        spool,
+        "a shell that ignores TERM",
+        ["sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done"],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"
+    began = time.monotonic()
+    assert processes.end([group], 1.0) == [group]
+    assert time.monotonic() - began >= 1.0
+    assert stubborn.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_recorded_pid_that_names_a_later_process_is_never_signalled() -> None:
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        started = psutil.Process(other.pid).create_time()
+        recycled = Group(other.pid, started - 3600.0, "0" * 32, "a command of an earlier boot")
+        assert processes.end([recycled], 1.0) == []
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+
+
+def test_a_spool_of_an_earlier_version_opens_and_records_groups(tmp_path: Path) -> None:
+    path = tmp_path / "spool.sqlite3"
+    with sqlite3.connect(path) as db:  # the schema before process groups were recorded
+        db.executescript(
+            "CREATE TABLE uploads (id INTEGER PRIMARY KEY AUTOINCREMENT, attempt_id TEXT NOT NULL, kind TEXT NOT NULL,"
+            " key TEXT NOT NULL UNIQUE, body BLOB NOT NULL, state TEXT NOT NULL DEFAULT 'pending', note TEXT);"
+            "CREATE TABLE attempts (attempt_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, lease_token TEXT NOT NULL,"
+            " next_sequence INTEGER NOT NULL DEFAULT 0, finished INTEGER NOT NULL DEFAULT 0);"
+        )
+    db.close()
+    spool = Spool(path)
+    try:
+        assert spool.groups() == []
+        group = Group(12345, 1.5, "f" * 32, "a service")
+        spool.record_group(group)
+        assert spool.groups() == [group]
+        spool.forget_group(group)
+        assert spool.groups() == []
+    finally:
+        spool.close()
