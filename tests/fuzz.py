@@ -91,51 +91,71 @@ def served(database_url: str, home: Path, **environment: str) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class Principals:
-    """The tokens of each role, and the rows they made: an experiment, and the attempt the agent claimed and
-    started, so that operations on those ids reach their handlers' checks, not only their 404s."""
+    """The base URL and a token of each role (None: no token)."""
 
+    base: str
     tokens: dict[str, str | None]
+
+    def headers(self, role: str) -> dict[str, str]:
+        token = self.tokens[role]
+        return support.bearer(token) if token else {}
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows of a fresh experiment: its id, and the attempt the agent claimed and started with its lease token, so
+    that operations on those ids reach their handlers' checks (an upload with the attempt's own lease token and
+    Idempotency-Key reaches the database), not only their 404s."""
+
     ids: dict[str, str]
+    lease_token: str
 
 
 def _principals(base: str, database_url: str) -> Principals:
     operator = support.make_token(database_url, "operator", "fuzz-operator")
     agent = support.make_token(database_url, "agent", "fuzz-agent")
-    with httpx.Client(base_url=base, timeout=30) as http:
-        http.post("/api/agents/register", json={"address": "127.0.0.1"}, headers=support.bearer(agent))
+    principals = Principals(base, {"operator": operator, "agent": agent, "none": None})
+    registered = httpx.post(
+        f"{base}/api/agents/register", json={"address": "127.0.0.1"}, headers=principals.headers("agent"), timeout=30
+    )
+    registered.raise_for_status()
+    return principals
+
+
+def _rows(principals: Principals) -> Rows:
+    with httpx.Client(base_url=principals.base, timeout=30) as http:
         plan = {"plan_toml": support.LOCAL_PLAN.read_text()}
-        experiment = http.post("/api/experiments", json=plan, headers=support.bearer(operator)).json()
-        claimed = http.post("/api/agents/claim", json={}, headers=support.bearer(agent)).json()["assignment"]
-        proof = {"lease_token": claimed["lease_token"]}
-        http.post(f"/api/attempts/{claimed['attempt_id']}/start", json=proof, headers=support.bearer(agent))
-    ids = {"experiment_id": experiment["id"], "job_id": claimed["job_id"], "attempt_id": claimed["attempt_id"]}
-    return Principals({"operator": operator, "agent": agent, "none": None}, ids)
+        experiment = http.post("/api/experiments", json=plan, headers=principals.headers("operator")).json()
+        claim = http.post("/api/agents/claim", json={}, headers=principals.headers("agent")).json()["assignment"]
+        proof = {"lease_token": claim["lease_token"]}
+        http.post(f"/api/attempts/{claim['attempt_id']}/start", json=proof, headers=principals.headers("agent"))
+    ids = {"experiment_id": experiment["id"], "job_id": claim["job_id"], "attempt_id": claim["attempt_id"]}
+    return Rows(ids, claim["lease_token"])
 
 
-def _sender(base: str, operation: Any, role: str, token: str | None, tally: Tally) -> Any:
-    headers = support.bearer(token) if token else {}
-
+def _sender(principals: Principals, operation: Any, role: str, rows: Rows | None, tally: Tally) -> Any:
     def send(case: schemathesis.Case) -> None:
-        response = case.call(base_url=base, headers={**(case.headers or {}), **headers}, timeout=60)
+        headers = {**(case.headers or {}), **principals.headers(role)}
+        on_attempt = rows is not None and (case.path_parameters or {}).get("attempt_id") == rows.ids["attempt_id"]
+        if rows is not None and on_attempt and role == "agent" and isinstance(case.body, dict):
+            # The attempt's own lease and key: the fuzzed rest of the body meets the database.
+            case.body["lease_token"] = rows.lease_token
+            sequence = case.body.get("sequence") if operation.path.endswith("/events") else "result"
+            headers["Idempotency-Key"] = f"{rows.ids['job_id']}:{rows.ids['attempt_id']}:{sequence}"
+        response = case.call(base_url=principals.base, headers=headers, timeout=60)
         tally.requests[role] += 1
         tally.statuses[response.status_code] += 1
         if response.status_code >= 500 and len(tally.server_errors) < 10:
-            tally.server_errors.append(
-                {
-                    "operation": operation.label,
-                    "role": role,
-                    "status": response.status_code,
-                    "body": response.text[:300],
-                }
-            )
+            error = {"operation": operation.label, "role": role, "status": response.status_code}
+            tally.server_errors.append(error | {"body": response.text[:300]})
 
     return send
 
 
-def fuzz(base: str, principals: Principals, examples: int) -> Tally:
-    """Every operation, in both generation modes, with each role's token, once on random ids and once on the ids
-    of real rows; never stops at the first 5xx."""
-    schema = schemathesis.openapi.from_url(f"{base}/schema/openapi.json")
+def fuzz(principals: Principals, examples: int) -> Tally:
+    """Every operation, in both generation modes, with each role's token, on random ids and, where it names rows,
+    on the ids of a fresh experiment's; never stops at the first 5xx."""
+    schema = schemathesis.openapi.from_url(f"{principals.base}/schema/openapi.json")
     tally = Tally()
     budget = settings(
         max_examples=examples,
@@ -148,12 +168,13 @@ def fuzz(base: str, principals: Principals, examples: int) -> Tally:
     for result in schema.get_all_operations():
         operation = result.ok()
         names = {parameter.name for parameter in operation.iter_parameters() if parameter.location == "path"}
-        known = {name: value for name, value in principals.ids.items() if name in names}
-        for path_parameters in [None, known] if known else [None]:
-            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                for role, token in principals.tokens.items():
-                    send = _sender(base, operation, role, token, tally)
-                    strategy = operation.as_strategy(generation_mode=mode, path_parameters=path_parameters)
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            for role in principals.tokens:
+                rows = _rows(principals) if names & {"experiment_id", "job_id", "attempt_id"} else None
+                for on_rows in [None, rows] if rows is not None else [None]:
+                    known = {name: value for name, value in on_rows.ids.items() if name in names} if on_rows else None
+                    send = _sender(principals, operation, role, on_rows, tally)
+                    strategy = operation.as_strategy(generation_mode=mode, path_parameters=known)
                     # An operation with nothing to get wrong (no parameters, no body) has no negative case.
                     with contextlib.suppress(Unsatisfiable):
                         budget(given(case=strategy)(send))()
@@ -174,7 +195,7 @@ def run(backend: str, examples: int) -> dict[str, Any]:
             started = time.monotonic()
             # Claims long-poll for work at most 1 s here, well inside the client's timeout.
             with served(url, home, COOP_MAX_CLAIM_WAIT_SECONDS="1") as base:
-                tally = fuzz(base, _principals(base, url), examples)
+                tally = fuzz(_principals(base, url), examples)
             return {"backend": backend, "examples": examples, "seconds": round(time.monotonic() - started, 1)} | (
                 tally.as_json()
             )

@@ -486,6 +486,6 @@ def test_a_fuzzer_over_the_openapi_document_finds_no_server_error(database_url: 
 
     del tmp_path
     backend = "sqlite" if database_url.startswith("sqlite") else "postgres"
-    result = run(backend, examples=3)
+    result = run(backend, examples=5)
     assert result["requests"] > 500 and result["server_errors"] == 0, result["first_server_errors"]
     assert {"400", "401", "403", "404", "409"} <= set(result["statuses"])
