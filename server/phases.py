@@ -101,6 +101,13 @@ def _busy(jobs: list[models.Job]) -> list[models.Job]:
     return [job for job in jobs if J(job.state) in {J.QUEUED, *JOB_ACTIVE}]
 
 
+def _refuse_while_running(state: ExperimentState, jobs: list[models.Job]) -> None:
+    busy = _busy(jobs)
+    if busy:
+        names = ", ".join(f"{Want(j.kind, j.arm, j.role)} ({j.state})" for j in busy)  # type: ignore[arg-type]
+        raise Refused("phase-running", f"the {state} phase is still running: {names}")
+
+
 def _next_stage(state: ExperimentState, jobs: list[models.Job]) -> list[Want]:
     for stage in STAGES.get(state, []):
         missing = _missing(stage, jobs)
@@ -123,10 +130,7 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; there is nothing to advance")
     jobs = await jobs_of(session, experiment.id)
-    busy = _busy(jobs)
-    if busy:
-        names = ", ".join(f"{Want(j.kind, j.arm, j.role)} ({j.state})" for j in busy)  # type: ignore[arg-type]
-        raise Refused("phase-running", f"the {state} phase is still running: {names}")
+    _refuse_while_running(state, jobs)
     missing = _next_stage(state, jobs)
     if not missing:
         raise Refused("phase-complete", f"every job of the {state} phase succeeded; nothing is left to queue")
@@ -147,10 +151,7 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
     if state != E.SERVING:
         raise Refused("report-not-ready", f"the report is computed after the serving phase; the experiment is {state}")
     jobs = await jobs_of(session, experiment.id)
-    busy = _busy(jobs)
-    if busy:
-        names = ", ".join(f"{Want(j.kind, j.arm, j.role)} ({j.state})" for j in busy)  # type: ignore[arg-type]
-        raise Refused("phase-running", f"the {state} phase is still running: {names}")
+    _refuse_while_running(state, jobs)
     missing = _next_stage(state, jobs)
     if missing != [Want("report")]:
         waiting = ", ".join(str(want) for want in missing)

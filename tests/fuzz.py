@@ -13,13 +13,8 @@ import argparse
 import collections
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +28,7 @@ from schemathesis import GenerationMode
 from server import migrate
 from server.settings import sqlite_url
 from tests.integration.coordinator import support
-from tests.processes import ROOT, free_port
+from tests.processes import served
 
 ROLES = ("operator", "agent", "none")
 
@@ -55,38 +50,6 @@ class Tally:
             "server_errors": sum(count for code, count in self.statuses.items() if code >= 500),
             "first_server_errors": self.server_errors,
         }
-
-
-@contextmanager
-def served(database_url: str, home: Path, **environment: str) -> Iterator[str]:
-    """`coop-server serve` on a free loopback port (``environment``: COOP_* settings), until the block ends."""
-    port = free_port()
-    env = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": database_url, **environment}
-    log = (home / "server.log").open("ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=log,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/schema/openapi.json", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the coordinator did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-        yield base
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-        log.close()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Real processes with the torchrun environment, for the training and evaluation tests."""
+"""Real processes: a coordinator (`coop-server serve`), and ranks with the torchrun environment for the training
+and evaluation tests."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +72,35 @@ def coop_train(home: Path, seed: Path, arm: str, world: int, *extra: str) -> lis
         *extra,
     ]
     return launch(args, world)
+
+
+@contextmanager
+def served(database_url: str, home: Path, **environment: str) -> Iterator[str]:
+    """`coop-server serve` on a free loopback port (``environment``: COOP_* settings), until the block ends."""
+    port = free_port()
+    env = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": database_url, **environment}
+    log = (home / "server.log").open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/schema/openapi.json", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        log.close()

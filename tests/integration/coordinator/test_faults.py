@@ -23,7 +23,6 @@ from agent.loop import Agent as AgentLoop
 from agent.loop import Settings as AgentSettings
 from agent.spool import OpenAttempt, Spool
 from experiment import wire
-from tests.fuzz import served
 from tests.integration.coordinator.support import (
     LOCAL_PLAN,
     answer,
@@ -33,6 +32,7 @@ from tests.integration.coordinator.support import (
     make_token,
     sha,
 )
+from tests.processes import served
 
 
 class Server:

@@ -19,6 +19,7 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
+from tests import processes
 from tests.integration.coordinator.support import LOCAL_PLAN, bearer, empty_database, make_token, with_session
 
 CLAIMERS = 32
@@ -45,31 +46,10 @@ def server_env(database_url: str, tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def served(server_env: dict[str, str]) -> Iterator[str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        env=server_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/schema/openapi.json", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.stderr.read() if process.stderr else "server exited"
-            assert time.monotonic() < deadline, "the server did not answer within 30 s"
-            time.sleep(0.1)
+def served(database_url: str, tmp_path: Path) -> Iterator[str]:
+    empty_database(database_url)
+    with processes.served(database_url, tmp_path) as base:
         yield base
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def test_fresh_sqlite_server_answers_schema_and_commits_a_plan(tmp_path: Path) -> None:
