@@ -13,14 +13,12 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from litestar.params import FromPath, QueryParameter
 from litestar.response import File
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, blobs, models, queue
+from server import audit, auth, blobs, queue
 from server.api import spec
 from server.errors import BadRequest
-from server.lifecycle import Refused
 from server.settings import Settings
 from server.tokens import Principal
 
@@ -33,12 +31,12 @@ def _digest(sha256: str) -> str:
     return sha256
 
 
-async def _require_active_attempt(session: AsyncSession, principal: Principal, attempt_id: uuid.UUID | None) -> None:
+async def _require_active_attempt(
+    session: AsyncSession, request: Request[Any, Any, Any], principal: Principal, attempt_id: uuid.UUID | None
+) -> None:
     if attempt_id is None:
         raise BadRequest("an agent's blob upload names its attempt: PUT /api/blobs/SHA256?attempt=ATTEMPT_ID")
-    agent = await session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
-    if agent is None:
-        raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it uploads")
+    agent = auth.provide_agent(request, principal)  # the row the guard read
     _, attempt = await queue.owned_attempt(session, agent, attempt_id, None)
     queue.require_active(attempt)
 
@@ -89,7 +87,7 @@ class BlobController(Controller):
         An agent names the attempt the blob is evidence of: an attempt that has ended gets 409."""
         digest = _digest(sha256)
         if principal.role == "agent":
-            await _require_active_attempt(db_session, principal, attempt)
+            await _require_active_attempt(db_session, request, principal, attempt)
             await db_session.commit()  # the check's transaction ends before the body streams
         blob = await blobs.store(
             db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length

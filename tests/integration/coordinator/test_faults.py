@@ -64,6 +64,14 @@ class Server:
         assignment: dict[str, Any] | None = reply.json()["assignment"]
         return assignment
 
+    def running(self, token: str) -> tuple[str, dict[str, Any]]:
+        """A new experiment, and its prepare job claimed and started by ``token``'s agent."""
+        experiment = self.experiment()
+        job = self.claim(token)
+        assert job is not None
+        self.start(token, job)
+        return experiment, job
+
     def start(self, token: str, job: dict[str, Any]) -> None:
         proof = {"lease_token": job["lease_token"]}
         started = self.http.post(f"/api/attempts/{job['attempt_id']}/start", json=proof, headers=bearer(token))
@@ -137,10 +145,7 @@ def wait_for(predicate: Callable[[], bool], seconds: float, what: str) -> None:
 def test_an_attempt_its_agent_does_not_name_is_lost_and_retried(serve: Callable[..., Server]) -> None:
     server = serve(COOP_LEASE_SECONDS="3", COOP_HEARTBEAT_SECONDS="0.5")
     a = server.agent("a")
-    server.experiment()
-    job = server.claim(a)
-    assert job is not None
-    server.start(a, job)
+    _, job = server.running(a)
     # The agent forgot the attempt (its result was refused, say) but heartbeats on with nothing named.
     for _ in range(3):
         assert server.heartbeat(a).status_code == 200
@@ -258,10 +263,7 @@ def test_values_the_database_cannot_hold_are_refused_with_the_field_named_and_no
 ) -> None:
     server = serve()
     a = server.agent("a")
-    experiment = server.experiment()
-    job = server.claim(a)
-    assert job is not None
-    server.start(a, job)
+    experiment, job = server.running(a)
     cases: list[tuple[httpx.Response, str]] = [
         (server.events(a, job, 0, [{"kind": "output", "body": {"line": "a\u0000b"}}]), "$.events[0].body.line"),
         (server.events(a, job, 0, [{"kind": "a\u0000b"}]), "$.events[0].kind"),
@@ -302,10 +304,7 @@ def test_a_refused_upload_leaves_the_spool_and_the_uploads_after_it_arrive(
 ) -> None:
     server = serve()
     token = server.agent("a")
-    server.experiment()
-    job = server.claim(token)
-    assert job is not None
-    server.start(token, job)
+    _, job = server.running(token)
     spool = Spool(tmp_path / "agent" / "spool.sqlite3")
     client = AgentClient(server.base, token, retries=1, backoff=0.05)
     settings = AgentSettings(server.base, token, "a", "127.0.0.1", tmp_path / "agent", tmp_path, tmp_path)
@@ -344,10 +343,7 @@ def test_an_operator_cannot_supply_a_report(serve: Callable[..., Server]) -> Non
 def test_events_results_and_blobs_of_an_ended_attempt_get_409(serve: Callable[..., Server]) -> None:
     server = serve(COOP_LEASE_SECONDS="1", COOP_HEARTBEAT_SECONDS="0.2")
     a = server.agent("a")
-    server.experiment()
-    job = server.claim(a)
-    assert job is not None
-    server.start(a, job)
+    _, job = server.running(a)
     assert server.events(a, job, 0, [{"kind": "output", "body": {"line": "early"}}]).status_code == 201
     wait_for(lambda: server.attempt(job)["state"] == "lost", 10, "the lease to expire")
     retry = server.claim(a)
