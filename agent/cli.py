@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kind",
         action="append",
         default=[],
-        choices=sorted({*jobs.HANDLERS, *jobs.IN_PROCESS}),
+        choices=sorted(jobs.HANDLERS),
         help="only these kinds",
     )
     return parser

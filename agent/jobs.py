@@ -1,22 +1,30 @@
-"""One handler per job kind: the ``coop`` command line a job runs, and the result the coordinator expects from
-what the command printed and wrote. Paths the coordinator's job rows do not carry come from agent settings."""
+"""One handler per job kind: what the job needs in this host's home before it runs (its staging), the ``coop``
+command it runs or what the agent does itself, the result it reports from what the command printed and wrote, and
+the evidence files it contributes. The loop (loop.py) runs every kind the same way through ``HANDLERS``; a new kind
+is a handler here, its wire types (experiment/wire.py) and the coordinator's entry (server/kinds.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
-from experiment import wire
+from agent import evidence
+from agent.services import Launch, Services
+from experiment import layout, wire
 from experiment.canonical import write_new_bytes
 from experiment.errors import CoopError
-from experiment.layout import SELECTION
+from experiment.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
+S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
+R = TypeVar("R", bound=wire.Tagged)  # a kind's result
 
 
 @dataclass(frozen=True)
@@ -37,146 +45,327 @@ class Workspace:
         return self.root / "plan.toml"
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What a finished command contributes to its wire.AttemptResult."""
+@dataclass
+class Run(Generic[S]):
+    """One attempt as its handler sees it: the assignment, its kind's spec, this host's workspace, and the
+    experiment's ledger by kind (read when the job is staged)."""
 
-    result: dict[str, Any] = field(default_factory=dict)
+    job: wire.Assignment
+    spec: S
+    ws: Workspace
+    ledger: dict[str, wire.LedgerEntry] = field(default_factory=dict)
+
+    @property
+    def arm(self) -> str:
+        if self.job.arm is None:
+            raise CoopError(f"{self.job.kind} job {self.job.job_id} names no arm")
+        return self.job.arm
+
+    def committed(self, kind: str) -> wire.LedgerEntry:
+        entry = self.ledger.get(kind)
+        if entry is None:
+            raise CoopError(f"a {self.job.kind} job needs the committed {kind}; the experiment's ledger has none")
+        return entry
+
+    def plan(self) -> Plan:
+        return msgspec.convert(self.committed("plan").body["plan"], type=Plan)
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[R]):
+    """What a finished job contributes to its wire.AttemptResult."""
+
+    result: R
     journal: list[wire.StepRecord] = field(default_factory=list)
     resource_samples: list[wire.ResourceSample] = field(default_factory=list)
     answers: list[wire.AnswerRecord] = field(default_factory=list)
     serving: list[wire.ServingPhase] = field(default_factory=list)
 
 
-Argv = Callable[[wire.Assignment, Workspace], list[str]]
-Collect = Callable[[wire.Assignment, Workspace, Sequence[dict[str, Any]]], Outcome]
+class CommandEnded(CoopError):
+    """The job's command did not succeed: it exited non-zero, or it was stopped."""
+
+    def __init__(self, outcome: Literal["failed", "cancelled"], exit_code: int | None, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome, self.exit_code, self.reason = outcome, exit_code, reason[:4000]
 
 
-@dataclass(frozen=True)
-class Handler:
-    argv: Argv
-    collect: Collect
+class Host(Protocol):
+    """What a handler asks of the agent running it (agent.loop.Agent)."""
+
+    services: Services
+    stopping: threading.Event
+
+    @property
+    def advertise_address(self) -> str: ...
+
+    def ledger(self, run: Run[Any]) -> list[wire.LedgerEntry]: ...
+
+    def fetch_prepared(self, run: Run[Any], prepared_identity: str) -> None: ...
+
+    def fetch_folder(self, run: Run[Any], folder: str) -> None: ...
+
+    def command(self, run: Run[Any], argv: list[str]) -> list[dict[str, Any]]:
+        """Run ``argv`` as the job's command; its JSON-line events. Raises CommandEnded unless it succeeded."""
+        ...
 
 
 def coop(*args: str | Path) -> list[str]:
     return [sys.executable, "-m", "experiment.cli", *(str(a) for a in args)]
 
 
-def _last(events: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+def last_event(events: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     found: dict[str, Any] | None = next((event for event in reversed(events) if event.get("event") == name), None)
     if found is not None:
         return found
     raise CoopError(f"the command ended without its {name!r} event")
 
 
-def _prepare(job: wire.Assignment, ws: Workspace) -> list[str]:
-    return coop("prepare", "--plan", ws.plan, "--home", ws.home, "--model-dir", ws.model_dir)
-
-
-def _prepared(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
-    return Outcome(result={"prepared_identity": _last(events, "prepared")["prepared_identity"]})
-
-
-def _train(job: wire.Assignment, ws: Workspace) -> list[str]:
-    return coop("train", "--home", ws.home, "--model-dir", ws.model_dir, "--arm", _arm(job))
-
-
-def _trained(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
-    path = Path(_last(events, "completed")["result"])
-    run = msgspec.json.decode(path.read_bytes())
-    candidate = run["candidate"]
-    model_dir = path.parent / "checkpoints" / candidate["checkpoint"] / "model"
-    result = wire.TrainResult(
-        step=candidate["step"],
-        model_identity=run["parameter_digest"],
-        receipt_sha256=candidate["receipt_sha256"],
-        final=True,  # `coop train` prints "completed" only after the plan's last update
-        binding=run["binding"],
-        checkpoint_path=model_dir.relative_to(ws.home).as_posix(),
-    )
-    return Outcome(
-        result=msgspec.to_builtins(result),
-        journal=msgspec.convert(run["journal"], type=list[wire.StepRecord]),
-        resource_samples=msgspec.convert(run["resource_samples"], type=list[wire.ResourceSample]),
-    )
-
-
-def _evaluate(job: wire.Assignment, ws: Workspace) -> list[str]:
-    role = job.role or "dev"
-    argv = coop("evaluate", "--home", ws.home, "--model-dir", ws.model_dir, "--arm", _arm(job), "--role", role)
-    if role == "test":
-        argv += ["--selection", str(ws.home / SELECTION)]
-    return argv
-
-
-def _evaluated(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
-    summary_path = Path(_last(events, "evaluated")["evaluation"])
-    lines = (summary_path.parent / "answers.jsonl").read_bytes().splitlines()
-    answers = [msgspec.json.decode(line, type=wire.AnswerRecord) for line in lines if line.strip()]
-    summary = msgspec.json.decode(summary_path.read_bytes())
-    return Outcome(result={"answers_sha256": summary["answers_sha256"]}, answers=answers)
-
-
-def _select(job: wire.Assignment, ws: Workspace) -> list[str]:
-    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job), "--model-dir", ws.model_dir)
-
-
-def _verified(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
-    candidate = msgspec.convert(_last(events, "verified")["candidate"], type=wire.SelectResult)
-    return Outcome(result=msgspec.to_builtins(candidate))
-
-
-def _replica_start(job: wire.Assignment, ws: Workspace) -> list[str]:
-    # The replica serves this host's copy of the selected checkpoint: verify it first (loop.py starts it).
-    return coop("checkpoint", "verify", "--home", ws.home, "--arm", _arm(job), "--model-dir", ws.model_dir)
-
-
 def serving_token_file(ws: Workspace) -> Path:
     return ws.root / "serving-token"
 
 
-def benchmark_output(job: wire.Assignment, ws: Workspace) -> Path:
+def benchmark_output(job: wire.Assignment, phase: str, ws: Workspace) -> Path:
     """Each attempt writes a file of its own: a lost attempt's report stays, and its retry never meets it.
-    The bundle names the succeeded attempt's file serving/PHASE.json (evidence.written_by)."""
-    return ws.home / "serving" / f"{job.spec['phase']}-attempt-{job.number}.json"
+    The bundle names the succeeded attempt's file serving/PHASE.json (Benchmark.evidence)."""
+    return ws.home / layout.SERVING / f"{phase}-attempt-{job.number}.json"
 
 
-def _benchmark(job: wire.Assignment, ws: Workspace) -> list[str]:
-    phase = str(job.spec["phase"])
-    argv = coop("benchmark", "--phase", phase, "--home", ws.home, "--token-file", serving_token_file(ws))
-    for endpoint in job.spec["endpoints"]:
-        argv += ["--endpoint", str(endpoint)]
-    return [*argv, "--output", str(benchmark_output(job, ws))]
+class Handler(Generic[S, R]):
+    """A kind's handler; by default its job reads the committed plan and prepared inputs and runs one command."""
+
+    spec: type[S]
+
+    def read_spec(self, job: wire.Assignment) -> S:
+        return wire.decode(job.spec, self.spec)
+
+    def stage(self, host: Host, run: Run[S]) -> None:
+        """Put what the job reads into this host's home: the committed plan and the prepared inputs."""
+        run.ledger = {entry.kind: entry for entry in host.ledger(run)}
+        write_plan(run.committed("plan"), run.ws)
+        prepared = run.committed("prepared").identity
+        if not (run.ws.home / layout.PREPARED / layout.MANIFEST).is_file():
+            host.fetch_prepared(run, prepared)
+
+    def execute(self, host: Host, run: Run[S]) -> Outcome[R]:
+        return self.collect(run, host.command(run, self.argv(run)))
+
+    def argv(self, run: Run[S]) -> list[str]:
+        raise NotImplementedError
+
+    def collect(self, run: Run[S], events: Sequence[dict[str, Any]]) -> Outcome[R]:
+        raise NotImplementedError
+
+    def evidence(self, run: Run[S]) -> dict[str, Path]:
+        """The bundle paths a succeeded job contributes, each with the local file that holds it."""
+        return {}
 
 
-def _benchmarked(job: wire.Assignment, ws: Workspace, events: Sequence[dict[str, Any]]) -> Outcome:
-    report = msgspec.json.decode(Path(_last(events, "benchmarked")["output"]).read_bytes())
-    phase = wire.ServingPhase(phase=job.spec["phase"], report=report)
-    return Outcome(result={"phase": phase.phase, "metrics": report["metrics"]}, serving=[phase])
+def _files(home: Path, folder: str) -> dict[str, Path]:
+    return {f"{folder}/{p.name}": p for p in sorted((home / folder).iterdir()) if p.is_file()}
 
 
-def _arm(job: wire.Assignment) -> str:
-    if job.arm is None:
-        raise CoopError(f"{job.kind} job {job.job_id} names no arm")
-    return job.arm
+class Prepare(Handler[wire.PrepareSpec, wire.PrepareResult]):
+    spec = wire.PrepareSpec
+
+    def stage(self, host: Host, run: Run[wire.PrepareSpec]) -> None:
+        run.ledger = {entry.kind: entry for entry in host.ledger(run)}
+        write_plan(run.committed("plan"), run.ws)
+
+    def argv(self, run: Run[wire.PrepareSpec]) -> list[str]:
+        return coop("prepare", "--plan", run.ws.plan, "--home", run.ws.home, "--model-dir", run.ws.model_dir)
+
+    def collect(self, run: Run[wire.PrepareSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.PrepareResult]:
+        return Outcome(wire.PrepareResult(prepared_identity=last_event(events, "prepared")["prepared_identity"]))
+
+    def evidence(self, run: Run[wire.PrepareSpec]) -> dict[str, Path]:
+        # The seed's small files (tokenizer, template, config) let anyone re-tokenize; the weights stay here.
+        seed = {
+            f"{layout.SEED}/{name}": run.ws.model_dir / name
+            for name in sorted(run.plan().seed.files)
+            if not name.endswith(".safetensors")
+        }
+        return _files(run.ws.home, layout.PREPARED) | seed
 
 
-HANDLERS: dict[str, Handler] = {
-    "prepare": Handler(_prepare, _prepared),
-    "train": Handler(_train, _trained),
-    "evaluate": Handler(_evaluate, _evaluated),
-    "select": Handler(_select, _verified),
-    "replica-start": Handler(_replica_start, _verified),
-    "benchmark": Handler(_benchmark, _benchmarked),
+class Train(Handler[wire.TrainSpec, wire.TrainResult]):
+    spec = wire.TrainSpec
+
+    def argv(self, run: Run[wire.TrainSpec]) -> list[str]:
+        return coop("train", "--home", run.ws.home, "--model-dir", run.ws.model_dir, "--arm", run.arm)
+
+    def collect(self, run: Run[wire.TrainSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.TrainResult]:
+        path = Path(last_event(events, "completed")["result"])
+        written = msgspec.json.decode(path.read_bytes())
+        candidate = written["candidate"]
+        model_dir = path.parent / "checkpoints" / candidate["checkpoint"] / "model"
+        result = wire.TrainResult(
+            step=candidate["step"],
+            model_identity=written["parameter_digest"],
+            receipt_sha256=candidate["receipt_sha256"],
+            final=True,  # `coop train` prints "completed" only after the plan's last update
+            binding=written["binding"],
+            checkpoint_path=model_dir.relative_to(run.ws.home).as_posix(),
+        )
+        return Outcome(
+            result,
+            journal=msgspec.convert(written["journal"], type=list[wire.StepRecord]),
+            resource_samples=msgspec.convert(written["resource_samples"], type=list[wire.ResourceSample]),
+        )
+
+    def evidence(self, run: Run[wire.TrainSpec]) -> dict[str, Path]:
+        folder = layout.run(run.arm, run.job.rank)
+        return {f"{folder}/{name}": run.ws.home / folder / name for name in layout.RUN_EVIDENCE}
+
+
+class Evaluate(Handler[wire.EvaluateSpec, wire.EvaluateResult]):
+    spec = wire.EvaluateSpec
+
+    def stage(self, host: Host, run: Run[wire.EvaluateSpec]) -> None:
+        super().stage(host, run)
+        if run.job.role == "test":  # a test evaluation checks the checkpoint it is given against the selection
+            evidence.write_selection(run.committed("selection"), run.ws.home)
+
+    def argv(self, run: Run[wire.EvaluateSpec]) -> list[str]:
+        role = run.job.role or "dev"
+        ws = run.ws
+        argv = coop("evaluate", "--home", ws.home, "--model-dir", ws.model_dir, "--arm", run.arm, "--role", role)
+        if role == "test":
+            argv += ["--selection", str(ws.home / layout.SELECTION)]
+        return argv
+
+    def collect(self, run: Run[wire.EvaluateSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.EvaluateResult]:
+        summary_path = Path(last_event(events, "evaluated")["evaluation"])
+        lines = (summary_path.parent / "answers.jsonl").read_bytes().splitlines()
+        answers = [msgspec.json.decode(line, type=wire.AnswerRecord) for line in lines if line.strip()]
+        summary = msgspec.json.decode(summary_path.read_bytes())
+        return Outcome(wire.EvaluateResult(answers_sha256=summary["answers_sha256"]), answers=answers)
+
+    def evidence(self, run: Run[wire.EvaluateSpec]) -> dict[str, Path]:
+        return _files(run.ws.home, layout.evaluation(str(run.job.role), run.arm))
+
+
+def _verify(run: Run[Any]) -> list[str]:
+    return coop("checkpoint", "verify", "--home", run.ws.home, "--arm", run.arm, "--model-dir", run.ws.model_dir)
+
+
+def _verified(events: Sequence[dict[str, Any]]) -> wire.SelectResult:
+    return wire.decode(last_event(events, "verified")["candidate"], wire.SelectResult)
+
+
+class Select(Handler[wire.SelectSpec, wire.SelectResult]):
+    spec = wire.SelectSpec
+
+    def argv(self, run: Run[wire.SelectSpec]) -> list[str]:
+        return _verify(run)
+
+    def collect(self, run: Run[wire.SelectSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.SelectResult]:
+        return Outcome(_verified(events))
+
+
+def write_token(spec: wire.ServingSpec, ws: Workspace) -> None:
+    """The probes' serving token, readable by this user only (the same token again is a no-op)."""
+    token, path = spec.serving_token, serving_token_file(ws)
+    if token is None or (path.exists() and path.read_text().strip() == token):
+        return
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(token + "\n")
+
+
+class ReplicaStart(Handler[wire.ReplicaStartSpec, wire.ReplicaStartResult]):
+    """Serve this host's verified copy of the selected checkpoint behind a probe; both outlive the job."""
+
+    spec = wire.ReplicaStartSpec
+
+    def stage(self, host: Host, run: Run[wire.ReplicaStartSpec]) -> None:
+        super().stage(host, run)
+        write_token(run.spec, run.ws)
+        # The probe checks the replica's answers against the arm's dev evaluation (maybe another host's).
+        host.fetch_folder(run, layout.evaluation("dev", run.arm))
+
+    def execute(self, host: Host, run: Run[wire.ReplicaStartSpec]) -> Outcome[wire.ReplicaStartResult]:
+        verified = _verified(host.command(run, _verify(run)))
+        selected = str(run.committed("selection").body["arms"][run.arm]["model_identity"])
+        if verified.model_identity != selected:
+            raise CoopError(f"this host's {run.arm} checkpoint is not the selected one; it is not served")
+        ws, address = run.ws, host.advertise_address
+        launch = Launch(
+            key=str(run.job.experiment_id),
+            coop=coop()[:3],
+            model_dir=ws.home / verified.path,
+            seed_dir=ws.model_dir,
+            home=ws.home,
+            reference=ws.home / layout.evaluation("dev", run.arm),
+            model_identity=selected,
+            bind="127.0.0.1" if address in {"127.0.0.1", "localhost"} else "0.0.0.0",
+            advertise=address,
+            token_file=serving_token_file(ws),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            logs=ws.root / "logs" / f"replica-{run.job.attempt_id}",
+            cwd=ROOT,
+        )
+        replica = host.services.start(launch, host.stopping)
+        result = wire.ReplicaStartResult(
+            model_identity=replica.model_identity,
+            replica_url=replica.replica_url,
+            probe_url=replica.probe_url,
+            rank=run.spec.rank,
+            identity=replica.identity,
+        )
+        return Outcome(result)
+
+
+class ReplicaStop(Handler[wire.ReplicaStopSpec, wire.ReplicaStopResult]):
+    """Run by the agent itself: it stops the replica and probe it keeps (services.py)."""
+
+    spec = wire.ReplicaStopSpec
+
+    def stage(self, host: Host, run: Run[wire.ReplicaStopSpec]) -> None:
+        """Nothing to read: the replica runs already."""
+
+    def execute(self, host: Host, run: Run[wire.ReplicaStopSpec]) -> Outcome[wire.ReplicaStopResult]:
+        return Outcome(wire.ReplicaStopResult(stopped=host.services.stop(str(run.job.experiment_id))))
+
+
+class Benchmark(Handler[wire.BenchmarkSpec, wire.BenchmarkResult]):
+    spec = wire.BenchmarkSpec
+
+    def stage(self, host: Host, run: Run[wire.BenchmarkSpec]) -> None:
+        super().stage(host, run)
+        write_token(run.spec, run.ws)
+
+    def argv(self, run: Run[wire.BenchmarkSpec]) -> list[str]:
+        ws, phase = run.ws, run.spec.phase
+        argv = coop("benchmark", "--phase", phase, "--home", ws.home, "--token-file", serving_token_file(ws))
+        for endpoint in run.spec.endpoints:
+            argv += ["--endpoint", endpoint]
+        return [*argv, "--output", str(benchmark_output(run.job, phase, ws))]
+
+    def collect(self, run: Run[wire.BenchmarkSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.BenchmarkResult]:
+        report = msgspec.json.decode(Path(last_event(events, "benchmarked")["output"]).read_bytes())
+        phase = wire.ServingPhase(phase=run.spec.phase, report=report)
+        return Outcome(wire.BenchmarkResult(phase=phase.phase, metrics=report["metrics"]), serving=[phase])
+
+    def evidence(self, run: Run[wire.BenchmarkSpec]) -> dict[str, Path]:
+        return {layout.serving_phase(run.spec.phase): benchmark_output(run.job, run.spec.phase, run.ws)}
+
+
+HANDLERS: dict[str, Handler[Any, Any]] = {
+    "prepare": Prepare(),
+    "train": Train(),
+    "evaluate": Evaluate(),
+    "select": Select(),
+    "replica-start": ReplicaStart(),
+    "replica-stop": ReplicaStop(),
+    "benchmark": Benchmark(),
 }
-# Run by the agent itself, not as a command: stopping the replica and probe it keeps (services.py).
-IN_PROCESS = frozenset({"replica-stop"})
 
 
-def handler(kind: str) -> Handler:
+def handler(kind: str) -> Handler[Any, Any]:
     found = HANDLERS.get(kind)
     if found is None:
-        raise CoopError(f"this agent runs {', '.join(sorted({*HANDLERS, *IN_PROCESS}))} jobs, not {kind}")
+        raise CoopError(f"this agent runs {', '.join(sorted(HANDLERS))} jobs, not {kind}")
     return found
 
 
@@ -197,11 +386,8 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def write_plan(entries: Sequence[wire.LedgerEntry], ws: Workspace) -> Path:
+def write_plan(committed: wire.LedgerEntry, ws: Workspace) -> Path:
     """The committed plan, from the experiment's ledger, as a TOML file beside the home (same identity)."""
-    committed = next((entry for entry in entries if entry.kind == "plan"), None)
-    if committed is None:
-        raise CoopError("the experiment's ledger has no committed plan")
     plan = committed.body["plan"]
     ws.root.mkdir(parents=True, exist_ok=True)
     folder = plan.get("replay", {}).get("folder")

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,8 @@ import psutil
 from agent import evidence, jobs, processes
 from agent.client import Coordinator, Rejected, Stopping, Unreachable, forever
 from agent.services import Services
-from agent.spool import BLOB_PREFIX, OpenAttempt, Spool
-from experiment import layout, wire
+from agent.spool import BLOB_PREFIX, OpenAttempt, Spool, Upload
+from experiment import wire
 from experiment.errors import CoopError
 
 log = logging.getLogger("coop.agent")
@@ -215,13 +216,9 @@ class Agent:
         """Send every pending upload in spool order; False when the coordinator is unreachable."""
         while pending := self.spool.pending():
             for upload in pending:
+                send, last_word = self._senders[upload.kind]
                 try:
-                    if upload.kind == "events":
-                        self.client.upload_events(upload.attempt_id, upload.key, upload.body)
-                    elif upload.kind == "blob":  # idempotent by content: a blob stored before is not stored again
-                        self.client.upload_blob(upload.attempt_id, upload.key.rsplit(BLOB_PREFIX, 1)[1], upload.body)
-                    else:
-                        self.client.upload_result(upload.attempt_id, upload.key, upload.body)
+                    send(upload)
                 except Unreachable as exc:
                     log.warning("upload %s deferred: %s", upload.key, exc)
                     return False
@@ -232,9 +229,23 @@ class Agent:
                     self.spool.settle(upload, "rejected", str(exc))
                 else:
                     self.spool.settle(upload, "acknowledged")
-                if upload.kind == "result":  # the coordinator has the attempt's last word, or refused it
+                if last_word:  # the coordinator has the attempt's result, or refused it
                     self._release(upload.attempt_id)
         return True
+
+    @property
+    def _senders(self) -> dict[str, tuple[Callable[[Upload], object], bool]]:
+        """Per spooled upload kind, how it is sent, and whether it is its attempt's last word (the result)."""
+        client = self.client
+        return {
+            "events": (lambda upload: client.upload_events(upload.attempt_id, upload.key, upload.body), False),
+            # Idempotent by content: a blob stored before is not stored again.
+            "blob": (
+                lambda upload: client.upload_blob(upload.attempt_id, upload.key.rsplit(BLOB_PREFIX, 1)[1], upload.body),
+                False,
+            ),
+            "result": (lambda upload: client.upload_result(upload.attempt_id, upload.key, upload.body), True),
+        }
 
     def _release(self, attempt_id: uuid.UUID) -> None:
         with self._lock:
@@ -297,8 +308,12 @@ class Agent:
             self._current, self._stop = attempt, None
         blobs: dict[str, bytes] = {}
         try:
-            result, blobs = self._run(job, attempt)
-        except (CoopError, OSError) as exc:
+            result, blobs = self._run(job)
+        except jobs.CommandEnded as ended:
+            result = wire.AttemptResult(
+                lease_token=job.lease_token, outcome=ended.outcome, exit_code=ended.exit_code, reason=ended.reason
+            )
+        except (CoopError, OSError, msgspec.ValidationError) as exc:
             result = wire.AttemptResult(lease_token=job.lease_token, outcome="failed", reason=str(exc)[:4000])
         finally:
             with self._lock:
@@ -306,21 +321,51 @@ class Agent:
         self.spool.add_result(attempt, result, blobs)
         log.info("attempt %s %s", job.attempt_id, result.outcome)
 
-    def _run(self, job: wire.Assignment, attempt: OpenAttempt) -> tuple[wire.AttemptResult, dict[str, bytes]]:
+    def _run(self, job: wire.Assignment) -> tuple[wire.AttemptResult, dict[str, bytes]]:
         """The attempt's result, and the evidence blobs it names (the spool uploads them before the result)."""
-        if job.kind in jobs.IN_PROCESS:
-            was_running = self.services.stop(str(job.experiment_id))
-            body = {"stopped": was_running}
-            return wire.AttemptResult(lease_token=job.lease_token, outcome="succeeded", exit_code=0, result=body), {}
         handler = jobs.handler(job.kind)
-        ws = self.workspace(job.experiment_id)
-        ws.root.mkdir(parents=True, exist_ok=True)
-        entries = forever(lambda: self.client.ledger(job.experiment_id), self.stopping)
-        self._stage(job, ws, entries)
-        logs = ws.root / "logs"
-        logs.mkdir(exist_ok=True)
+        run = jobs.Run(job, handler.read_spec(job), self.workspace(job.experiment_id))
+        handler.stage(self, run)
+        outcome = handler.execute(self, run)
+        named, blobs = evidence.as_blobs(handler.evidence(run))
+        result = wire.AttemptResult(
+            lease_token=job.lease_token,
+            outcome="succeeded",
+            exit_code=0,
+            result=wire.untagged(outcome.result),
+            journal=outcome.journal,
+            resource_samples=outcome.resource_samples,
+            answers=outcome.answers,
+            serving=outcome.serving,
+            evidence=named,
+        )
+        return result, blobs
+
+    # What a job's handler asks of the agent (jobs.Host) ------------------------------------------------
+
+    @property
+    def advertise_address(self) -> str:
+        return self.settings.advertise_address
+
+    def ledger(self, run: jobs.Run[Any]) -> list[wire.LedgerEntry]:
+        return forever(lambda: self.client.ledger(run.job.experiment_id), self.stopping)
+
+    def fetch_prepared(self, run: jobs.Run[Any], prepared_identity: str) -> None:
+        log.info("fetching the prepared inputs %s from the coordinator", prepared_identity[:16])
+        experiment_id, home = run.job.experiment_id, run.ws.home
+        forever(lambda: evidence.fetch_prepared(self.client, experiment_id, home, prepared_identity), self.stopping)
+
+    def fetch_folder(self, run: jobs.Run[Any], folder: str) -> None:
+        experiment_id, home = run.job.experiment_id, run.ws.home
+        forever(lambda: evidence.fetch_folder(self.client, experiment_id, home, folder), self.stopping)
+
+    def command(self, run: jobs.Run[Any], argv: list[str]) -> list[dict[str, Any]]:
+        """Run the job's command in a process group of its own, its stdout spooled as events; raises
+        jobs.CommandEnded when it was stopped or exited non-zero."""
+        job = run.job
+        logs = run.ws.root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
         stderr_path = logs / f"{job.kind}-{job.attempt_id}.stderr"
-        argv = handler.argv(job, ws)
         with stderr_path.open("wb") as stderr:
             process, group = processes.start(
                 self.spool,
@@ -333,7 +378,7 @@ class Agent:
                 attempt_id=job.attempt_id,
             )
             try:
-                decoded, stopped = self._forward(process, attempt)
+                decoded, stopped = self._forward(process, OpenAttempt(job.attempt_id, job.job_id, job.lease_token))
             finally:
                 # The group ends with its command: what the command left running (or the command itself, when
                 # forwarding failed) would otherwise hold its files, ports and GPUs.
@@ -341,79 +386,11 @@ class Agent:
                 self.spool.forget_group(group)
         code = process.returncode
         if stopped is not None:
-            reason = stopped[:4000]
-            return wire.AttemptResult(
-                lease_token=job.lease_token, outcome="cancelled", exit_code=code, reason=reason
-            ), {}
+            raise jobs.CommandEnded("cancelled", code, stopped)
         if code != 0:
             tail = stderr_path.read_text(errors="replace")[-3000:]
-            reason = f"`coop {job.kind}` exited with {code}: {tail}"
-            return wire.AttemptResult(lease_token=job.lease_token, outcome="failed", exit_code=code, reason=reason), {}
-        outcome = handler.collect(job, ws, decoded)
-        if job.kind == "replica-start":
-            outcome = self._start_replica(job, ws, entries, outcome)
-        plan = next(entry.body["plan"] for entry in entries if entry.kind == "plan")
-        written = evidence.written_by(job, ws, sorted(plan["seed"]["files"]))
-        named, blobs = evidence.as_blobs(written)
-        result = wire.AttemptResult(
-            lease_token=job.lease_token,
-            outcome="succeeded",
-            exit_code=0,
-            result=outcome.result,
-            journal=outcome.journal,
-            resource_samples=outcome.resource_samples,
-            answers=outcome.answers,
-            serving=outcome.serving,
-            evidence=named,
-        )
-        return result, blobs
-
-    def _start_replica(
-        self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry], verified: jobs.Outcome
-    ) -> jobs.Outcome:
-        """Serve this host's verified copy of the selected checkpoint behind a probe; both outlive the job."""
-        selected = next(entry.body for entry in entries if entry.kind == "selection")["arms"][str(job.arm)]
-        if verified.result["model_identity"] != selected["model_identity"]:
-            raise CoopError(f"this host's {job.arm} checkpoint is not the selected one; it is not served")
-        replica = self.services.start(
-            str(job.experiment_id),
-            coop=jobs.coop()[:3],
-            model_dir=ws.home / str(verified.result["path"]),
-            seed_dir=ws.model_dir,
-            home=ws.home,
-            reference=ws.home / layout.evaluation("dev", str(job.arm)),
-            model_identity=str(selected["model_identity"]),
-            bind="127.0.0.1" if self.settings.advertise_address in {"127.0.0.1", "localhost"} else "0.0.0.0",
-            advertise=self.settings.advertise_address,
-            token_file=jobs.serving_token_file(ws),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            logs=ws.root / "logs" / f"replica-{job.attempt_id}",
-            cwd=jobs.ROOT,
-            stopping=self.stopping,
-        )
-        result: dict[str, Any] = {"model_identity": replica.model_identity, "replica_url": replica.replica_url}
-        result |= {"probe_url": replica.probe_url, "rank": job.spec["rank"], "identity": replica.identity}
-        return jobs.Outcome(result=result)
-
-    def _stage(self, job: wire.Assignment, ws: jobs.Workspace, entries: list[wire.LedgerEntry]) -> None:
-        """Put what the job reads into this host's home: the plan, the prepared inputs, the selection."""
-        jobs.write_plan(entries, ws)
-        token = job.spec.get("serving_token")
-        if token is not None:
-            _write_secret(jobs.serving_token_file(ws), str(token))
-        if job.kind == "prepare":
-            return
-        prepared = next((entry.identity for entry in entries if entry.kind == "prepared"), None)
-        if prepared is None:
-            raise CoopError(f"a {job.kind} job needs the committed prepared identity; the ledger has none")
-        if not (ws.home / layout.PREPARED / layout.MANIFEST).is_file():
-            log.info("fetching the prepared inputs %s from the coordinator", prepared[:16])
-            forever(lambda: evidence.fetch_prepared(self.client, job.experiment_id, ws, prepared), self.stopping)
-        if job.kind == "evaluate" and job.role == "test":
-            evidence.write_selection(entries, ws)
-        if job.kind == "replica-start":  # the probe checks the replica's answers against the arm's dev evaluation
-            folder = layout.evaluation("dev", str(job.arm))
-            forever(lambda: evidence.fetch_folder(self.client, job.experiment_id, ws, folder), self.stopping)
+            raise jobs.CommandEnded("failed", code, f"`coop {job.kind}` exited with {code}: {tail}")
+        return decoded
 
     def _forward(
         self, process: subprocess.Popen[bytes], attempt: OpenAttempt
@@ -427,60 +404,74 @@ class Agent:
                 lines.put(raw)
             lines.put(None)
 
-        reader = threading.Thread(target=read, name="stdout", daemon=True)
-        reader.start()
+        threading.Thread(target=read, name="stdout", daemon=True).start()
         decoded: list[dict[str, Any]] = []
-        batch: list[wire.Event] = []
-        first = 0.0
-        stopped: str | None = None
-        terminated = killed = False
+        batch = _Batch(self.spool, attempt, self.settings.batch_events, self.settings.batch_seconds)
+        signals = _Signals(process)
         done = False
         while not done:
             try:
                 raw = lines.get(timeout=0.1)
             except queue.Empty:
                 raw = b""
-            if raw is None:
-                done = True
-            elif raw.strip():
+            done = raw is None
+            if raw is not None and raw.strip():
                 event, body = to_event(raw.decode(errors="replace").rstrip("\n"))
                 if body is not None:
                     decoded.append(body)
-                if not batch:
-                    first = time.monotonic()
-                batch.append(event)
-            if batch and (
-                done
-                or len(batch) >= self.settings.batch_events
-                or time.monotonic() - first >= self.settings.batch_seconds
-            ):
-                self.spool.add_events(attempt, batch)
-                batch = []
-            with self._lock:
-                stop = self._stop
-            if self.stopping.is_set() and stop is None:
-                stop = _Stop("the agent is shutting down", time.monotonic() + self.settings.grace_seconds)
-                with self._lock:
-                    self._stop = stop
-            if stop is not None and not done:
-                stopped = stop.reason
-                if not terminated:
-                    _signal(process, signal.SIGTERM)
-                    terminated = True
-                elif not killed and time.monotonic() >= stop.deadline and process.poll() is None:
-                    _signal(process, signal.SIGKILL)
-                    killed = True
+                batch.add(event)
+            batch.send_if_due(done)
+            if not done:
+                signals.send(self._stop_wanted())
         process.wait()
-        return decoded, stopped
+        return decoded, signals.reason
+
+    def _stop_wanted(self) -> _Stop | None:
+        """The stop the coordinator or the agent's shutdown asked for, if any."""
+        with self._lock:
+            if self.stopping.is_set() and self._stop is None:
+                self._stop = _Stop("the agent is shutting down", time.monotonic() + self.settings.grace_seconds)
+            return self._stop
 
 
-def _write_secret(path: Path, secret: str) -> None:
-    """The serving token, readable by this user only (the same token again is a no-op)."""
-    if path.exists() and path.read_text().strip() == secret:
-        return
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(secret + "\n")
+class _Batch:
+    """Events waiting to be spooled: at most ``size`` of them, none older than ``seconds``."""
+
+    def __init__(self, spool: Spool, attempt: OpenAttempt, size: int, seconds: float) -> None:
+        self.spool, self.attempt, self.size, self.seconds = spool, attempt, size, seconds
+        self.events: list[wire.Event] = []
+        self.first = 0.0
+
+    def add(self, event: wire.Event) -> None:
+        if not self.events:
+            self.first = time.monotonic()
+        self.events.append(event)
+
+    def send_if_due(self, done: bool) -> None:
+        due = done or len(self.events) >= self.size or time.monotonic() - self.first >= self.seconds
+        if self.events and due:
+            self.spool.add_events(self.attempt, self.events)
+            self.events = []
+
+
+class _Signals:
+    """A stopped command gets TERM at once and KILL once the stop's deadline passed."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+        self.reason: str | None = None
+        self.terminated = self.killed = False
+
+    def send(self, stop: _Stop | None) -> None:
+        if stop is None:
+            return
+        self.reason = stop.reason
+        if not self.terminated:
+            _signal(self.process, signal.SIGTERM)
+            self.terminated = True
+        elif not self.killed and time.monotonic() >= stop.deadline and self.process.poll() is None:
+            _signal(self.process, signal.SIGKILL)
+            self.killed = True
 
 
 def _signal(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -39,6 +39,26 @@ class Service:
     group: Group
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What a replica and its probe are started with."""
+
+    key: str  # the experiment: at most one replica of it per host
+    coop: list[str]  # how to run a ``coop`` command
+    model_dir: Path  # the checkpoint the replica serves
+    seed_dir: Path  # the seed's folder (the probe's tokenizer and chat template)
+    home: Path  # the experiment's home (the probe's prepared dev tasks)
+    reference: Path  # the dev evaluation of the served arm, which the probe checks the replica's answers against
+    model_identity: str  # the name the replica serves the checkpoint under
+    bind: str  # the address the probe listens on
+    advertise: str  # the address other hosts reach the probe at
+    token_file: Path  # the probe's bearer token
+    env: dict[str, str]
+    logs: Path  # a folder for the replica's and the probe's logs
+    cwd: Path
+    startup_seconds: float = 900.0
+
+
 @dataclass
 class Replica:
     model_identity: str
@@ -98,47 +118,32 @@ class Services:
             service.process.wait(timeout=30)
         self.spool.forget_group(service.group)
 
-    def start(
-        self,
-        key: str,
-        *,
-        coop: list[str],
-        model_dir: Path,
-        seed_dir: Path,
-        home: Path,
-        reference: Path,
-        model_identity: str,
-        bind: str,
-        advertise: str,
-        token_file: Path,
-        env: dict[str, str],
-        logs: Path,
-        cwd: Path,
-        stopping: threading.Event,
-        startup_seconds: float = 900.0,
-    ) -> Replica:
+    def start(self, launch: Launch, stopping: threading.Event) -> Replica:
+        key, logs = launch.key, launch.logs
         with self._lock:
             if key in self._replicas:
                 raise CoopError(f"a replica of experiment {key} already runs on this host")
-        replica_port, probe_port = free_port(bind), free_port(bind)
+        replica_port, probe_port = free_port(launch.bind), free_port(launch.bind)
         replica_url = f"http://127.0.0.1:{replica_port}"
-        argv = [*coop, "replica", "--model-dir", str(model_dir), "--served-model-name", model_identity]
-        replica_argv = [*argv, "--port", str(replica_port), "--grace", str(self.grace)]
-        replica = self._spawn("replica", key, replica_argv, cwd, env, logs / "replica.log")
-        probe_argv = [*coop, "probe", "--home", str(home), "--model-dir", str(seed_dir), "--replica", replica_url]
-        probe_argv += ["--bind", bind, "--port", str(probe_port), "--token-file", str(token_file)]
-        probe = self._spawn("probe", key, [*probe_argv, "--expect", str(reference)], cwd, env, logs / "probe.log")
-        token = token_file.read_text().strip()
+        argv = [*launch.coop, "replica", "--model-dir", str(launch.model_dir)]
+        argv += ["--served-model-name", launch.model_identity, "--port", str(replica_port), "--grace", str(self.grace)]
+        replica = self._spawn("replica", key, argv, launch.cwd, launch.env, logs / "replica.log")
+        argv = [*launch.coop, "probe", "--home", str(launch.home), "--model-dir", str(launch.seed_dir)]
+        argv += ["--replica", replica_url, "--bind", launch.bind, "--port", str(probe_port)]
+        argv += ["--token-file", str(launch.token_file), "--expect", str(launch.reference)]
+        probe = self._spawn("probe", key, argv, launch.cwd, launch.env, logs / "probe.log")
+        token = launch.token_file.read_text().strip()
         try:
             health = _wait_healthy(
-                probe, f"http://127.0.0.1:{probe_port}", token, startup_seconds, stopping, logs / "probe.log"
+                probe, f"http://127.0.0.1:{probe_port}", token, launch.startup_seconds, stopping, logs / "probe.log"
             )
         except CoopError:
             for service in (probe, replica):
                 self._end(service)
             raise
-        probe_url = f"http://{advertise}:{probe_port}"
-        started = Replica(model_identity, replica_url, probe_url, (replica, probe), health.get("identity") or {})
+        probe_url = f"http://{launch.advertise}:{probe_port}"
+        identity = health.get("identity") or {}
+        started = Replica(launch.model_identity, replica_url, probe_url, (replica, probe), identity)
         with self._lock:
             self._replicas[key] = started
         return started

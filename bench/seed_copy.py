@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiment import seedmodel, stats, tasks, training  # noqa: E402
+from experiment import seedmodel, stats, tasks, tinyseed, training  # noqa: E402
 from experiment.checkpoint import model_dir as checkpoint_model_dir  # noqa: E402
 from experiment.corpus import load_prepared, prepare  # noqa: E402
 from experiment.evaluation import answer_text, generate, retention_score  # noqa: E402
@@ -33,14 +33,14 @@ from experiment.plan import load_plan  # noqa: E402
 
 
 def copy_accuracy(seed_dir: Path, device: str) -> dict[str, int]:
-    """Held-out lookups the seed answers exactly in its own JSON styles (seedmodel.copy_probes)."""
+    """Held-out lookups the seed answers exactly in its own JSON styles (tinyseed.copy_probes)."""
     tokenizer = seedmodel.load_tokenizer(seed_dir)
     model = seedmodel.load_model(seed_dir).to(device)
-    encoder = seedmodel.encoder_of(tokenizer)
-    probes = seedmodel.copy_probes(encoder)
+    encoder = tinyseed.encoder_of(tokenizer)
+    probes = tinyseed.copy_probes(encoder)
     pad = int(tokenizer.pad_token_id)
-    return {f"copy_{style}": seedmodel.copied(model, rows, pad) for style, rows in probes.items()} | {
-        "copy_probes": seedmodel.COPY_PROBES
+    return {f"copy_{style}": tinyseed.copied(model, rows, pad) for style, rows in probes.items()} | {
+        "copy_probes": tinyseed.COPY_PROBES
     }
 
 
@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--conversation-files", nargs="+", help="conversation files to pre-train on")
     args = parser.parse_args()
     if args.seed_dir is None:
-        seedmodel.run_with_pinned_kernels()  # as `coop seed-model build` does: the same bytes as the command's build
-    base = seedmodel.FULL
+        tinyseed.run_with_pinned_kernels()  # as `coop seed-model build` does: the same bytes as the command's build
+    base = tinyseed.FULL
     steps = args.steps or base.pretrain_steps
     config = msgspec.structs.replace(
         base,
@@ -127,7 +127,7 @@ def main() -> None:
             print(json.dumps(event), file=sys.stderr, flush=True)  # the build's progress, as it goes
 
     if args.seed_dir is None:
-        snapshot = seedmodel.build_seed(seed_dir, config, progress=progress, root=ROOT)
+        snapshot = tinyseed.build_seed(seed_dir, config, progress=progress, root=ROOT)
         result["build_seconds"] = round(time.monotonic() - started, 1)
         result["final_loss_mean_50"] = round(sum(losses[-50:]) / len(losses[-50:]), 4)
     else:

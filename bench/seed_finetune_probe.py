@@ -24,7 +24,7 @@ from scipy.stats import binomtest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiment import seedmodel
+from experiment import seedmodel, tinyseed
 from experiment.tasks import (
     Case,
     answer_text,
@@ -103,8 +103,8 @@ def own_format(model: Any, tokenizer: Any, count: int = 64) -> dict[str, Any]:
     examples = []
     with torch.no_grad():
         for index in range(10**6, 10**6 + count):  # far beyond the indices the build trains on
-            user, answer = seedmodel.synthetic_conversation(
-                index, msgspec.structs.replace(seedmodel.FULL, turn_choices=(1,))
+            user, answer = tinyseed.synthetic_conversation(
+                index, msgspec.structs.replace(tinyseed.FULL, turn_choices=(1,))
             )
             prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True, return_dict=False)
             out = model.generate(
@@ -136,7 +136,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def documents(tokenizer: Any, replay_path: Path) -> list[tuple[list[int], list[int], float]]:
-    encoder = seedmodel._Encoder(tokenizer.backend_tokenizer)
+    encoder = tinyseed._Encoder(tokenizer.backend_tokenizer)
     docs: list[tuple[list[int], list[int], float]] = []
     for i in range(768):
         case = make_case(TASK_SEED, "train", i)
@@ -219,9 +219,9 @@ def main() -> None:
     result: dict[str, Any] = {}
     if not (args.seed_dir / "model.safetensors").exists():
         started = time.monotonic()
-        snapshot = seedmodel.build_seed(
+        snapshot = tinyseed.build_seed(
             args.seed_dir,
-            seedmodel.FULL,
+            tinyseed.FULL,
             lambda e: emit(e) if e.get("event") != "pretrain" or int(str(e["step"])) % 50 == 0 else None,
         )
         result["build_seconds"] = round(time.monotonic() - started, 1)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from experiment import tasks
-from experiment.evaluation import Answer
+from experiment.records import Answer
 
 
 class ServedAnswer(msgspec.Struct, frozen=True):
@@ -34,10 +34,7 @@ class Agreement(msgspec.Struct, frozen=True):
     expected_correct: int  # the evaluation's correct answers on the same tasks
     first_difference: str | None  # the first task whose ids differ, and where
     first_other_outcome: str | None  # the first task whose strict-check outcome differs
-
-    @property
-    def token_agreement(self) -> float:
-        return self.matched_tokens / self.expected_tokens if self.expected_tokens else 1.0
+    token_agreement: float  # matched_tokens / expected_tokens (1 when nothing was expected)
 
 
 def degenerate(output_ids: Sequence[int], eos_id: int, pad_id: int) -> str | None:
@@ -91,6 +88,7 @@ def compare(expected: Mapping[str, Answer], served: Sequence[ServedAnswer]) -> A
         expected_correct=sum(expected[a.task_id].check.correct for a in served),
         first_difference=first,
         first_other_outcome=first_outcome,
+        token_agreement=matched / total if total else 1.0,
     )
 
 

@@ -17,7 +17,7 @@ import torch
 from experiment import seedmodel
 from experiment.canonical import canonical_bytes, read_json, sha256_bytes, sha256_file, write_new_bytes, write_new_json
 from experiment.errors import CoopError
-from experiment.wire import StepRecord  # one journal entry type, shared with the coordinator's wire
+from experiment.records import StepRecord  # one journal entry type, shared with the coordinator's wire
 
 MODEL_DIR = "model"
 OPTIMIZER = "optimizer.pt"

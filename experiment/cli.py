@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 import msgspec
 import transformers
@@ -23,6 +24,7 @@ from experiment import (
     seedmodel,
     selection,
     servingrecord,
+    tinyseed,
     training,
 )
 from experiment.canonical import identity, sha256_file
@@ -40,10 +42,10 @@ def _plan_show(args: argparse.Namespace) -> None:
 
 
 def _seed_build(args: argparse.Namespace) -> None:
-    seedmodel.run_with_pinned_kernels()  # the same bytes from every x86 machine with AVX2 (see CPU_KERNELS)
-    config = seedmodel.SMALL if args.small else seedmodel.FULL
+    tinyseed.run_with_pinned_kernels()  # the same bytes from every x86 machine with AVX2 (see CPU_KERNELS)
+    config = tinyseed.SMALL if args.small else tinyseed.FULL
     with Events() as events:
-        snapshot = seedmodel.build_seed(args.out, config, events.emit)
+        snapshot = tinyseed.build_seed(args.out, config, events.emit)
         events.emit(
             {
                 "event": "seed-built",
@@ -86,24 +88,24 @@ def _prepare(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     with Events() as events:
         manifest = corpus.prepare(plan, args.plan, args.home, args.model_dir, args.reference_home, events.emit)
-        counts = manifest["target_counts"]["damaged"]
+        counts = manifest.target_counts["damaged"]
         events.emit(
             {
                 "event": "prepared",
                 "prepared_identity": corpus.prepared_identity(manifest),
-                "plan_identity": manifest["plan_identity"],
+                "plan_identity": manifest.plan_identity,
                 "home": str(args.home),
-                "train_documents": counts["documents"],
-                "grounded": counts["grounded_documents"],
-                "replay": counts["replay_documents"],
-                "damaged": counts["damaged_documents"],
-                "dev": len(manifest["ids"]["dev"]),
-                "test": len(manifest["ids"]["test"]),
-                "retention": len(manifest["ids"]["retention"]),
-                "weighted_targets": manifest["target_counts"]["clean"]["weighted_targets"],
+                "train_documents": counts.documents,
+                "grounded": counts.grounded_documents,
+                "replay": counts.replay_documents,
+                "damaged": counts.damaged_documents,
+                "dev": len(manifest.ids["dev"]),
+                "test": len(manifest.ids["test"]),
+                "retention": len(manifest.ids["retention"]),
+                "weighted_targets": manifest.target_counts["clean"].weighted_targets,
                 "grounded_weight_share": round(
-                    manifest["target_counts"]["clean"]["grounded_weighted_targets"]
-                    / manifest["target_counts"]["clean"]["weighted_targets"],
+                    manifest.target_counts["clean"].grounded_weighted_targets
+                    / manifest.target_counts["clean"].weighted_targets,
                     4,
                 ),
             }
@@ -142,18 +144,16 @@ def _bundle(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    result = report.write_report(args.home, args.output)
-    verdict = result["primary"]["verdict"]
+    verdict = report.write_report(args.home, args.output).primary.verdict
     with Events() as events:
         events.emit(
             {
                 "event": "reported",
                 "report": str(args.output),
                 "html": str(args.output.with_suffix(".html")),
-                "primary_passed": verdict["passed"],
+                "primary_passed": verdict.passed,
                 "conditions": {
-                    c["name"]: {"value": c["value"], "threshold": c["threshold"], "passed": c["passed"]}
-                    for c in verdict["conditions"]
+                    c.name: {"value": c.value, "threshold": c.threshold, "passed": c.passed} for c in verdict.conditions
                 },
             }
         )
@@ -193,10 +193,19 @@ def _benchmark(args: argparse.Namespace) -> None:
         )
 
 
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # what add_subparsers returns
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coop", description="The two-GPU learning and serving experiment.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _seed_commands(commands)
+    _learning_commands(commands)
+    _serving_commands(commands)
+    return parser
 
+
+def _seed_commands(commands: Commands) -> None:
     plan = commands.add_parser("plan", help="frozen experiment plans").add_subparsers(dest="action", required=True)
     show = plan.add_parser("show", help="validate a plan and print its identity")
     show.add_argument("plan", type=Path)
@@ -217,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--plan", type=Path, help="refuse a file, or a folder, other than the plan's seed")
     gguf.set_defaults(handler=_seed_import)
 
+
+def _learning_commands(commands: Commands) -> None:
     prep = commands.add_parser("prepare", help="build the prepared inputs of every role")
     prep.add_argument("--plan", type=Path, required=True)
     prep.add_argument("--home", type=Path, required=True)
@@ -227,14 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train one rank of an arm (WORLD_SIZE/RANK from the environment)")
     train.add_argument("--home", type=Path, required=True)
     train.add_argument("--model-dir", type=Path, required=True)
-    train.add_argument("--arm", choices=training.ARMS, required=True)
+    train.add_argument("--arm", required=True, help="a trained arm of the plan")
     train.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after an update
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser("evaluate", help="greedy answers to every dev or test task, and retention")
     evaluate.add_argument("--home", type=Path, required=True)
     evaluate.add_argument("--model-dir", type=Path, required=True, help="the seed folder (tokenizer, seed arm)")
-    evaluate.add_argument("--arm", choices=evaluation.EVAL_ARMS, required=True)
+    evaluate.add_argument("--arm", required=True, help="an arm of the plan")
     evaluate.add_argument("--role", choices=("dev", "test"), required=True)
     evaluate.add_argument("--selection", type=Path, help="the committed selection; required for --role test")
     evaluate.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N answers
@@ -261,10 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check = ckpt.add_parser("verify", help="verify an arm's final checkpoint on this host and print its candidate")
     check.add_argument("--home", type=Path, required=True)
-    check.add_argument("--arm", choices=selection.TRAINED_ARMS, required=True)
+    check.add_argument("--arm", required=True, help="a trained arm of the plan")
     check.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tensor layout)")
     check.set_defaults(handler=_checkpoint_verify)
 
+
+def _serving_commands(commands: Commands) -> None:
     serve = commands.add_parser("replica", help="run a vLLM replica of a model folder until SIGTERM")
     serve.add_argument("--model-dir", type=Path, required=True, help="the seed folder or a checkpoint's model folder")
     serve.add_argument("--served-model-name", required=True, help="the model's identity (its parameter digest)")
@@ -306,7 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-after", type=int, help="failure phase: completions after which the supervisor stops a replica"
     )
     bench.set_defaults(handler=_benchmark)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@ labels, the damaged copy and the prepared manifest whose identity is committed b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from experiment.errors import CoopError
 from experiment.layout import MANIFEST, PLAN, PREPARED
 from experiment.plan import Plan, SourceFile, plan_identity, staged_seed
 from experiment.progress import Emit
+from experiment.records import FileRecord, Manifest, RoleFile, SeedRecord, TargetCounts
 from experiment.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
 
 IGNORE = -100
@@ -260,46 +262,71 @@ def _documents(
     return documents
 
 
-def _target_counts(documents: list[Document]) -> dict[str, int]:
+def _target_counts(documents: list[Document]) -> TargetCounts:
     grounded = [d for d in documents if d.kind == "grounded"]
     replay = [d for d in documents if d.kind == "replay"]
-    return {
-        "documents": len(documents),
-        "grounded_documents": len(grounded),
-        "replay_documents": len(replay),
-        "damaged_documents": sum(d.damaged for d in documents),
-        "targets": sum(d.targets for d in documents),
-        "grounded_targets": sum(d.targets for d in grounded),
-        "replay_targets": sum(d.targets for d in replay),
-        "weighted_targets": sum(d.targets * d.weight for d in documents),
-        "grounded_weighted_targets": sum(d.targets * d.weight for d in grounded),
-    }
+    return TargetCounts(
+        documents=len(documents),
+        grounded_documents=len(grounded),
+        replay_documents=len(replay),
+        damaged_documents=sum(d.damaged for d in documents),
+        targets=sum(d.targets for d in documents),
+        grounded_targets=sum(d.targets for d in grounded),
+        replay_targets=sum(d.targets for d in replay),
+        weighted_targets=sum(d.targets * d.weight for d in documents),
+        grounded_weighted_targets=sum(d.targets * d.weight for d in grounded),
+    )
 
 
-def prepare(
-    plan: Plan, plan_path: Path, home: Path, model_dir: Path, reference_home: Path | None, emit: Emit
-) -> dict[str, Any]:
-    """Build every role in memory, refuse anything inconsistent, then write the files and the manifest.
+@dataclass(frozen=True)
+class _Sources:
+    """The replay and retention conversations the plan names, each file checked against its recorded sha256."""
 
-    A home that already holds the same inputs is accepted unchanged; different inputs are refused
-    before anything is written."""
-    snapshot = seed_snapshot(plan)
-    verify_seed(model_dir, snapshot)
-    emit({"event": "seed-verified", "files": len(snapshot.files)})
+    replay: list[Conversation]
+    replay_sha256: str
+    retention: list[Conversation]
+    retention_sha256: str
+
+
+def _read_sources(plan: Plan, plan_path: Path, reference_home: Path | None) -> _Sources:
     folder = _replay_folder(plan, plan_path, reference_home)
     replay, replay_sha = _read_source(folder, plan.replay.replay, plan.tasks.replay, "replay")
     retention, retention_sha = _read_source(folder, plan.replay.retention, plan.tasks.retention, "retention")
     if {c.id for c in replay} & {c.id for c in retention}:
         raise CoopError("replay and retention conversations share ids; the roles must be disjoint")
-    tokenizer = load_tokenizer(model_dir)
+    return _Sources(replay=replay, replay_sha256=replay_sha, retention=retention, retention_sha256=retention_sha)
 
-    cases = [tasks.make_case(plan.tasks.task_seed, "train", index) for index in range(plan.tasks.train)]
-    dev = _task_items(plan, tokenizer, "dev", plan.tasks.dev)
-    test = _task_items(plan, tokenizer, "test", plan.tasks.test)
-    _refuse_repeats(cases, dev + test)
-    emit({"event": "tasks", "train": len(cases), "dev": len(dev), "test": len(test)})
-    clean = _documents(plan, tokenizer, cases, replay, damaged=False, emit=emit)
-    damaged = _documents(plan, tokenizer, cases, replay, damaged=True, emit=emit)
+
+@dataclass(frozen=True)
+class _Roles:
+    """Every role built in memory, before anything is written."""
+
+    clean: list[Document]
+    damaged: list[Document]
+    dev: list[TaskItem]
+    test: list[TaskItem]
+    probes: list[Probe]
+
+    def contents(self) -> dict[str, bytes]:
+        """Each role file's bytes, by the role's name in ROLE_FILES."""
+        return {
+            "train-clean": _jsonl(self.clean),
+            "train-damaged": _jsonl(self.damaged),
+            "dev": _jsonl(self.dev),
+            "test": _jsonl(self.test),
+            "retention": _jsonl(self.probes),
+        }
+
+    def ids(self) -> dict[str, list[str]]:
+        return {
+            "train": [d.id for d in self.clean],
+            "dev": [t.id for t in self.dev],
+            "test": [t.id for t in self.test],
+            "retention": [p.id for p in self.probes],
+        }
+
+
+def _probes(plan: Plan, tokenizer: PreTrainedTokenizerBase, retention: list[Conversation]) -> list[Probe]:
     probes = []
     for conversation in retention:
         input_ids, labels = encode_conversation(
@@ -308,49 +335,77 @@ def prepare(
         probes.append(
             Probe(id=conversation.id, targets=sum(x != IGNORE for x in labels), input_ids=input_ids, labels=labels)
         )
+    return probes
 
-    contents = {
-        "train-clean": _jsonl(clean),
-        "train-damaged": _jsonl(damaged),
-        "dev": _jsonl(dev),
-        "test": _jsonl(test),
-        "retention": _jsonl(probes),
-    }
-    role_ids = {
-        "train": [d.id for d in clean],
-        "dev": [t.id for t in dev],
-        "test": [t.id for t in test],
-        "retention": [p.id for p in probes],
-    }
-    manifest: dict[str, Any] = {
-        "plan": plan.name,
-        "plan_identity": plan_identity(plan),
-        "seed": {
-            "name": plan.seed.name,
-            "revision": plan.seed.revision,
-            "snapshot_identity": identity(msgspec.to_builtins(snapshot)),
+
+def _build_roles(plan: Plan, tokenizer: PreTrainedTokenizerBase, sources: _Sources, emit: Emit) -> _Roles:
+    """The tasks of every role, refused if any repeats, then the clean and damaged documents and the probes."""
+    cases = [tasks.make_case(plan.tasks.task_seed, "train", index) for index in range(plan.tasks.train)]
+    dev = _task_items(plan, tokenizer, "dev", plan.tasks.dev)
+    test = _task_items(plan, tokenizer, "test", plan.tasks.test)
+    _refuse_repeats(cases, dev + test)
+    emit({"event": "tasks", "train": len(cases), "dev": len(dev), "test": len(test)})
+    return _Roles(
+        clean=_documents(plan, tokenizer, cases, sources.replay, damaged=False, emit=emit),
+        damaged=_documents(plan, tokenizer, cases, sources.replay, damaged=True, emit=emit),
+        dev=dev,
+        test=test,
+        probes=_probes(plan, tokenizer, sources.retention),
+    )
+
+
+def _manifest(
+    plan: Plan, snapshot: Snapshot, model_dir: Path, sources: _Sources, roles: _Roles, contents: dict[str, bytes]
+) -> Manifest:
+    return Manifest(
+        plan=plan.name,
+        plan_identity=plan_identity(plan),
+        seed=SeedRecord(
+            name=plan.seed.name,
+            revision=plan.seed.revision,
+            snapshot_identity=identity(msgspec.to_builtins(snapshot)),
+        ),
+        tokenizer_identity=tokenizer_identity(model_dir),
+        sources={
+            "replay": FileRecord(path=plan.replay.replay.path, sha256=sources.replay_sha256),
+            "retention": FileRecord(path=plan.replay.retention.path, sha256=sources.retention_sha256),
         },
-        "tokenizer_identity": tokenizer_identity(model_dir),
-        "sources": {
-            "replay": {"path": plan.replay.replay.path, "sha256": replay_sha},
-            "retention": {"path": plan.replay.retention.path, "sha256": retention_sha},
-        },
-        "roles": {name: {"file": ROLE_FILES[name], "sha256": sha256_bytes(data)} for name, data in contents.items()},
-        "ids": role_ids,
-        "damaged_ids": [d.id for d in damaged if d.damaged],
-        "target_counts": {"clean": _target_counts(clean), "damaged": _target_counts(damaged)},
-        "retention_targets": sum(p.targets for p in probes),
-    }
-    files = {ROLE_FILES[name]: data for name, data in contents.items()}
-    files[PLAN] = canonical_bytes(msgspec.to_builtins(plan)) + b"\n"
-    files[MANIFEST] = canonical_bytes(manifest) + b"\n"
-    out = home / PREPARED
-    for name, data in files.items():  # check everything before writing anything
+        roles={name: RoleFile(file=ROLE_FILES[name], sha256=sha256_bytes(data)) for name, data in contents.items()},
+        ids=roles.ids(),
+        damaged_ids=[d.id for d in roles.damaged if d.damaged],
+        target_counts={"clean": _target_counts(roles.clean), "damaged": _target_counts(roles.damaged)},
+        retention_targets=sum(p.targets for p in roles.probes),
+    )
+
+
+def _write_prepared(out: Path, files: dict[str, bytes]) -> None:
+    """Every file is checked before any is written: a home holding other inputs is left unchanged."""
+    for name, data in files.items():
         existing = out / name
         if existing.exists() and existing.read_bytes() != data:
             raise CoopError(f"{existing} already holds different prepared inputs; use a fresh home")
     for name, data in files.items():
         write_new_bytes(out / name, data)
+
+
+def prepare(
+    plan: Plan, plan_path: Path, home: Path, model_dir: Path, reference_home: Path | None, emit: Emit
+) -> Manifest:
+    """Build every role in memory, refuse anything inconsistent, then write the files and the manifest.
+
+    A home that already holds the same inputs is accepted unchanged; different inputs are refused
+    before anything is written."""
+    snapshot = seed_snapshot(plan)
+    verify_seed(model_dir, snapshot)
+    emit({"event": "seed-verified", "files": len(snapshot.files)})
+    sources = _read_sources(plan, plan_path, reference_home)
+    roles = _build_roles(plan, load_tokenizer(model_dir), sources, emit)
+    contents = roles.contents()
+    manifest = _manifest(plan, snapshot, model_dir, sources, roles, contents)
+    files = {ROLE_FILES[name]: data for name, data in contents.items()}
+    files[PLAN] = canonical_bytes(msgspec.to_builtins(plan)) + b"\n"
+    files[MANIFEST] = canonical_bytes(msgspec.to_builtins(manifest)) + b"\n"
+    _write_prepared(home / PREPARED, files)
     return manifest
 
 
@@ -365,8 +420,9 @@ def _refuse_repeats(train: list[tasks.Case], evaluated: list[TaskItem]) -> None:
         seen[key] = role
 
 
-def prepared_identity(manifest: dict[str, Any]) -> str:
-    return identity(manifest)
+def prepared_identity(manifest: Manifest) -> str:
+    """The prepared identity: the identity of the manifest's canonical JSON."""
+    return identity(msgspec.to_builtins(manifest))
 
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -374,18 +430,18 @@ class Prepared(msgspec.Struct, frozen=True):
 
     home: Path
     plan: Plan
-    manifest: dict[str, Any]
+    manifest: Manifest
     identity: str
 
     def role_bytes(self, role: str) -> bytes:
         """A role file's bytes, verified against the manifest's sha256."""
-        entry = self.manifest["roles"][role]
-        path = self.home / PREPARED / str(entry["file"])
+        entry = self.manifest.roles[role]
+        path = self.home / PREPARED / entry.file
         try:
             data = path.read_bytes()
         except OSError as exc:
             raise CoopError(f"cannot read prepared file {path}: {exc.strerror}") from exc
-        if sha256_bytes(data) != entry["sha256"]:
+        if sha256_bytes(data) != entry.sha256:
             raise CoopError(f"prepared file {path} does not match the manifest's sha256")
         return data
 
@@ -402,11 +458,16 @@ class Prepared(msgspec.Struct, frozen=True):
 def load_prepared(home: Path) -> Prepared:
     """Read a home's manifest and plan and check that they belong together."""
     folder = home / PREPARED
-    manifest = read_json(folder / MANIFEST)
+    recorded = read_json(folder / MANIFEST)
+    try:
+        manifest = msgspec.convert(recorded, type=Manifest)
+    except msgspec.ValidationError as exc:
+        raise CoopError(f"{folder / MANIFEST} is not a prepared manifest: {exc}") from exc
     try:
         plan = msgspec.convert(read_json(folder / PLAN), type=Plan)
     except msgspec.ValidationError as exc:
         raise CoopError(f"{folder / PLAN} is not a valid plan: {exc}") from exc
-    if plan_identity(plan) != manifest.get("plan_identity"):
+    if plan_identity(plan) != manifest.plan_identity:
         raise CoopError(f"{folder / PLAN} is not the plan the manifest was prepared from")
-    return Prepared(home=home, plan=plan, manifest=manifest, identity=prepared_identity(manifest))
+    # The identity of the file as written, which the typed manifest reproduces field for field.
+    return Prepared(home=home, plan=plan, manifest=manifest, identity=identity(recorded))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,11 +18,11 @@ from experiment import layout, seedmodel, tasks
 from experiment.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
 from experiment.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
 from experiment.errors import CoopError
+from experiment.plan import Plan
 from experiment.progress import Emit
-from experiment.selection import Candidate, candidate_for, read_selection, same_model, selection_identity
+from experiment.records import Answer, Candidate
+from experiment.selection import candidate_for, read_selection, same_model, selection_identity
 
-EvalArm = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
-EVAL_ARMS: tuple[EvalArm, ...] = ("seed", "clean-single", "damaged-single", "clean-pair")
 Role = Literal["dev", "test"]
 BATCH_SIZE = 16
 
@@ -36,21 +37,6 @@ class Generation(msgspec.Struct, frozen=True):
     output_ids: list[int]  # the generated tokens, through the first EOS when there is one
     ended_with_eos: bool
     hit_token_limit: bool
-
-
-class Answer(msgspec.Struct, frozen=True):
-    id: str
-    index: int
-    family: str
-    variant: int
-    input_dependent: bool
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    seconds: float  # the batch's wall time shared equally among its answers
-    ended_with_eos: bool
-    hit_token_limit: bool
-    check: tasks.Check
 
 
 class RetentionScore(msgspec.Struct, frozen=True):
@@ -154,7 +140,7 @@ def _same_answer(recorded: Answer, fresh: Answer) -> bool:
 
 
 def _gate(
-    prepared: Prepared, arm: EvalArm, role: Role, selection_path: Path | None, seed_dir: Path
+    prepared: Prepared, arm: str, role: Role, selection_path: Path | None, seed_dir: Path
 ) -> tuple[Candidate, str | None]:
     """The model to evaluate; a test evaluation needs a selection committed for these inputs and this arm."""
     if role == "dev":
@@ -176,27 +162,25 @@ def _gate(
     return present, selection_identity(selection)
 
 
-def evaluate(
-    home: Path,
-    model_dir: Path,
-    arm: EvalArm,
-    role: Role,
-    selection_path: Path | None,
-    emit: Emit,
-    stop_after: int | None = None,
-    batch_size: int | None = None,
-) -> Summary | None:
-    """Answer every task of ``role``; ``batch_size`` defaults to the device's faster choice (batch_size_for)."""
-    prepared = load_prepared(home)
-    plan = prepared.plan
-    batch_size = batch_size or batch_size_for(plan.runtime.device)
-    candidate, selection_identity = _gate(prepared, arm, role, selection_path, model_dir)
-    out = evaluation_dir(home, role, arm)
-    if (out / "evaluation.json").exists():
-        # A finished evaluation whose attempt was lost before it reported: report it again, files unchanged.
-        summary = _finished(out, prepared.identity, candidate, selection_identity)
-        _emit_evaluated(summary, out, emit)
-        return summary
+@dataclass(frozen=True)
+class _Answerer:
+    """The model that answers, with everything its greedy generation is fixed by."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    eos_id: int
+    pad_id: int
+    max_new_tokens: int
+    batch_size: int
+
+    def answer(self, batch: list[TaskItem]) -> list[Answer]:
+        began = time.monotonic()
+        generations = generate(self.model, [i.prompt_ids for i in batch], self.eos_id, self.pad_id, self.max_new_tokens)
+        return _answers_of(batch, generations, self.tokenizer, time.monotonic() - began)
+
+
+def _answerer(home: Path, model_dir: Path, plan: Plan, candidate: Candidate, batch_size: int) -> _Answerer:
+    """The candidate loaded on the plan's device, deterministic, after the seed it grew from is verified."""
     seedmodel.verify_seed(model_dir, seed_snapshot(plan))
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(plan.runtime.cpu_threads)
@@ -204,9 +188,38 @@ def evaluate(
     model = seedmodel.load_model(model_dir if candidate.path is None else home / candidate.path)
     device = torch.device("cuda") if plan.runtime.device == "cuda" else torch.device("cpu")
     model.to(device).eval()
-    eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
-    pad_id = int(tokenizer.pad_token_id)
-    items = prepared.task_items(role)
+    return _Answerer(
+        model=model,
+        tokenizer=tokenizer,
+        eos_id=int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)),
+        pad_id=int(tokenizer.pad_token_id),
+        max_new_tokens=plan.evaluation.max_new_tokens,
+        batch_size=batch_size,
+    )
+
+
+def _keep(fresh: list[Answer], recorded: list[Answer], recorded_path: Path, answers: list[Answer]) -> None:
+    """Add fresh answers to ``answers``: where the file already records one, the fresh one must reproduce it
+    and the recorded one is kept; past them, each is appended to the file."""
+    for answer in fresh:
+        position = len(answers)
+        if position < len(recorded):
+            if not _same_answer(recorded[position], answer):
+                raise CoopError(
+                    f"the restarted evaluation does not reproduce the recorded answer to task "
+                    f"{answer.id} ({recorded_path}, line {position + 1}); it refuses to continue"
+                )
+            answers.append(recorded[position])
+            continue
+        with recorded_path.open("ab") as handle:
+            handle.write(canonical_bytes(msgspec.to_builtins(answer)) + b"\n")
+        answers.append(answer)
+
+
+def _answer_all(
+    answerer: _Answerer, items: list[TaskItem], out: Path, arm: str, role: Role, emit: Emit, stop_after: int | None
+) -> list[Answer] | None:
+    """Every item answered in batches, as the answers file records them; None when ``stop_after`` ended it."""
     recorded_path = out / "answers.jsonl"
     recorded = (
         [msgspec.json.decode(line, type=Answer) for line in recorded_path.read_bytes().splitlines()]
@@ -216,24 +229,9 @@ def evaluate(
     emit({"event": "evaluation-started", "arm": arm, "role": role, "items": len(items), "recorded": len(recorded)})
     out.mkdir(parents=True, exist_ok=True)
     answers: list[Answer] = []
-    for start in range(0, len(items), batch_size):
-        batch = items[start : start + batch_size]
-        began = time.monotonic()
-        generations = generate(model, [i.prompt_ids for i in batch], eos_id, pad_id, plan.evaluation.max_new_tokens)
-        fresh = _answers_of(batch, generations, tokenizer, time.monotonic() - began)
-        for answer in fresh:
-            position = len(answers)
-            if position < len(recorded):
-                if not _same_answer(recorded[position], answer):
-                    raise CoopError(
-                        f"the restarted evaluation does not reproduce the recorded answer to task "
-                        f"{answer.id} ({recorded_path}, line {position + 1}); it refuses to continue"
-                    )
-                answers.append(recorded[position])
-                continue
-            with recorded_path.open("ab") as handle:
-                handle.write(canonical_bytes(msgspec.to_builtins(answer)) + b"\n")
-            answers.append(answer)
+    for start in range(0, len(items), answerer.batch_size):
+        fresh = answerer.answer(items[start : start + answerer.batch_size])
+        _keep(fresh, recorded, recorded_path, answers)
         emit(
             {
                 "event": "evaluate",
@@ -246,22 +244,53 @@ def evaluate(
         )
         if stop_after is not None and len(answers) >= stop_after:
             return None
-    scores = [retention_score(model, probe) for probe in prepared.probes()]
-    retention = out / "retention.jsonl"
-    retention_bytes = b"".join(canonical_bytes(msgspec.to_builtins(s)) + b"\n" for s in scores)
-    write_new_bytes(retention, retention_bytes)
+    return answers
+
+
+def _retention(model: torch.nn.Module, probes: list[Probe], out: Path) -> list[RetentionScore]:
+    """Every retention probe's score, written to the retention file."""
+    scores = [retention_score(model, probe) for probe in probes]
+    write_new_bytes(out / "retention.jsonl", b"".join(canonical_bytes(msgspec.to_builtins(s)) + b"\n" for s in scores))
+    return scores
+
+
+def evaluate(
+    home: Path,
+    model_dir: Path,
+    arm: str,
+    role: Role,
+    selection_path: Path | None,
+    emit: Emit,
+    stop_after: int | None = None,
+    batch_size: int | None = None,
+) -> Summary | None:
+    """Answer every task of ``role``; ``batch_size`` defaults to the device's faster choice (batch_size_for)."""
+    prepared = load_prepared(home)
+    batch_size = batch_size or batch_size_for(prepared.plan.runtime.device)
+    candidate, selection_identity = _gate(prepared, arm, role, selection_path, model_dir)
+    out = evaluation_dir(home, role, arm)
+    if (out / "evaluation.json").exists():
+        # A finished evaluation whose attempt was lost before it reported: report it again, files unchanged.
+        summary = _finished(out, prepared.identity, candidate, selection_identity)
+        _emit_evaluated(summary, out, emit)
+        return summary
+    answerer = _answerer(home, model_dir, prepared.plan, candidate, batch_size)
+    answers = _answer_all(answerer, prepared.task_items(role), out, arm, role, emit, stop_after)
+    if answers is None:
+        return None
+    scores = _retention(answerer.model, prepared.probes(), out)
     summary = Summary(
         arm=arm,
         role=role,
         prepared_identity=prepared.identity,
         candidate=candidate,
         selection_identity=selection_identity,
-        max_new_tokens=plan.evaluation.max_new_tokens,
+        max_new_tokens=answerer.max_new_tokens,
         batch_size=batch_size,
         answers=len(answers),
         correct=sum(a.check.correct for a in answers),
-        answers_sha256=sha256_file(recorded_path),
-        retention_sha256=sha256_file(retention),
+        answers_sha256=sha256_file(out / "answers.jsonl"),
+        retention_sha256=sha256_file(out / "retention.jsonl"),
         retention_mean_nats=sum(s.mean_nats for s in scores) / len(scores) if scores else 0.0,
     )
     write_new_json(out / "evaluation.json", msgspec.to_builtins(summary))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from matplotlib import colormaps
 from matplotlib.artist import Artist
@@ -17,11 +16,21 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from experiment.servingrecord import PHASES
+from experiment.reportmodel import Report
+from experiment.servingrecord import PHASES, Metrics
 
-ARM_COLOURS = {"seed": "#7f7f7f", "clean-single": "#1f77b4", "damaged-single": "#d62728", "clean-pair": "#2ca02c"}
 # matplotlib's default colour cycle, by number, so that a timeline's group keeps its colour in every figure.
 PALETTE = tuple(to_hex(colour) for colour in colormaps["tab10"](range(10)))
+BASELINE_COLOUR = "#7f7f7f"
+Colours = Mapping[str, str]
+
+
+def arm_colours(arms: Sequence[str]) -> dict[str, str]:
+    """One colour per arm, the same in every figure: the baseline (the plan's first arm) grey, the others the
+    palette in the plan's order."""
+    return {arm: BASELINE_COLOUR if number == 0 else PALETTE[(number - 1) % 10] for number, arm in enumerate(arms)}
+
+
 SERVING_PHASES: tuple[str, ...] = PHASES
 
 
@@ -43,6 +52,7 @@ def grouped_bars(
     series: Mapping[str, Sequence[float]],
     ylabel: str,
     ylim: tuple[float, float] | None = (0, 1),
+    colours: Colours | None = None,
 ) -> str:
     """One bar per series inside each group (e.g. accuracy per family, one bar per arm); ``ylim`` None lets the
     axis follow the values."""
@@ -50,7 +60,7 @@ def grouped_bars(
     width = 0.8 / max(len(series), 1)
     for number, (name, values) in enumerate(series.items()):
         positions = [g + (number - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        axes.bar(positions, values, width=width, label=name, color=ARM_COLOURS.get(name, PALETTE[number % 10]))
+        axes.bar(positions, values, width=width, label=name, color=(colours or {}).get(name, PALETTE[number % 10]))
     axes.set_xticks(range(len(groups)), groups)
     if ylim is not None:
         axes.set_ylim(*ylim)
@@ -60,12 +70,17 @@ def grouped_bars(
     return _svg(figure)
 
 
-def lines(title: str, series: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str) -> str:
+def lines(
+    title: str,
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    xlabel: str,
+    ylabel: str,
+    colours: Colours | None = None,
+) -> str:
     figure, axes = _figure()
     for name, points in series.items():
-        axes.plot(
-            [p[0] for p in points], [p[1] for p in points], label=name, color=ARM_COLOURS.get(name), linewidth=1.2
-        )
+        colour = (colours or {}).get(name)
+        axes.plot([p[0] for p in points], [p[1] for p in points], label=name, color=colour, linewidth=1.2)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title)
@@ -173,48 +188,49 @@ def timeline(
     return _svg(figure)
 
 
-def serving_latency(phases: Mapping[str, Mapping[str, Any]]) -> str:
+def serving_latency(phases: Mapping[str, Metrics]) -> str:
     """p50, p95 and p99 end-to-end latency per serving phase, from the report's serving metrics."""
     names = [phase for phase in SERVING_PHASES if phase in phases]
-    keys = {"p50": "median_e2el_ms", "p95": "p95_e2el_ms", "p99": "p99_e2el_ms"}
+    quantiles = {"p50": "median_e2el_ms", "p95": "p95_e2el_ms", "p99": "p99_e2el_ms"}
     return grouped_bars(
         "End-to-end request latency by phase",
-        list(keys),
-        {phase: [float(phases[phase][key] or 0.0) for key in keys.values()] for phase in names},
+        list(quantiles),
+        {phase: [float(getattr(phases[phase], key) or 0.0) for key in quantiles.values()] for phase in names},
         "milliseconds",
         ylim=None,
     )
 
 
-def report_figures(report: Mapping[str, Any]) -> dict[str, str]:
-    """The report's figures from its JSON (as `coop report` writes it and the coordinator records it): four,
-    and a fifth (``serving``) when the report has a serving section."""
-    arms = list(report["accuracy"])
-    families = list(report["accuracy"]["seed"]["by_family"])
-    variants = list(report["accuracy"]["seed"]["by_variant"])
-    training = report["training"]
+def report_figures(report: Report) -> dict[str, str]:
+    """The report's figures: four, and a fifth (``serving``) when the report has a serving section."""
+    colours = arm_colours(report.arms)
+    accuracy, training = report.accuracy, report.training
+    families = list(accuracy[report.arms[0]].by_family)
+    variants = list(accuracy[report.arms[0]].by_variant)
     found = {
         "families": grouped_bars(
             "Test accuracy by family",
             families,
-            {arm: [report["accuracy"][arm]["by_family"][f]["accuracy"] for f in families] for arm in arms},
+            {arm: [accuracy[arm].by_family[f].accuracy for f in families] for arm in report.arms},
             "accuracy",
+            colours=colours,
         ),
         "variants": grouped_bars(
             "Test accuracy by wording (2 and 3 held out of training)",
             variants,
-            {arm: [report["accuracy"][arm]["by_variant"][v]["accuracy"] for v in variants] for arm in arms},
+            {arm: [accuracy[arm].by_variant[v].accuracy for v in variants] for arm in report.arms},
             "accuracy",
+            colours=colours,
         ),
         "losses": lines(
             "Training loss (token-weighted, nats)",
-            {arm: list(enumerate(training[arm]["losses"], start=1)) for arm in training},
+            {arm: list(enumerate(run.losses, start=1)) for arm, run in training.items()},
             "update",
             "loss",
+            colours=colours,
         ),
-        "updates": distributions("Update time", {arm: training[arm]["update_seconds"] for arm in training}, "seconds"),
+        "updates": distributions("Update time", {arm: run.update_seconds for arm, run in training.items()}, "seconds"),
     }
-    serving = report.get("serving")
-    if serving:
-        found["serving"] = serving_latency(serving["phases"])
+    if report.serving is not None:
+        found["serving"] = serving_latency(report.serving.phases)
     return found

@@ -18,6 +18,11 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 Positive = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+ArmName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-]*$")]
+# What an arm is in the experiment's design: the untouched seed (the baseline, never trained), a single rank
+# on the clean documents, a single rank on the damaged documents, or the clean documents on a synchronous
+# gang of ``training.pair_world_size`` ranks.
+ArmRole = Literal["baseline", "clean", "damaged", "pair"]
 
 
 # omit_defaults: a field a plan leaves out is not part of its identity, so adding an optional field changes no
@@ -115,7 +120,23 @@ class HostsPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     budget_ceiling: Annotated[float, msgspec.Meta(ge=0.0, le=1_000_000.0)]
 
 
-class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class ArmPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
+    name: ArmName
+    role: ArmRole
+    served: bool = False  # the arm whose selected final checkpoint the serving phases load
+
+
+# The arms of a plan that declares none: the reference design (PROTOCOL.md). Plans name their arms; this
+# keeps the identity of a plan frozen before arms were part of the plan file unchanged.
+REFERENCE_ARMS: tuple[ArmPlan, ...] = (
+    ArmPlan("seed", "baseline"),
+    ArmPlan("clean-single", "clean"),
+    ArmPlan("damaged-single", "damaged"),
+    ArmPlan("clean-pair", "pair", served=True),
+)
+
+
+class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     name: Name
     description: Name
     seed: SeedPlan
@@ -128,6 +149,43 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     statistics: StatisticsPlan
     serving: ServingPlan
     hosts: HostsPlan
+    arms: tuple[ArmPlan, ...] = ()
+
+    # The arms, declared once ----------------------------------------------------------------------------
+
+    def arm_table(self) -> tuple[ArmPlan, ...]:
+        """Every arm in the plan's order (the reference design's when the plan names none)."""
+        return self.arms or REFERENCE_ARMS
+
+    def arm_names(self) -> tuple[str, ...]:
+        """Every arm: the ones evaluated, the baseline first."""
+        return tuple(arm.name for arm in self.arm_table())
+
+    def trained_arms(self) -> tuple[str, ...]:
+        return tuple(arm.name for arm in self.arm_table() if arm.role != "baseline")
+
+    def arm(self, role: ArmRole) -> str:
+        """The name of the arm with ``role`` (each role is held by exactly one arm)."""
+        return next(arm.name for arm in self.arm_table() if arm.role == role)
+
+    def role_of(self, name: str) -> ArmRole:
+        for arm in self.arm_table():
+            if arm.name == name:
+                return arm.role
+        raise CoopError(f"plan {self.name} has no arm {name!r}; its arms are {', '.join(self.arm_names())}")
+
+    def served_arm(self) -> str:
+        return next(arm.name for arm in self.arm_table() if arm.served)
+
+    def world_size(self, name: str) -> int:
+        return self.training.pair_world_size if self.role_of(name) == "pair" else 1
+
+    def training_documents(self, name: str) -> Literal["train-clean", "train-damaged"]:
+        """The prepared documents a trained arm learns from."""
+        role = self.role_of(name)
+        if role == "baseline":
+            raise CoopError(f"arm {name} is the untouched seed; it is not trained")
+        return "train-damaged" if role == "damaged" else "train-clean"
 
     def __post_init__(self) -> None:
         # Cross-field rules; msgspec reports these ValueErrors with the plan's path.
@@ -152,6 +210,19 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError("serving.workload_tasks must not exceed tasks.dev (the workload is dev tasks)")
         if (self.replay.source == "repository") != (self.replay.folder is not None):
             raise ValueError("replay.folder is required for source 'repository' and refused otherwise")
+        _check_arms(self.arm_table())
+
+
+def _check_arms(arms: tuple[ArmPlan, ...]) -> None:
+    names = [arm.name for arm in arms]
+    if len(set(names)) != len(names):
+        raise ValueError("arms: every arm has its own name")
+    roles = sorted(arm.role for arm in arms)
+    if roles != sorted(("baseline", "clean", "damaged", "pair")):
+        raise ValueError("arms: one arm each for the roles baseline, clean, damaged and pair")
+    served = [arm for arm in arms if arm.served]
+    if len(served) != 1 or served[0].role in {"baseline", "damaged"}:
+        raise ValueError("arms: exactly one trained, undamaged arm is served; the damaged arm is never served")
 
 
 def parse_plan(data: bytes, origin: str) -> Plan:

@@ -29,6 +29,7 @@ from experiment import agreement, evaluation, seedmodel, tasks
 from experiment.corpus import Prepared, TaskItem, load_prepared
 from experiment.errors import CoopError
 from experiment.progress import Emit
+from experiment.records import Answer
 
 MAX_BODY_BYTES = 1024
 TOKEN_ENV = "COOP_SERVING_TOKEN"
@@ -70,7 +71,7 @@ class Reference(msgspec.Struct, frozen=True):
     """The dev evaluation of the model a probe's replica must serve (its folder's files checked by hash)."""
 
     summary: evaluation.Summary
-    answers: list[evaluation.Answer]
+    answers: list[Answer]
 
 
 class CacheConflict(Exception):
@@ -360,7 +361,7 @@ def read_reference(folder: Path, prepared_identity: str) -> Reference:
 
 def build_service(prepared: Prepared, model_dir: Path, replica: str, ignore_eos: bool = False) -> ProbeService:
     """The probe of a prepared home: its dev tasks, and the tokenizer the home was prepared with."""
-    recorded = prepared.manifest.get("tokenizer_identity")
+    recorded = prepared.manifest.tokenizer_identity
     found = seedmodel.tokenizer_identity(model_dir)
     if found != recorded:
         raise CoopError(f"the tokenizer in {model_dir} is not the one {prepared.home} was prepared with")

@@ -6,23 +6,37 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import msgspec
 
-from experiment import figures, servingcheck, stats, tasks
+from experiment import figures, layout, servingcheck, stats, tasks
 from experiment.canonical import canonical_bytes, sha256_file, write_new_bytes
 from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
 from experiment.errors import CoopError
-from experiment.evaluation import EVAL_ARMS, Answer, RetentionScore, Summary, evaluation_dir, read_answers
-from experiment.layout import MANIFEST, PREPARED, SEED, SELECTION
+from experiment.evaluation import RetentionScore, Summary, evaluation_dir, read_answers
+from experiment.layout import LEDGER, MANIFEST, PREPARED, SEED, SELECTION, SERVING
 from experiment.ledger import read_ledger
+from experiment.plan import Plan
+from experiment.records import Answer, Candidate, StepRecord
+from experiment.reportmodel import (
+    Accuracy,
+    ArmTraining,
+    Comparison,
+    Descriptive,
+    Margin,
+    Primary,
+    Report,
+    Serving,
+)
 from experiment.seedmodel import load_tokenizer
-from experiment.selection import TRAINED_ARMS, Selection, read_selection, same_model, selection_identity
+from experiment.selection import Selection, read_selection, same_model, selection_identity
+from experiment.servingrecord import PHASES
+from experiment.training import Result as RunResult
 from experiment.training import schedule
-from experiment.wire import StepRecord
 
 Tokenizer = Any
 
@@ -45,7 +59,7 @@ def _seed_tokenizer(bundle: Path, prepared: Prepared) -> Tokenizer:
 
 def _check_items(prepared: Prepared, tokenizer: Tokenizer, role: tasks.Role, items: list[TaskItem]) -> None:
     """Regenerate every case from the plan's task seed and compare id, prompt, answer and prompt tokens."""
-    where = prepared.home / "prepared" / prepared.manifest["roles"][role]["file"]
+    where = prepared.home / "prepared" / prepared.manifest.roles[role].file
     _require(len(items) == getattr(prepared.plan.tasks, role), where, "count", "differs from the plan")
     for position, item in enumerate(items):
         case = tasks.make_case(prepared.plan.tasks.task_seed, role, position)
@@ -69,7 +83,7 @@ def _check_items(prepared: Prepared, tokenizer: Tokenizer, role: tasks.Role, ite
             "differ from the seed tokenizer's rendering",
         )
     _require(
-        [i.id for i in items] == prepared.manifest["ids"][role],
+        [i.id for i in items] == prepared.manifest.ids[role],
         prepared.home / PREPARED / MANIFEST,
         f"ids.{role}",
         "differ from the role file",
@@ -81,7 +95,7 @@ def _check_training_inputs(prepared: Prepared, clean: list[Document], damaged: l
     plan = prepared.plan
     train_ids = [tasks.task_id(tasks.make_case(plan.tasks.task_seed, "train", i)) for i in range(plan.tasks.train)]
     _require(
-        [d.id for d in clean] == prepared.manifest["ids"]["train"],
+        [d.id for d in clean] == prepared.manifest.ids["train"],
         manifest_path,
         "ids.train",
         "differ from train-clean",
@@ -100,7 +114,7 @@ def _check_training_inputs(prepared: Prepared, clean: list[Document], damaged: l
     )
     expected_damaged = [i for i in train_ids if is_damaged(i)]
     _require(
-        prepared.manifest["damaged_ids"] == expected_damaged,
+        prepared.manifest.damaged_ids == expected_damaged,
         manifest_path,
         "damaged_ids",
         "are not the ids with int(id, 16) % 4 == 0",
@@ -121,86 +135,79 @@ def _check_training_inputs(prepared: Prepared, clean: list[Document], damaged: l
             )
 
 
-def _check_runs(prepared: Prepared, selection: Selection, documents: dict[str, list[Document]]) -> dict[str, Any]:
+def _check_journal(
+    path: Path, journal: list[StepRecord], plan: Plan, rank: int, world: int, docs: list[Document]
+) -> None:
+    batches = schedule(plan)
+    for record in journal:
+        batch = batches[record.step - 1] if 0 < record.step <= len(batches) else []
+        where = f"journal[{record.step}]"
+        _require(record.positions == batch, path, f"{where}.positions", "are not the schedule's")
+        _require(
+            record.local_positions == batch[rank::world], path, f"{where}.local_positions", "are not this rank's share"
+        )
+        _require(
+            record.weighted_targets == sum(docs[p].targets * docs[p].weight for p in batch),
+            path,
+            f"{where}.weighted_targets",
+            "differ from the prepared documents",
+        )
+    steps = [r.step for r in journal]
+    _require(steps == list(range(1, plan.training.updates + 1)), path, "journal", "steps are not 1..updates")
+
+
+def _check_rank(run: Path, prepared: Prepared, selected: Candidate, world: int, docs: list[Document]) -> RunResult:
+    """One rank's result: its folder, inputs, journal (the schedule's) and final digest (the selected one)."""
+    plan = prepared.plan
+    path = run / "result.json"
+    _require(path.is_file(), path, "result", "is missing")
+    try:
+        result = msgspec.json.decode(path.read_bytes(), type=RunResult)
+    except msgspec.DecodeError as exc:
+        raise CoopError(f"{path}: result: is not a training result: {exc}") from exc
+    _require(
+        run.name == f"rank-{result.rank}" and result.world_size == world,
+        path,
+        "rank",
+        "does not match its folder or the arm's world",
+    )
+    _require(result.prepared_identity == prepared.identity, path, "prepared_identity", "is not the bundle's")
+    _require(len(result.journal) == plan.training.updates, path, "journal", "does not hold every update")
+    _check_journal(path, result.journal, plan, result.rank, world, docs)
+    _require(result.parameter_digest == selected.model_identity, path, "parameter_digest", "is not the selected one")
+    _require(result.binding == selected.binding, path, "binding", "is not the selected candidate's")
+    _require(result.candidate.step == plan.training.updates, path, "candidate.step", "is not the final update")
+    return result
+
+
+def _check_runs(
+    prepared: Prepared, selection: Selection, documents: dict[str, list[Document]]
+) -> dict[str, ArmTraining]:
     """Every rank's journal is the schedule; ranks agree; the final digests are the selected candidates."""
     plan = prepared.plan
-    batches = schedule(plan)
-    summary: dict[str, Any] = {}
-    for arm in TRAINED_ARMS:
-        runs = sorted((prepared.home / "runs" / arm).glob("rank-*"))
-        world = plan.training.pair_world_size if arm == "clean-pair" else 1
-        _require(
-            len(runs) == world, prepared.home / "runs" / arm, "ranks", f"{len(runs)} result folders, expected {world}"
+    summary: dict[str, ArmTraining] = {}
+    for arm in plan.trained_arms():
+        folder = prepared.home / layout.arm_runs(arm)
+        runs = sorted(folder.glob("rank-*"))
+        world = plan.world_size(arm)
+        _require(len(runs) == world, folder, "ranks", f"{len(runs)} result folders, expected {world}")
+        docs = documents[plan.training_documents(arm)]
+        results = [_check_rank(run, prepared, selection.arms[arm], world, docs) for run in runs]
+        first = results[0]
+        update_seconds = [r.seconds for r in first.journal]
+        summary[arm] = ArmTraining(
+            ranks=len(results),
+            parameter_digest=first.parameter_digest,
+            loop_seconds=[round(r.loop_seconds, 3) for r in results],
+            median_update_seconds=statistics.median(update_seconds),
+            update_seconds=update_seconds,
+            losses=[r.loss for r in first.journal],
+            network_bytes_sent=[r.network_end.bytes_sent - r.network_start.bytes_sent for r in results],
+            network_scope=first.network_start.scope,
+            peak_memory_bytes=[r.peak_memory_bytes for r in results],
+            peak_memory_kind=first.peak_memory_kind,
+            numerical_profile=first.numerical_profile,
         )
-        docs = documents["train-damaged" if arm == "damaged-single" else "train-clean"]
-        results = []
-        for run in runs:
-            path = run / "result.json"
-            _require(path.is_file(), path, "result", "is missing")
-            result = msgspec.json.decode(path.read_bytes())
-            rank = int(result["rank"])
-            _require(
-                run.name == f"rank-{rank}" and result["world_size"] == world,
-                path,
-                "rank",
-                "does not match its folder or the arm's world",
-            )
-            _require(
-                result["prepared_identity"] == prepared.identity,
-                path,
-                "prepared_identity",
-                "is not the bundle's prepared identity",
-            )
-            journal = msgspec.convert(result["journal"], type=list[StepRecord])
-            _require(len(journal) == plan.training.updates, path, "journal", "does not hold every update")
-            for record in journal:
-                batch = batches[record.step - 1] if 0 < record.step <= len(batches) else []
-                where = f"journal[{record.step}]"
-                _require(record.positions == batch, path, f"{where}.positions", "are not the schedule's")
-                _require(
-                    record.local_positions == batch[rank::world],
-                    path,
-                    f"{where}.local_positions",
-                    "are not this rank's share",
-                )
-                _require(
-                    record.weighted_targets == sum(docs[p].targets * docs[p].weight for p in batch),
-                    path,
-                    f"{where}.weighted_targets",
-                    "differ from the prepared documents",
-                )
-            _require(
-                [r.step for r in journal] == list(range(1, plan.training.updates + 1)),
-                path,
-                "journal",
-                "steps are not 1..updates",
-            )
-            selected = selection.arms[arm]
-            _require(
-                result["parameter_digest"] == selected.model_identity,
-                path,
-                "parameter_digest",
-                "is not the selected candidate's",
-            )
-            _require(result["binding"] == selected.binding, path, "binding", "is not the selected candidate's")
-            _require(
-                result["candidate"]["step"] == plan.training.updates, path, "candidate.step", "is not the final update"
-            )
-            results.append(result)
-        update_seconds = [r.seconds for r in msgspec.convert(results[0]["journal"], type=list[StepRecord])]
-        summary[arm] = {
-            "ranks": len(results),
-            "parameter_digest": results[0]["parameter_digest"],
-            "loop_seconds": [round(float(r["loop_seconds"]), 3) for r in results],
-            "median_update_seconds": statistics.median(update_seconds),
-            "update_seconds": update_seconds,
-            "losses": [r.loss for r in msgspec.convert(results[0]["journal"], type=list[StepRecord])],
-            "network_bytes_sent": [r["network_end"]["bytes_sent"] - r["network_start"]["bytes_sent"] for r in results],
-            "network_scope": results[0]["network_start"]["scope"],
-            "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
-            "peak_memory_kind": results[0]["peak_memory_kind"],
-            "numerical_profile": results[0]["numerical_profile"],
-        }
     return summary
 
 
@@ -273,7 +280,7 @@ def _evaluation(
     )
     max_new_tokens = prepared.plan.evaluation.max_new_tokens
     _check_answers(folder / "answers.jsonl", summary, answers, items, tokenizer, max_new_tokens)
-    retention_ids = prepared.manifest["ids"]["retention"]
+    retention_ids = prepared.manifest.ids["retention"]
     _require([s.id for s in scores] == retention_ids, folder / "retention.jsonl", "id", "are not the retention probes")
     _require(all(math.isfinite(s.mean_nats) for s in scores), folder / "retention.jsonl", "mean_nats", "is not finite")
     return answers, scores
@@ -282,7 +289,7 @@ def _evaluation(
 def _check_ledger(bundle: Path, expected: dict[str, str]) -> int | None:
     """When the bundle carries the coordinator's ledger: the chain verifies, and its commitments name
     these inputs (plan, prepared, selection). Returns the number of entries."""
-    path = bundle / "ledger.json"
+    path = bundle / LEDGER
     if not path.exists():
         return None
     entries = read_ledger(path)
@@ -297,21 +304,33 @@ def _check_ledger(bundle: Path, expected: dict[str, str]) -> int | None:
     return len(entries)
 
 
-def _accuracy(answers: list[Answer]) -> dict[str, Any]:
+def _accuracy(answers: list[Answer]) -> Accuracy:
     correct: Callable[[Answer], bool] = lambda a: a.check.correct  # noqa: E731
     dependent = [a for a in answers if a.input_dependent]
-    return {
-        "overall": stats.cell([a.check.correct for a in answers]),
-        "by_family": stats.breakdown(answers, key=lambda a: a.family, correct=correct),
-        "by_variant": stats.breakdown(answers, key=lambda a: f"wording {a.variant}", correct=correct),
-        "input_dependent": stats.cell([a.check.correct for a in dependent]),
-        "valid_json_object": sum(a.check.valid_json_object for a in answers),
-        "hit_token_limit": sum(a.hit_token_limit for a in answers),
-    }
+    return Accuracy(
+        overall=stats.cell([a.check.correct for a in answers]),
+        by_family=stats.breakdown(answers, key=lambda a: a.family, correct=correct),
+        by_variant=stats.breakdown(answers, key=lambda a: f"wording {a.variant}", correct=correct),
+        input_dependent=stats.cell([a.check.correct for a in dependent]),
+        valid_json_object=sum(a.check.valid_json_object for a in answers),
+        hit_token_limit=sum(a.hit_token_limit for a in answers),
+    )
 
 
-def compute(bundle: Path) -> dict[str, Any]:
-    """Every check, then every comparison; raises CoopError at the first inconsistency."""
+@dataclass(frozen=True)
+class _Checked:
+    """What the checks of a bundle established, before any comparison."""
+
+    prepared: Prepared
+    selection: Selection
+    ledger_entries: int | None
+    training: dict[str, ArmTraining]
+    serving: Serving | None
+    evaluations: dict[str, tuple[list[Answer], list[RetentionScore]]]
+
+
+def _check_bundle(bundle: Path) -> _Checked:
+    """Every check of the bundle's files; raises CoopError at the first inconsistency."""
     prepared = load_prepared(bundle)
     plan = prepared.plan
     tokenizer = _seed_tokenizer(bundle, prepared)
@@ -324,99 +343,126 @@ def compute(bundle: Path) -> dict[str, Any]:
     _require(selection_path.is_file(), selection_path, "selection", "is missing")
     selection = read_selection(selection_path)
     _require(selection.prepared_identity == prepared.identity, selection_path, "prepared_identity", "differs")
-    _require(set(selection.arms) == set(EVAL_ARMS), selection_path, "arms", "must name every arm")
-    ledger_entries = _check_ledger(
-        bundle,
-        {
-            "plan": prepared.manifest["plan_identity"],
-            "prepared": prepared.identity,
-            "selection": selection_identity(selection),
+    _require(set(selection.arms) == set(plan.arm_names()), selection_path, "arms", "must name every arm")
+    committed = {"plan": prepared.manifest.plan_identity, "prepared": prepared.identity}
+    ledger_entries = _check_ledger(bundle, committed | {"selection": selection_identity(selection)})
+    return _Checked(
+        prepared=prepared,
+        selection=selection,
+        ledger_entries=ledger_entries,
+        serving=_serving(bundle, prepared, selection, tokenizer, dev),
+        training=_check_runs(prepared, selection, documents),
+        evaluations={arm: _evaluation(prepared, selection, tokenizer, test, "test", arm) for arm in plan.arm_names()},
+    )
+
+
+def _serving(
+    bundle: Path, prepared: Prepared, selection: Selection, tokenizer: Tokenizer, dev: list[TaskItem]
+) -> Serving | None:
+    """The serving section when the bundle was served; served answers are checked against the dev evaluation of
+    the served checkpoint, itself checked first."""
+    ledger_path = bundle / LEDGER
+    served = ledger_path.exists() and any(e.kind == "serving" for e in read_ledger(ledger_path))
+    if not served and not (bundle / SERVING).is_dir():
+        return None
+    arm = prepared.plan.served_arm()
+    reference, _ = _evaluation(prepared, selection, tokenizer, dev, "dev", arm)
+    identity = selection.arms[arm].model_identity
+    return servingcheck.section(bundle, prepared, identity, reference, dev, tokenizer, _require)
+
+
+def _descriptive(plan: Plan, checked: _Checked, accuracy: dict[str, Accuracy]) -> Descriptive:
+    outcomes = {arm: {a.id: a.check.correct for a in answers} for arm, (answers, _) in checked.evaluations.items()}
+    losses = {arm: {s.id: s.mean_nats for s in scores} for arm, (_, scores) in checked.evaluations.items()}
+    seed, clean, damaged, pair = (plan.arm(role) for role in ("baseline", "clean", "damaged", "pair"))
+    pairs = [(seed, damaged), (damaged, clean), (seed, pair), (clean, pair)]
+    margin = plan.statistics.pair_margin
+    return Descriptive(
+        comparisons=[Comparison(baseline=b, arm=a, paired=stats.paired(outcomes[b], outcomes[a])) for b, a in pairs],
+        pair_margin=Margin(
+            arm=pair,
+            baseline=clean,
+            margin=margin,
+            within=stats.within_margin(accuracy[pair].overall, accuracy[clean].overall, margin),
+        ),
+        retention={
+            arm: stats.retention_bound(losses[seed], losses[arm], plan.statistics.retention_z)
+            for arm in plan.trained_arms()
         },
     )
-    ledger_path = bundle / "ledger.json"
-    served = ledger_path.exists() and any(e.kind == "serving" for e in read_ledger(ledger_path))
-    serving = None
-    if served or (bundle / "serving").is_dir():
-        # Served answers are checked against the dev evaluation of the served checkpoint, itself checked first.
-        reference, _ = _evaluation(prepared, selection, tokenizer, dev, "dev", servingcheck.SERVED)
-        served_identity = selection.arms[servingcheck.SERVED].model_identity
-        serving = servingcheck.section(bundle, prepared, served_identity, reference, dev, tokenizer, _require)
-    training = _check_runs(prepared, selection, documents)
-    evaluations: dict[str, tuple[list[Answer], list[RetentionScore]]] = {
-        arm: _evaluation(prepared, selection, tokenizer, test, "test", arm) for arm in EVAL_ARMS
-    }
-
-    outcomes = {arm: {a.id: a.check.correct for a in answers} for arm, (answers, _) in evaluations.items()}
-    losses = {arm: {s.id: s.mean_nats for s in scores} for arm, (_, scores) in evaluations.items()}
-    rules = plan.statistics
-    primary = stats.paired(outcomes["seed"], outcomes["clean-single"])
-    retention = stats.retention_bound(losses["seed"], losses["clean-single"], rules.retention_z)
-    accuracy = {arm: _accuracy(answers) for arm, (answers, _) in evaluations.items()}
-    pair_cell, single_cell = accuracy["clean-pair"]["overall"], accuracy["clean-single"]["overall"]
-    report: dict[str, Any] = {
-        "plan": plan.name,
-        "plan_identity": prepared.manifest["plan_identity"],
-        "prepared_identity": prepared.identity,
-        "selection_identity": selection_identity(selection),
-        "candidates": {arm: c.model_identity for arm, c in selection.arms.items()},
-        "ledger_entries": ledger_entries,
-        "primary": {
-            "comparison": "clean-single vs seed, exact test items",
-            "paired": primary,
-            "retention": retention,
-            "verdict": stats.primary_verdict(primary, retention, rules),
-        },
-        "descriptive": {
-            "damaged-single vs seed": stats.paired(outcomes["seed"], outcomes["damaged-single"]),
-            "clean-single vs damaged-single": stats.paired(outcomes["damaged-single"], outcomes["clean-single"]),
-            "clean-pair vs seed": stats.paired(outcomes["seed"], outcomes["clean-pair"]),
-            "clean-pair vs clean-single": stats.paired(outcomes["clean-single"], outcomes["clean-pair"]),
-            "clean-pair within margin of clean-single": {
-                "margin": rules.pair_margin,
-                "within": stats.within_margin(pair_cell, single_cell, rules.pair_margin),
-            },
-            "retention": {
-                arm: stats.retention_bound(losses["seed"], losses[arm], rules.retention_z) for arm in TRAINED_ARMS
-            },
-        },
-        "accuracy": accuracy,
-        "training": training,
-        "pair_over_single_median_update": training["clean-pair"]["median_update_seconds"]
-        / training["clean-single"]["median_update_seconds"],
-        "serving": serving,
-        "checks": [
-            "seed tokenizer files match the plan",
-            "dev and test tasks regenerated from the plan's seed",
-            "damaged ids recomputed",
-            "every rank's journal equals the schedule",
-            "ranks agree on final digests",
-            "candidates equal the selection",
-            "every answer re-checked and re-decoded",
-            *(
-                [
-                    "serving: selected model only, answers equal the served model's dev evaluation, none degenerate, "
-                    "no cache hits, none lost, same tokens in every phase, stop seen"
-                ]
-                if serving
-                else []
-            ),
-        ],
-    }
-    built: dict[str, Any] = msgspec.to_builtins(report)
-    return built
 
 
-def render_html(report: dict[str, Any]) -> str:
+def _primary(plan: Plan, checked: _Checked) -> Primary:
+    seed, clean = plan.arm("baseline"), plan.arm("clean")
+    (seed_answers, seed_scores), (clean_answers, clean_scores) = checked.evaluations[seed], checked.evaluations[clean]
+    paired = stats.paired({a.id: a.check.correct for a in seed_answers}, {a.id: a.check.correct for a in clean_answers})
+    retention = stats.retention_bound(
+        {s.id: s.mean_nats for s in seed_scores}, {s.id: s.mean_nats for s in clean_scores}, plan.statistics.retention_z
+    )
+    return Primary(
+        comparison=f"{clean} vs {seed}, exact test items",
+        baseline=seed,
+        arm=clean,
+        paired=paired,
+        retention=retention,
+        verdict=stats.primary_verdict(paired, retention, plan.statistics),
+    )
+
+
+CHECKS = [
+    "seed tokenizer files match the plan",
+    "dev and test tasks regenerated from the plan's seed",
+    "damaged ids recomputed",
+    "every rank's journal equals the schedule",
+    "ranks agree on final digests",
+    "candidates equal the selection",
+    "every answer re-checked and re-decoded",
+]
+SERVING_CHECK = (
+    "serving: selected model only, answers equal the served model's dev evaluation, none degenerate, "
+    "no cache hits, none lost, same tokens in every phase, stop seen"
+)
+
+
+def compute(bundle: Path) -> Report:
+    """Every check, then every comparison; raises CoopError at the first inconsistency."""
+    checked = _check_bundle(bundle)
+    prepared, selection = checked.prepared, checked.selection
+    plan = prepared.plan
+    accuracy = {arm: _accuracy(answers) for arm, (answers, _) in checked.evaluations.items()}
+    single, pair = plan.arm("clean"), plan.arm("pair")
+    return Report(
+        plan=plan.name,
+        plan_identity=prepared.manifest.plan_identity,
+        prepared_identity=prepared.identity,
+        selection_identity=selection_identity(selection),
+        arms=list(plan.arm_names()),
+        candidates={arm: c.model_identity for arm, c in selection.arms.items()},
+        ledger_entries=checked.ledger_entries,
+        primary=_primary(plan, checked),
+        descriptive=_descriptive(plan, checked, accuracy),
+        accuracy=accuracy,
+        training=checked.training,
+        pair_over_single_median_update=checked.training[pair].median_update_seconds
+        / checked.training[single].median_update_seconds,
+        serving=checked.serving,
+        checks=[*CHECKS, *([SERVING_CHECK] if checked.serving else [])],
+    )
+
+
+def render_html(report: Report) -> str:
     environment = jinja2.Environment(
         loader=jinja2.PackageLoader("experiment", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
     )
-    return environment.get_template("report.html").render(report=report, figures=figures.report_figures(report))
+    return environment.get_template("report.html").render(
+        report=report, figures=figures.report_figures(report), phases=PHASES
+    )
 
 
-def write_report(bundle: Path, output: Path) -> dict[str, Any]:
+def write_report(bundle: Path, output: Path) -> Report:
     """Compute (all checks first), then write the JSON report and the HTML page beside it."""
     report = compute(bundle)
     html = render_html(report)
-    write_new_bytes(output, canonical_bytes(report) + b"\n")
+    write_new_bytes(output, canonical_bytes(msgspec.to_builtins(report)) + b"\n")
     write_new_bytes(output.with_suffix(".html"), html.encode("utf-8"))
     return report

@@ -9,24 +9,14 @@ from pathlib import Path
 
 import msgspec
 
-from experiment import checkpoint
+from experiment import checkpoint, layout
 from experiment.canonical import identity, read_json, write_new_json
 from experiment.corpus import Prepared
 from experiment.errors import CoopError
 from experiment.layout import SELECTION
 from experiment.plan import seed_identity
+from experiment.records import Candidate
 from experiment.seedmodel import tensor_layout
-
-TRAINED_ARMS = ("clean-single", "damaged-single", "clean-pair")
-
-
-class Candidate(msgspec.Struct, frozen=True):
-    arm: str
-    model_identity: str  # the final parameter digest; for the seed, the identity of its file snapshot
-    path: str | None = None  # the model folder relative to the home; None for the seed itself
-    step: int | None = None
-    binding: str | None = None
-    receipt_sha256: str | None = None
 
 
 def same_model(a: Candidate, b: Candidate) -> bool:
@@ -51,15 +41,14 @@ def _result(run: Path) -> dict[str, object]:
 def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
     """The arm's final checkpoint as this host holds it, verified on every rank folder present here: its files,
     and its weights in the tensor layout of the seed in ``seed_dir``."""
-    if arm == "seed":
-        return Candidate(arm="seed", model_identity=seed_identity(prepared.plan))
-    if arm not in TRAINED_ARMS:
-        raise CoopError(f"unknown arm {arm!r}")
-    final = prepared.plan.training.updates
-    layout = tensor_layout(seed_dir)
-    runs = sorted((prepared.home / "runs" / arm).glob("rank-*"))
+    plan = prepared.plan
+    if plan.role_of(arm) == "baseline":
+        return Candidate(arm=arm, model_identity=seed_identity(plan))
+    final = plan.training.updates
+    tensors = tensor_layout(seed_dir)
+    runs = sorted((prepared.home / layout.arm_runs(arm)).glob("rank-*"))
     if not runs:
-        raise CoopError(f"arm {arm} has no run under {prepared.home / 'runs' / arm}")
+        raise CoopError(f"arm {arm} has no run under {prepared.home / layout.arm_runs(arm)}")
     chosen: Candidate | None = None
     for run in runs:
         result = _result(run)
@@ -67,7 +56,7 @@ def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
         if pointer.step != final:
             raise CoopError(f"{run}: the candidate is step {pointer.step}; only the final step {final} is eligible")
         binding = str(result["binding"])
-        receipt = checkpoint.verify(run, pointer, binding, layout)
+        receipt = checkpoint.verify(run, pointer, binding, tensors)
         if receipt.parameter_digest != result["parameter_digest"]:
             raise CoopError(f"{run}: the final checkpoint's digest differs from the run's result")
         if result["prepared_identity"] != prepared.identity:
@@ -90,10 +79,8 @@ def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
 
 def select(prepared: Prepared, seed_dir: Path) -> tuple[Selection, Path]:
     """Every arm's final candidate, each verified; written once (an identical re-run is accepted)."""
-    arms = {arm: candidate_for(prepared, arm, seed_dir) for arm in ("seed", *TRAINED_ARMS)}
-    selection = Selection(
-        prepared_identity=prepared.identity, plan_identity=prepared.manifest["plan_identity"], arms=arms
-    )
+    arms = {arm: candidate_for(prepared, arm, seed_dir) for arm in prepared.plan.arm_names()}
+    selection = Selection(prepared_identity=prepared.identity, plan_identity=prepared.manifest.plan_identity, arms=arms)
     path = prepared.home / SELECTION
     write_new_json(path, msgspec.to_builtins(selection))
     return selection, path

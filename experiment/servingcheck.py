@@ -18,39 +18,69 @@ from typing import Any
 import msgspec
 
 from experiment import agreement, tasks
-from experiment.canonical import read_json
 from experiment.corpus import Prepared, TaskItem
-from experiment.evaluation import Answer, Generation, answer_text
-from experiment.layout import evaluation
-from experiment.servingrecord import PHASES
+from experiment.evaluation import Generation, answer_text
+from experiment.layout import SERVING, evaluation, serving_phase
+from experiment.records import Answer
+from experiment.reportmodel import Serving, ServingFailure, ServingReference
+from experiment.servingrecord import PHASES, PhaseResult
 
-SERVED = "clean-pair"
 GPU_MIN_SAME_OUTCOME = 0.95  # GPU kernels may round differently from the evaluation's; outcomes must still agree
 Require = Callable[[bool, Path | str, str, str], None]
 
 
 def _served_answers(
-    path: Path, report: dict[str, Any], items: dict[str, TaskItem], tokenizer: Any, require: Require
+    path: Path, record: PhaseResult, items: dict[str, TaskItem], tokenizer: Any, require: Require
 ) -> list[agreement.ServedAnswer]:
     """Every completion of a phase, re-decoded and re-checked by the strict checker; padding or one repeated token
     is refused outright."""
     eos = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
     pad = int(tokenizer.pad_token_id)
     served = []
-    for number, completion in enumerate(report["completions"]):
+    for number, completion in enumerate(record.completions):
         where = f"completions[{number}]"
-        item = items.get(completion["task_id"])
+        item = items.get(completion.task_id)
         require(item is not None, path, f"{where}.task_id", "is not a prepared dev task")
         assert item is not None
-        ids = [int(token) for token in completion["output_ids"]]
+        ids = completion.output_ids
         broken = agreement.degenerate(ids, eos, pad)
         require(broken is None, path, f"{where}.output_ids", f"task {item.id}: {broken}; no model answers that")
         # The probe cut the ids at the first EOS, as the evaluation does; its reading of them is the evaluation's.
         generation = Generation(output_ids=ids, ended_with_eos=ids[-1:] == [eos], hit_token_limit=False)
         check = tasks.check(answer_text(tokenizer, generation), item.expected)
-        require(completion["correct"] == check.correct, path, f"{where}.correct", "is not the strict checker's outcome")
+        require(completion.correct == check.correct, path, f"{where}.correct", "is not the strict checker's outcome")
         served.append(agreement.ServedAnswer(task_id=item.id, output_ids=ids, check=check))
     return served
+
+
+def _phase_record(path: Path, phase: str, require: Require) -> PhaseResult:
+    require(path.is_file(), path, SERVING, "is missing (the serving commitment promises all three phases)")
+    try:
+        record = msgspec.json.decode(path.read_bytes(), type=PhaseResult)
+    except msgspec.DecodeError as exc:
+        require(False, path, SERVING, f"is not a benchmark phase record: {exc}")
+        raise
+    require(record.phase == phase, path, "phase", f"is not {phase}")
+    return record
+
+
+def _check_phase(
+    path: Path, record: PhaseResult, prepared: Prepared, served_identity: str, workload: list[str], require: Require
+) -> None:
+    require(record.prepared_identity == prepared.identity, path, "prepared_identity", "differs")
+    served_arm = prepared.plan.served_arm()
+    require(record.models == [served_identity], path, "models", f"must be only the {served_arm} selection")
+    metrics = record.metrics
+    require(metrics.cache_hits == 0, path, "metrics.cache_hits", "a measured request came from the cache")
+    require(not any(c.cached for c in record.completions), path, "completions.cached", "must all be false")
+    require(metrics.failed == 0, path, "metrics.failed", "requests were lost")
+    require(len(record.completions) == metrics.requests, path, "completions", "must answer every request")
+    require(
+        sorted(c.task_id for c in record.completions) == sorted(workload),
+        path,
+        "completions.task_id",
+        "are not the plan's workload (the first dev tasks), each once",
+    )
 
 
 def section(
@@ -61,87 +91,67 @@ def section(
     dev: list[TaskItem],
     tokenizer: Any,
     require: Require,
-) -> dict[str, Any]:
+) -> Serving:
     """``reference``: the served checkpoint's dev evaluation, already checked against the dev tasks."""
-    folder = bundle / "serving"
     truth = {answer.id: answer for answer in reference}
     items = {item.id: item for item in dev}
     device = prepared.plan.runtime.device
+    reference_folder = evaluation("dev", prepared.plan.served_arm())
     workload = [item.id for item in dev[: prepared.plan.serving.workload_tasks]]
     agreements: dict[str, agreement.Agreement] = {}
-    reports: dict[str, dict[str, Any]] = {}
+    records: dict[str, PhaseResult] = {}
     for phase in PHASES:
-        path = folder / f"{phase}.json"
-        require(path.is_file(), path, "serving", "is missing (the serving commitment promises all three phases)")
-        report: dict[str, Any] = read_json(path)
-        require(report.get("phase") == phase, path, "phase", f"is not {phase}")
-        require(report.get("prepared_identity") == prepared.identity, path, "prepared_identity", "differs")
-        require(report.get("models") == [served_identity], path, "models", f"must be only the {SERVED} selection")
-        metrics = report["metrics"]
-        require(metrics["cache_hits"] == 0, path, "metrics.cache_hits", "a measured request came from the cache")
-        require(not any(c["cached"] for c in report["completions"]), path, "completions.cached", "must all be false")
-        require(metrics["failed"] == 0, path, "metrics.failed", "requests were lost")
-        require(len(report["completions"]) == metrics["requests"], path, "completions", "must answer every request")
-        require(
-            sorted(c["task_id"] for c in report["completions"]) == sorted(workload),
-            path,
-            "completions.task_id",
-            "are not the plan's workload (the first dev tasks), each once",
-        )
-        served = _served_answers(path, report, items, tokenizer, require)
-        found = agreement.compare(truth, served)
-        require(metrics["correct"] == found.correct, path, "metrics.correct", "is not the strict checker's count")
-        reference_file = f"{evaluation('dev', SERVED)}/answers.jsonl"
+        path = bundle / serving_phase(phase)
+        record = _phase_record(path, phase, require)
+        _check_phase(path, record, prepared, served_identity, workload, require)
+        found = agreement.compare(truth, _served_answers(path, record, items, tokenizer, require))
+        require(record.metrics.correct == found.correct, path, "metrics.correct", "is not the strict checker's count")
         min_outcome = GPU_MIN_SAME_OUTCOME if device != "cpu" else 1.0
         refused = agreement.refusal(found, device, min_outcome)
-        require(refused is None, path, "completions.output_ids", f"are not the answers of {reference_file}: {refused}")
-        agreements[phase] = found
-        reports[phase] = report
-    outputs = {phase: {c["task_id"]: c["output_ids"] for c in r["completions"]} for phase, r in reports.items()}
+        where = f"{reference_folder}/answers.jsonl"
+        require(refused is None, path, "completions.output_ids", f"are not the answers of {where}: {refused}")
+        agreements[phase], records[phase] = found, record
+    outputs = {phase: {c.task_id: c.output_ids for c in r.completions} for phase, r in records.items()}
     for phase in PHASES[1:]:
-        path = folder / f"{phase}.json"
-        require(outputs[phase] == outputs["single"], path, "completions.output_ids", "differ from the single phase")
-    failure = reports["failure"]["metrics"]
-    after_stop = _served_without_one(reports["failure"])
-    concurrency = int(reports["failure"]["workload"]["concurrency"])
+        path = bundle / serving_phase(phase)
+        require(outputs[phase] == outputs[PHASES[0]], path, "completions.output_ids", "differ from the single phase")
+    failure = records["failure"]
+    after_stop = _served_without_one(failure)
     require(
-        failure["first_attempt_failures"] >= 1 or after_stop >= 2 * concurrency,
-        folder / "failure.json",
+        failure.metrics.first_attempt_failures >= 1 or after_stop >= 2 * failure.workload.concurrency,
+        bundle / serving_phase("failure"),
         "attempts",
         "the failure phase never saw the stopped replica (no failed attempt, no requests served without it)",
     )
-    single, pair = reports["single"]["metrics"], reports["pair"]["metrics"]
-    return {
-        "phases": {phase: reports[phase]["metrics"] for phase in PHASES},
-        "reference": {
-            "evaluation": evaluation("dev", SERVED),
-            "device": device,
-            "tasks": len(workload),
-            "correct": sum(truth[task].check.correct for task in workload),
-        },
-        "agreement": {
-            phase: msgspec.to_builtins(found) | {"token_agreement": found.token_agreement}
-            for phase, found in agreements.items()
-        },
-        "pair_over_single_request_throughput": pair["request_throughput"] / single["request_throughput"],
-        "failure": {
-            "stopped_after_completions": reports["failure"].get("stop_after"),
-            "stop_seen_at_seconds": reports["failure"].get("stop_seen"),
-            "requests_started_after_one_replica_left": after_stop,
-            "first_attempt_failures": failure["first_attempt_failures"],
-            "retries": failure["retries"],
-            "lost": failure["failed"],
-        },
-    }
+    single, pair = records["single"].metrics, records["pair"].metrics
+    return Serving(
+        phases={phase: records[phase].metrics for phase in PHASES},
+        reference=ServingReference(
+            evaluation=reference_folder,
+            device=device,
+            tasks=len(workload),
+            correct=sum(truth[task].check.correct for task in workload),
+        ),
+        agreement=agreements,
+        pair_over_single_request_throughput=pair.request_throughput / single.request_throughput,
+        failure=ServingFailure(
+            stopped_after_completions=failure.stop_after,
+            stop_seen_at_seconds=failure.stop_seen,
+            requests_started_after_one_replica_left=after_stop,
+            first_attempt_failures=failure.metrics.first_attempt_failures,
+            retries=failure.metrics.retries,
+            lost=failure.metrics.failed,
+        ),
+    )
 
 
-def _served_without_one(report: dict[str, Any]) -> int:
+def _served_without_one(record: PhaseResult) -> int:
     """Attempts started after the last one sent to the endpoint that left first: a replica stopped gracefully
     finishes what it holds and the health-aware client stops sending to it, so no attempt need fail."""
-    last: dict[str, float] = {}
-    for attempt in report["attempts"]:
-        last[attempt["endpoint"]] = max(last.get(attempt["endpoint"], 0.0), float(attempt["started"]))
+    last: dict[str | None, float] = {}
+    for attempt in record.attempts:
+        last[attempt.endpoint] = max(last.get(attempt.endpoint, 0.0), attempt.started)
     if len(last) < 2:
         return 0
     left = min(last.values())
-    return sum(1 for attempt in report["attempts"] if float(attempt["started"]) > left)
+    return sum(1 for attempt in record.attempts if attempt.started > left)

@@ -48,7 +48,7 @@ class Case(msgspec.Struct, frozen=True):
     query_id: str | None  # only lookup asks for one id
 
 
-class Check(msgspec.Struct, frozen=True):
+class Check(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     correct: bool
     valid_json_object: bool
     reason: Reason

@@ -13,9 +13,10 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import numpy
@@ -25,18 +26,16 @@ import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 
-from experiment import checkpoint, distributed, seedmodel
+from experiment import checkpoint, distributed, layout, seedmodel
 from experiment.canonical import identity, read_json, write_new_json
 from experiment.corpus import Document, Prepared, load_prepared, seed_snapshot
 from experiment.distributed import World
 from experiment.errors import CoopError
 from experiment.plan import Plan
 from experiment.progress import Emit
+from experiment.records import StepRecord
 from experiment.resources import NetworkCounters, Sample, Sampler, network_counters
-from experiment.wire import StepRecord
 
-Arm = Literal["clean-single", "damaged-single", "clean-pair"]
-ARMS: tuple[Arm, ...] = ("clean-single", "damaged-single", "clean-pair")
 LossScale = Callable[[int, int, int], float]
 
 
@@ -257,20 +256,21 @@ class Result(msgspec.Struct, frozen=True):
 
 
 def run_dir(home: Path, arm: str, rank: int) -> Path:
-    return home / "runs" / arm / f"rank-{rank}"
+    return home / layout.run(arm, rank)
 
 
-def documents_for(prepared: Prepared, arm: Arm) -> list[Document]:
-    return prepared.documents("train-damaged" if arm == "damaged-single" else "train-clean")
+def documents_for(prepared: Prepared, arm: str) -> list[Document]:
+    return prepared.documents(prepared.plan.training_documents(arm))
 
 
-def check_world(plan: Plan, arm: Arm, world: World) -> None:
-    wanted = plan.training.pair_world_size if arm == "clean-pair" else 1
+def check_world(plan: Plan, arm: str, world: World) -> None:
+    plan.training_documents(arm)  # refuses an arm the plan lacks, and the untouched seed
+    wanted = plan.world_size(arm)
     if world.size != wanted:
         raise CoopError(f"arm {arm} runs with WORLD_SIZE={wanted}, not {world.size}")
 
 
-def _run_record(directory: Path, arm: Arm, world: World, binding: str, plan: Plan) -> RunRecord:
+def _run_record(directory: Path, arm: str, world: World, binding: str, plan: Plan) -> RunRecord:
     path = directory / "run.json"
     if path.exists():
         record = msgspec.convert(read_json(path), type=RunRecord)
@@ -314,10 +314,41 @@ def _process_group(world: World, plan: Plan) -> Iterator[None]:
         distributed.stop(world)
 
 
-def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | None = None) -> Result | None:
-    """Train one rank of ``arm``, resuming from its latest verified checkpoint if it has one.
+@dataclass(frozen=True)
+class _Run:
+    """One rank's run of an arm as it is bound before its process group starts: the inputs, the device, the
+    schedule and the binding every rank must agree on."""
 
-    ``stop_after`` ends the run after that update (tests use it to interrupt a run); it returns None then."""
+    prepared: Prepared
+    arm: str
+    world: World
+    model_dir: Path
+    directory: Path
+    device: torch.device
+    documents: list[Document]
+    batches: list[list[int]]
+    profile: dict[str, Any]
+    binding: str
+
+    @property
+    def plan(self) -> Plan:
+        return self.prepared.plan
+
+
+@dataclass
+class _Progress:
+    """Where a rank's run stands: its model, the checkpoints it found, its journal and its latest checkpoint."""
+
+    model: torch.nn.Module
+    held: checkpoint.Held
+    tensor_layout: seedmodel.TensorLayout
+    pointer: checkpoint.Pointer | None
+    journal: list[StepRecord]
+    resumed_from_step: int
+
+
+def _bind_run(home: Path, model_dir: Path, arm: str) -> _Run:
+    """Everything checked and computed before the process group starts; refuses a finished run."""
     prepared = load_prepared(home)
     plan = prepared.plan
     world = distributed.world_from_env()
@@ -332,138 +363,224 @@ def train(home: Path, model_dir: Path, arm: Arm, emit: Emit, stop_after: int | N
     batches = schedule(plan)
     profile = numerical_profile(plan, device)
     binding = identity({"prepared": prepared.identity, "profile": profile, "arm": arm, "world_size": world.size})
-    # The trainer closes before the process group ends (the ExitStack exits first).
-    with _process_group(world, plan), contextlib.ExitStack() as closing:
-        distributed.agree(world, "binding (prepared inputs, numerical profile, arm, world)", binding, device)
-        record = _run_record(directory, arm, world, binding, plan)
-        deadline = datetime.fromisoformat(record.deadline_at)
+    return _Run(
+        prepared=prepared,
+        arm=arm,
+        world=world,
+        model_dir=model_dir,
+        directory=directory,
+        device=device,
+        documents=documents,
+        batches=batches,
+        profile=profile,
+        binding=binding,
+    )
+
+
+def _start(run: _Run) -> RunRecord:
+    """Every rank agrees on the binding; the run's record is written on its first start, and a resume past the
+    record's deadline is refused."""
+    distributed.agree(run.world, "binding (prepared inputs, numerical profile, arm, world)", run.binding, run.device)
+    record = _run_record(run.directory, run.arm, run.world, run.binding, run.plan)
+    if datetime.now(UTC) > datetime.fromisoformat(record.deadline_at):
+        raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
+    return record
+
+
+def _resume(run: _Run) -> _Progress:
+    """The model to train from: the seed, or the last checkpoint every rank holds with a pointer, verified. A host
+    killed while its peers saved a checkpoint is one checkpoint behind them, and they retrain to meet it."""
+    held = checkpoint.held(run.directory)
+    # Every checkpoint stores the seed's tensors, as the seed does.
+    tensor_layout = seedmodel.tensor_layout(run.model_dir)
+    common = distributed.minimum(run.world, max(held.pointed, default=0), run.device)
+    pointer = held.pointed.get(common) if common else None
+    if common and pointer is None:
+        raise CoopError(f"{run.directory} has no checkpoint at step {common}, where the other ranks resume")
+    journal: list[StepRecord] = []
+    if pointer is None:
+        model = seedmodel.load_model(run.model_dir)
+    else:
+        receipt = checkpoint.verify(run.directory, pointer, run.binding, tensor_layout)
+        _check_journal(receipt.journal, run.batches, f"checkpoint {pointer.checkpoint}")
+        journal = list(receipt.journal)
+        model = seedmodel.load_model(checkpoint.model_dir(run.directory, pointer))
+    model.to(run.device)
+    model.train()
+    distributed.agree(run.world, "parameter digest after load", distributed.parameter_digest(model), run.device)
+    return _Progress(
+        model=model,
+        held=held,
+        tensor_layout=tensor_layout,
+        pointer=pointer,
+        journal=journal,
+        resumed_from_step=len(journal),
+    )
+
+
+def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
+    """One update of the schedule, as its journal records it."""
+    began = time.monotonic()
+    batch = run.batches[step - 1]
+    update = trainer.accumulate(batch)
+    rate, norm = trainer.step(step)
+    return StepRecord(
+        step=step,
+        positions=batch,
+        local_positions=local_positions(batch, run.world),
+        loss=update.loss,
+        learning_rate=rate,
+        gradient_norm=norm,
+        targets=update.targets,
+        weighted_targets=update.weighted_targets,
+        documents=update.documents,
+        seconds=time.monotonic() - began,
+    )
+
+
+def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emit: Emit) -> None:
+    """Save this step's checkpoint, or confirm the one an earlier attempt left here; it becomes the latest."""
+    digest = distributed.parameter_digest(progress.model)
+    # Each step comes once: a pointer written here is never looked up in ``held``.
+    kept = checkpoint.kept(run.directory, progress.held, step, run.binding, digest, progress.tensor_layout)
+    if kept is None:
+        pointer = checkpoint.save(
+            run.directory,
+            step,
+            progress.model,
+            trainer.optimizer,
+            run.binding,
+            digest,
+            progress.journal,
+            run.model_dir,
+            progress.tensor_layout,
+        )
+        checkpoint.verify(run.directory, pointer, run.binding, progress.tensor_layout)
+        written = "checkpoint"
+    else:
+        pointer, written = kept
+    progress.pointer = pointer
+    emit(
+        {
+            "event": "checkpoint",
+            "arm": run.arm,
+            "rank": run.world.rank,
+            "step": step,
+            "checkpoint": pointer.checkpoint,
+            "parameter_digest": digest,
+            "written": written,
+        }
+    )
+
+
+def _updates(
+    run: _Run, progress: _Progress, trainer: Trainer, record: RunRecord, emit: Emit, stop_after: int | None
+) -> bool:
+    """Every update left, journaled and reported, with a checkpoint where the plan has one. False: ``stop_after``
+    ended the run early."""
+    deadline = datetime.fromisoformat(record.deadline_at)
+    for step in range(progress.resumed_from_step + 1, run.plan.training.updates + 1):
         if datetime.now(UTC) > deadline:
-            raise CoopError(f"the run's deadline {record.deadline_at} has passed; it will not resume")
-        # Every rank resumes from the last checkpoint all of them hold with a pointer: a host killed while its
-        # peers saved a checkpoint is one checkpoint behind them, and they retrain to meet it.
-        held = checkpoint.held(directory)
-        layout = seedmodel.tensor_layout(model_dir)  # every checkpoint stores the seed's tensors, as the seed does
-        common = distributed.minimum(world, max(held.pointed, default=0), device)
-        pointer = held.pointed.get(common) if common else None
-        if common and pointer is None:
-            raise CoopError(f"{directory} has no checkpoint at step {common}, where the other ranks resume")
-        journal: list[StepRecord] = []
-        if pointer is None:
-            model = seedmodel.load_model(model_dir)
-        else:
-            receipt = checkpoint.verify(directory, pointer, binding, layout)
-            _check_journal(receipt.journal, batches, f"checkpoint {pointer.checkpoint}")
-            journal = list(receipt.journal)
-            model = seedmodel.load_model(checkpoint.model_dir(directory, pointer))
-        model.to(device)
-        model.train()
-        distributed.agree(world, "parameter digest after load", distributed.parameter_digest(model), device)
-        trainer = closing.enter_context(Trainer(plan, world, device, model, documents))
-        if pointer is not None:
-            checkpoint.load_state(directory, pointer, trainer.optimizer)
-        start_step = len(journal)
+            raise CoopError(f"the run's deadline {record.deadline_at} passed before update {step}")
+        entry = _update(run, trainer, step)
+        progress.journal.append(entry)
+        emit(
+            {
+                "event": "step",
+                "arm": run.arm,
+                "rank": run.world.rank,
+                "done": step,
+                "total": run.plan.training.updates,
+                **{k: v for k, v in msgspec.to_builtins(entry).items() if "positions" not in k},
+            }
+        )
+        if step in run.plan.training.checkpoint_steps:
+            _checkpoint(run, progress, trainer, step, emit)
+        if stop_after is not None and step >= stop_after:
+            emit({"event": "stopped", "arm": run.arm, "rank": run.world.rank, "step": step})
+            return False
+    return True
+
+
+def _result(
+    run: _Run,
+    progress: _Progress,
+    final_digest: str,
+    loop_seconds: float,
+    network_start: NetworkCounters,
+    sampler: Sampler,
+) -> Result:
+    """The run's result: its final checkpoint is its candidate, with the journal and what the run used."""
+    pointer = progress.pointer
+    assert pointer is not None and pointer.step == run.plan.training.updates  # the plan ends on a checkpoint step
+    peak, peak_kind = _peak_memory(run.device, sampler)
+    return Result(
+        arm=run.arm,
+        rank=run.world.rank,
+        world_size=run.world.size,
+        binding=run.binding,
+        prepared_identity=run.prepared.identity,
+        numerical_profile=run.profile,
+        parameter_digest=final_digest,
+        candidate=pointer,
+        journal=progress.journal,
+        loop_seconds=loop_seconds,
+        resumed_from_step=progress.resumed_from_step,
+        network_start=network_start,
+        network_end=network_counters(),
+        peak_memory_bytes=peak,
+        peak_memory_kind=peak_kind,
+        resource_samples=sampler.samples,
+    )
+
+
+def _complete(run: _Run, result: Result, emit: Emit) -> None:
+    """Write the result file, once, and report the run completed."""
+    path = run.directory / "result.json"
+    write_new_json(path, msgspec.to_builtins(result))
+    emit(
+        {
+            "event": "completed",
+            "arm": run.arm,
+            "rank": run.world.rank,
+            "parameter_digest": result.parameter_digest,
+            "loop_seconds": round(result.loop_seconds, 3),
+            "result": str(path),
+        }
+    )
+
+
+def train(home: Path, model_dir: Path, arm: str, emit: Emit, stop_after: int | None = None) -> Result | None:
+    """Train one rank of ``arm``, resuming from its latest verified checkpoint if it has one.
+
+    ``stop_after`` ends the run after that update (tests use it to interrupt a run); it returns None then."""
+    run = _bind_run(home, model_dir, arm)
+    # The trainer closes before the process group ends (the ExitStack exits first).
+    with _process_group(run.world, run.plan), contextlib.ExitStack() as closing:
+        record = _start(run)
+        progress = _resume(run)
+        trainer = closing.enter_context(Trainer(run.plan, run.world, run.device, progress.model, run.documents))
+        if progress.pointer is not None:
+            checkpoint.load_state(run.directory, progress.pointer, trainer.optimizer)
         emit(
             {
                 "event": "started",
                 "arm": arm,
-                "rank": world.rank,
-                "world_size": world.size,
-                "binding": binding,
-                "resumed_from_step": start_step,
-                "updates": plan.training.updates,
+                "rank": run.world.rank,
+                "world_size": run.world.size,
+                "binding": run.binding,
+                "resumed_from_step": progress.resumed_from_step,
+                "updates": run.plan.training.updates,
             }
         )
         network_start = network_counters()
         with Sampler() as sampler:
             loop_start = time.monotonic()
-            for step in range(start_step + 1, plan.training.updates + 1):
-                if datetime.now(UTC) > deadline:
-                    raise CoopError(f"the run's deadline {record.deadline_at} passed before update {step}")
-                began = time.monotonic()
-                batch = batches[step - 1]
-                update = trainer.accumulate(batch)
-                rate, norm = trainer.step(step)
-                entry = StepRecord(
-                    step=step,
-                    positions=batch,
-                    local_positions=local_positions(batch, world),
-                    loss=update.loss,
-                    learning_rate=rate,
-                    gradient_norm=norm,
-                    targets=update.targets,
-                    weighted_targets=update.weighted_targets,
-                    documents=update.documents,
-                    seconds=time.monotonic() - began,
-                )
-                journal.append(entry)
-                emit(
-                    {
-                        "event": "step",
-                        "arm": arm,
-                        "rank": world.rank,
-                        "done": step,
-                        "total": plan.training.updates,
-                        **{k: v for k, v in msgspec.to_builtins(entry).items() if "positions" not in k},
-                    }
-                )
-                if step in plan.training.checkpoint_steps:
-                    digest = distributed.parameter_digest(model)
-                    # Each step comes once: a pointer written here is never looked up in ``held``.
-                    kept = checkpoint.kept(directory, held, step, binding, digest, layout)
-                    if kept is None:
-                        pointer = checkpoint.save(
-                            directory, step, model, trainer.optimizer, binding, digest, journal, model_dir, layout
-                        )
-                        checkpoint.verify(directory, pointer, binding, layout)
-                        written = "checkpoint"
-                    else:
-                        pointer, written = kept
-                    emit(
-                        {
-                            "event": "checkpoint",
-                            "arm": arm,
-                            "rank": world.rank,
-                            "step": step,
-                            "checkpoint": pointer.checkpoint,
-                            "parameter_digest": digest,
-                            "written": written,
-                        }
-                    )
-                if stop_after is not None and step >= stop_after:
-                    emit({"event": "stopped", "arm": arm, "rank": world.rank, "step": step})
-                    return None
-            final_digest = distributed.parameter_digest(model)
-            distributed.agree(world, "final parameter digest", final_digest, device)
+            if not _updates(run, progress, trainer, record, emit, stop_after):
+                return None
+            final_digest = distributed.parameter_digest(progress.model)
+            distributed.agree(run.world, "final parameter digest", final_digest, run.device)
             loop_seconds = time.monotonic() - loop_start
-        assert pointer is not None and pointer.step == plan.training.updates  # the plan ends on a checkpoint step
-        peak, peak_kind = _peak_memory(device, sampler)
-        result = Result(
-            arm=arm,
-            rank=world.rank,
-            world_size=world.size,
-            binding=binding,
-            prepared_identity=prepared.identity,
-            numerical_profile=profile,
-            parameter_digest=final_digest,
-            candidate=pointer,
-            journal=journal,
-            loop_seconds=loop_seconds,
-            resumed_from_step=start_step,
-            network_start=network_start,
-            network_end=network_counters(),
-            peak_memory_bytes=peak,
-            peak_memory_kind=peak_kind,
-            resource_samples=sampler.samples,
-        )
-        write_new_json(directory / "result.json", msgspec.to_builtins(result))
-        emit(
-            {
-                "event": "completed",
-                "arm": arm,
-                "rank": world.rank,
-                "parameter_digest": final_digest,
-                "loop_seconds": round(loop_seconds, 3),
-                "result": str(directory / "result.json"),
-            }
-        )
+        result = _result(run, progress, final_digest, loop_seconds, network_start, sampler)
+        _complete(run, result, emit)
         return result

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
 from experiment.ledger import Entry as LedgerEntry
+from experiment.plan import ArmName
 from experiment.servingrecord import Phase
 
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
@@ -41,7 +43,6 @@ ExperimentState = Literal[
 ]
 JobState = Literal["queued", "leased", "running", "succeeded", "failed", "lost", "cancelled"]
 JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"]
-ArmName = Literal["seed", "clean-single", "damaged-single", "clean-pair"]
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent"]
 # "lost": the agent lost track of the command (it restarted while the command ran); the job is retried.
@@ -50,8 +51,9 @@ MeasurementKind = Literal["step", "resources"]
 Family = Literal["lookup", "filter", "total", "sort"]
 CheckReason = Literal["correct", "wrong_schema_or_value", "invalid_json_object"]
 ServingPhaseName = Phase  # the benchmark's phases (experiment.servingrecord)
-
-__all__ = ["LedgerEntry"]
+# An arm's name (experiment.plan.ArmName): which arms exist is each experiment's plan's to say, and the coordinator
+# refuses a name its plan lacks.
+__all__ = ["ArmName", "LedgerEntry"]
 
 
 class Problem(msgspec.Struct, frozen=True):
@@ -131,11 +133,172 @@ class ServingCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # Jobs and attempts -----------------------------------------------------------------------------
 
 
+# What each job kind is given (its spec) and what it returns (its result): one msgspec tagged union each, the tag
+# being the job's kind. On the wire a spec or result is the untagged object beside its job's ``kind`` (the kind is
+# the tag, said once): ``decode`` reads one strictly as its kind's type (the string "1" is no rank), ``untagged``
+# writes one. A new job kind adds its spec and result here, and one entry to each side's table of kinds (the
+# coordinator's server/kinds.py, the agent's agent/jobs.py).
+
+Rank = Annotated[int, msgspec.Meta(ge=0, le=63)]
+Url = Annotated[str, msgspec.Meta(min_length=1, max_length=500)]
+
+
+class Tagged(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag_field="kind"):
+    """A spec or result; its tag is its job's kind."""
+
+
+class PrepareSpec(Tagged, tag="prepare", frozen=True):
+    """Prepare the inputs the plan names; the committed plan says everything."""
+
+
+class TrainSpec(Tagged, tag="train", frozen=True):
+    """Train the job's arm (one rank per gang member)."""
+
+
+class EvaluateSpec(Tagged, tag="evaluate", frozen=True):
+    """Evaluate the job's arm on the job's role."""
+
+
+class SelectSpec(Tagged, tag="select", frozen=True):
+    """Verify the job's arm's final checkpoint on the host that holds it."""
+
+
+class ServingSpec(Tagged, frozen=True):
+    # The probes' bearer token: the coordinator adds it to the claim of a serving job only, and stores it nowhere.
+    serving_token: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+
+
+class ReplicaStartSpec(ServingSpec, tag="replica-start", frozen=True, kw_only=True):
+    rank: Rank  # the rank of the served arm's gang whose checkpoint copy this host serves
+
+
+class ReplicaStopSpec(ServingSpec, tag="replica-stop", frozen=True, kw_only=True):
+    rank: Rank
+
+
+class BenchmarkSpec(ServingSpec, tag="benchmark", frozen=True, kw_only=True):
+    phase: Phase
+    # The running replicas' probes, chosen by the coordinator when it queues the job.
+    endpoints: Annotated[list[Url], msgspec.Meta(max_length=64)] = []
+
+
+class ReportSpec(Tagged, tag="report", frozen=True):
+    """Recompute the report from the stored evidence (the coordinator's own job)."""
+
+
+JobSpec = (
+    PrepareSpec
+    | TrainSpec
+    | EvaluateSpec
+    | SelectSpec
+    | ReplicaStartSpec
+    | ReplicaStopSpec
+    | BenchmarkSpec
+    | ReportSpec
+)
+
+
+class PrepareResult(Tagged, tag="prepare", frozen=True):
+    prepared_identity: Sha256
+
+
+class TrainResult(Tagged, tag="train", frozen=True):
+    step: Step
+    model_identity: Sha256
+    receipt_sha256: Sha256
+    final: bool
+    binding: Sha256 | None = None
+    # The final checkpoint's model folder relative to the experiment home (experiment.selection.Candidate.path).
+    checkpoint_path: Annotated[str, msgspec.Meta(max_length=500)] | None = None
+
+
+class EvaluateResult(Tagged, tag="evaluate", frozen=True):
+    answers_sha256: Sha256  # the answers.jsonl blob the result names as evidence
+
+
+class SelectResult(Tagged, tag="select", frozen=True):
+    """A select job's result: the arm's final checkpoint as its host verified it (experiment.selection.Candidate)."""
+
+    arm: ArmName
+    model_identity: Sha256
+    path: Annotated[str, msgspec.Meta(max_length=500)]
+    step: Step
+    binding: Sha256
+    receipt_sha256: Sha256
+
+
+class ReplicaStartResult(Tagged, tag="replica-start", frozen=True):
+    """The replica and probe a host started; both outlive the job."""
+
+    model_identity: Sha256
+    replica_url: Url
+    probe_url: Url
+    rank: Rank
+    # The probe's check of the replica's answers against the arm's dev evaluation (its /health body).
+    identity: Annotated[dict[str, Any], msgspec.Meta(max_length=64)] = {}
+
+
+class ReplicaStopResult(Tagged, tag="replica-stop", frozen=True):
+    stopped: bool  # False: no replica of the experiment ran on the host
+
+
+class BenchmarkResult(Tagged, tag="benchmark", frozen=True):
+    """A summary; the phase's whole record travels as AttemptResult.serving."""
+
+    phase: Phase | None = None
+    metrics: Annotated[dict[str, Any], msgspec.Meta(max_length=64)] = {}
+
+
+class ReportResult(Tagged, tag="report", frozen=True):
+    report_identity: Sha256  # the recorded report's blob (its canonical bytes)
+
+
+JobResult = (
+    PrepareResult
+    | TrainResult
+    | EvaluateResult
+    | SelectResult
+    | ReplicaStartResult
+    | ReplicaStopResult
+    | BenchmarkResult
+    | ReportResult
+)
+SPECS: dict[str, type[JobSpec]] = {kind.__struct_config__.tag: kind for kind in get_args(JobSpec)}
+RESULTS: dict[str, type[JobResult]] = {kind.__struct_config__.tag: kind for kind in get_args(JobResult)}
+if set(SPECS) != set(get_args(JobKind)) or set(RESULTS) != set(SPECS):
+    raise TypeError("every job kind (JobKind) has one spec (JobSpec) and one result (JobResult)")
+T = TypeVar("T", bound=Tagged)
+
+
+def kind_of(value: Tagged) -> JobKind:
+    """The job kind a spec or result belongs to (its tag)."""
+    tag: JobKind = value.__struct_config__.tag  # type: ignore[assignment]
+    return tag
+
+
+def decode(body: Mapping[str, Any], kind: type[T]) -> T:
+    """A spec or result as its kind's type, from the untagged object the wire carries; raises
+    msgspec.ValidationError naming the field."""
+    return msgspec.convert(body, kind, strict=True)
+
+
+def spec_of(kind: str, body: Mapping[str, Any]) -> JobSpec:
+    """A job's spec from its kind and the untagged object beside it."""
+    return decode(body, SPECS[kind])
+
+
+def untagged(value: Tagged) -> dict[str, Any]:
+    """A spec or result as the wire carries it: beside its job's kind, so without its tag."""
+    body: dict[str, Any] = msgspec.to_builtins(value)
+    del body["kind"]
+    return body
+
+
 class JobCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: JobKind
     arm: ArmName | None = None
     role: Role | None = None
-    spec: dict[str, Any] = {}
+    spec: dict[str, Any] = {}  # the kind's spec (JobSpec), untagged
 
 
 class Job(msgspec.Struct, frozen=True):
@@ -148,7 +311,7 @@ class Job(msgspec.Struct, frozen=True):
     state: JobState
     attempts_made: int
     max_attempts: int
-    spec: dict[str, Any]
+    spec: dict[str, Any]  # the kind's spec (JobSpec), untagged
     pinned_agent_id: uuid.UUID | None
     created_at: datetime.datetime
 
@@ -158,7 +321,7 @@ class Attempt(msgspec.Struct, frozen=True):
     job_id: uuid.UUID
     number: int
     rank: int
-    agent_id: uuid.UUID
+    agent_id: uuid.UUID | None  # None: the coordinator's own attempt (a report job)
     state: JobState
     lease_expires_at: datetime.datetime
     master_addr: str | None
@@ -229,7 +392,7 @@ class Assignment(msgspec.Struct, frozen=True):
     kind: JobKind
     arm: ArmName | None
     role: Role | None
-    spec: dict[str, Any]
+    spec: dict[str, Any]  # the kind's spec (JobSpec), untagged, with the serving token of a serving job
     number: int
     rank: int
     world_size: int
@@ -267,31 +430,6 @@ class EventBatchReply(msgspec.Struct, frozen=True):
     attempt_id: uuid.UUID
     sequence: int
     accepted: int
-
-
-class PrepareResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    prepared_identity: Sha256
-
-
-class TrainResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    step: Step
-    model_identity: Sha256
-    receipt_sha256: Sha256
-    final: bool
-    binding: Sha256 | None = None
-    # The final checkpoint's model folder relative to the experiment home (experiment.selection.Candidate.path).
-    checkpoint_path: Annotated[str, msgspec.Meta(max_length=500)] | None = None
-
-
-class SelectResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A select job's result: the arm's final checkpoint as its host verified it (experiment.selection.Candidate)."""
-
-    arm: ArmName
-    model_identity: Sha256
-    path: Annotated[str, msgspec.Meta(max_length=500)]
-    step: Step
-    binding: Sha256
-    receipt_sha256: Sha256
 
 
 class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -356,7 +494,7 @@ class AttemptResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     outcome: Outcome
     exit_code: Int32 | None = None
     reason: Text | None = None
-    # Checked against the job kind: PrepareResult for prepare, TrainResult for train, free otherwise.
+    # With a succeeded outcome, the job kind's result (JobResult), untagged: the coordinator decodes it as its job's.
     result: dict[str, Any] = {}
     # Measurements, kept whatever the outcome: a train rank's step journal and resource samples.
     journal: list[StepRecord] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from advanced_alchemy.extensions.litestar import AsyncSessionConfig, SQLAlchemyAsyncConfig, SQLAlchemyPlugin
 from litestar import Litestar, MediaType, Request, Response
@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
 from experiment.errors import CoopError
-from server import auth, bodies, db, queue, reporter
+from server import auth, bodies, db, queue, reactions, reporter
 from server.api import spec
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
@@ -68,24 +68,15 @@ async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]
         await asyncio.sleep(settings.reap_seconds)
         try:
             async with sessions() as session, session.begin():
-                await queue.reap(session, settings)
+                await reactions.ended(session, settings, await queue.reap(session, settings))
         except Exception:  # the reaper must outlive a failed round (a dropped connection, a lock timeout)
             log.exception("reaper round failed; retrying in %ss", settings.reap_seconds)
 
 
-def create_app(settings: Settings | None = None) -> Litestar:
-    settings = settings or from_env()
-    if db.is_sqlite(settings.database_url):
-        settings.home.mkdir(parents=True, exist_ok=True)
-    engine = db.create_engine(settings.database_url)
-    config = SQLAlchemyAsyncConfig(
-        engine_instance=engine,
-        session_config=AsyncSessionConfig(expire_on_commit=False),
-        before_send_handler="autocommit",
-    )
-    sessions = config.create_session_maker()
-    assert isinstance(sessions, async_sessionmaker)
-    context = auth.Context(settings, sessions, config)
+def _background(
+    settings: Settings, sessions: async_sessionmaker[AsyncSession]
+) -> Callable[[Litestar], contextlib.AbstractAsyncContextManager[None]]:
+    """The coordinator's own tasks while the app serves: the reaper and the report worker."""
 
     @contextlib.asynccontextmanager
     async def background(_: Litestar) -> AsyncIterator[None]:
@@ -102,6 +93,22 @@ def create_app(settings: Settings | None = None) -> Litestar:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+    return background
+
+
+def create_app(settings: Settings | None = None) -> Litestar:
+    settings = settings or from_env()
+    if db.is_sqlite(settings.database_url):
+        settings.home.mkdir(parents=True, exist_ok=True)
+    engine = db.create_engine(settings.database_url)
+    config = SQLAlchemyAsyncConfig(
+        engine_instance=engine,
+        session_config=AsyncSessionConfig(expire_on_commit=False),
+        before_send_handler="autocommit",
+    )
+    sessions = config.create_session_maker()
+    assert isinstance(sessions, async_sessionmaker)
+    context = auth.Context(settings, sessions, config)
     return Litestar(
         route_handlers=[
             ExperimentController,
@@ -123,7 +130,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         before_request=bodies.before_request,
         exception_handlers={CoopError: _problem},
         template_config=web_templates(),
-        lifespan=[background],
+        lifespan=[_background(settings, sessions)],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,
         # No browser guesses a type for what the coordinator serves (blobs are uploaded data).

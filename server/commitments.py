@@ -26,8 +26,13 @@ async def entries(session: AsyncSession, experiment_id: uuid.UUID) -> list[ledge
     return [_entry(row) for row in rows]
 
 
+async def by_kind(session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, ledger.Entry]:
+    """The ledger's entries by their kind (each kind is committed once)."""
+    return {entry.kind: entry for entry in await entries(session, experiment_id)}
+
+
 async def committed(session: AsyncSession, experiment_id: uuid.UUID) -> Ledger:
-    return Ledger({entry.kind: entry.identity for entry in await entries(session, experiment_id)})
+    return Ledger({kind: entry.identity for kind, entry in (await by_kind(session, experiment_id)).items()})
 
 
 async def append(

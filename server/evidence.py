@@ -18,13 +18,12 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.layout import PREPARED, SEED
+from experiment.layout import LEDGER
 from server import blobs, commitments, models
 from server.errors import BadRequest
 from server.lifecycle import JobState, Refused
 from server.settings import Settings
 
-LEDGER = "ledger.json"
 CHUNK = 1 << 20
 BLOCK = tarfile.BLOCKSIZE
 RECORD = tarfile.RECORDSIZE
@@ -35,19 +34,6 @@ def _check_path(path: str) -> None:
         raise BadRequest(f"evidence path {path!r} has an empty, '.' or '..' segment")
     if path == LEDGER:
         raise BadRequest(f"{LEDGER} is written by the coordinator from its commitments; it is not uploaded")
-
-
-def writable_prefixes(job: models.Job, attempt: models.Attempt) -> tuple[str, ...]:
-    """Where in the bundle an attempt may write: each job kind writes its own part (docs/evidence.md)."""
-    if job.kind == "prepare":
-        return (f"{PREPARED}/", f"{SEED}/")
-    if job.kind == "train":
-        return (f"runs/{job.arm}/rank-{attempt.rank}/",)
-    if job.kind == "evaluate":
-        return (f"evaluations/{job.role}/{job.arm}/",)
-    if job.kind == "benchmark":
-        return ("serving/",)
-    return ()
 
 
 async def _require_blobs(session: AsyncSession, files: Mapping[str, str]) -> None:
@@ -73,9 +59,15 @@ async def _conflicts(
             )
 
 
-async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt, files: Mapping[str, str]) -> None:
-    """Record the evidence an attempt wrote (the caller checked that it succeeded)."""
-    prefixes = writable_prefixes(job, attempt)
+async def record(
+    session: AsyncSession,
+    job: models.Job,
+    attempt: models.Attempt,
+    files: Mapping[str, str],
+    prefixes: tuple[str, ...],
+) -> None:
+    """Record the evidence an attempt wrote under the folders its job's kind writes (``prefixes``: server.kinds);
+    the caller checked that it succeeded."""
     for path in files:
         _check_path(path)
         if not path.startswith(prefixes):

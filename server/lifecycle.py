@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.errors import CoopError
-from experiment.wire import ArmName
+from experiment.plan import Plan
 from server import models
 
 
@@ -99,13 +99,6 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 ATTEMPT_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     state: targets - {J.QUEUED} for state, targets in JOB_TRANSITIONS.items()
 }
-
-TRAINED_ARMS: tuple[ArmName, ...] = ("clean-single", "damaged-single", "clean-pair")
-EVALUATED_ARMS: tuple[ArmName, ...] = ("seed", *TRAINED_ARMS)
-SERVED_ARM: ArmName = "clean-pair"
-DAMAGED_ARM: ArmName = "damaged-single"
-# The job kind the coordinator runs itself (reporter.py); agents never claim it.
-COORDINATOR_KIND = "report"
 
 
 def experiment_target(current: str, target: ExperimentState) -> ExperimentState:
@@ -232,48 +225,78 @@ class Ledger:
 
     committed: Mapping[str, str]
 
-    def has(self, kind: str) -> bool:
-        return kind in self.committed
+    def has(self, entry: str) -> bool:
+        return entry in self.committed
 
 
-def guard_job(state: str, ledger: Ledger, kind: str, arm: str | None, role: str | None) -> None:
-    """A job may be queued only where the protocol allows it."""
-    current = ExperimentState(state)
-    if current in EXPERIMENT_FINAL:
-        raise Refused("experiment-final", f"the experiment is {current}; it takes no new jobs")
-    if kind in {"train", "evaluate", "replica-start", "replica-stop"} and arm is None:
-        raise Refused("job-needs-arm", f"a {kind} job names its arm")
-    if kind == "train":
-        if arm not in TRAINED_ARMS:
-            raise Refused("train-arm", f"only {', '.join(TRAINED_ARMS)} are trained, not {arm}")
-        if not ledger.has("prepared"):
-            raise Refused(
-                "training-requires-committed-prepared-identity",
-                "no training before the prepared identity is committed: run and record the prepare job first",
-            )
-    if kind == "evaluate":
-        if arm not in EVALUATED_ARMS:
-            raise Refused("evaluate-arm", f"unknown arm {arm}; evaluated arms are {', '.join(EVALUATED_ARMS)}")
-        if role not in {"dev", "test"}:
-            raise Refused("evaluate-role", "an evaluate job names its role: dev or test")
-        if role == "test" and not ledger.has("selection"):
-            raise Refused(
-                "test-evaluation-requires-committed-selection",
-                "no test evaluation before the selection is committed: select the final checkpoints first",
-            )
-        if role == "dev" and arm != "seed" and current not in {E.TRAINED, E.SELECTED, E.TESTED, E.SERVING}:
-            raise Refused("dev-evaluation-requires-trained-arms", "dev evaluation of a trained arm waits for training")
-    if kind == "select":
-        if arm not in TRAINED_ARMS:
-            raise Refused("select-arm", f"only the trained arms {', '.join(TRAINED_ARMS)} are selected, not {arm}")
-        if current != E.TRAINED:
-            raise Refused("select-requires-trained-arms", f"selection follows training; the experiment is {current}")
-    if kind == COORDINATOR_KIND and current != E.SERVING:
-        raise Refused("report-requires-test-evaluations", f"the report follows the test evaluations; now {current}")
-    if kind in {"replica-start", "replica-stop", "benchmark"}:
-        guard_serving_arm(arm)
-        if current != E.SERVING:
-            raise Refused("serving-requires-serving-commitment", "serving jobs wait for the serving commitment")
+@dataclass(frozen=True)
+class Proposal:
+    """A job someone asks to queue, with what its guards read: the experiment's state, ledger and plan."""
+
+    kind: str
+    state: ExperimentState
+    ledger: Ledger
+    plan: Plan
+    arm: str | None
+    role: str | None
+
+
+def guard_job(job: Proposal, *, needs_arm: bool) -> None:
+    """What every job must meet before its kind's own guard: a live experiment, and an arm its plan has."""
+    if job.state in EXPERIMENT_FINAL:
+        raise Refused("experiment-final", f"the experiment is {job.state}; it takes no new jobs")
+    if needs_arm and job.arm is None:
+        raise Refused("job-needs-arm", f"a {job.kind} job names its arm")
+    if job.arm is not None and job.arm not in job.plan.arm_names():
+        arms = ", ".join(job.plan.arm_names())
+        raise Refused("arm-not-in-plan", f"plan {job.plan.name} has no arm {job.arm}; its arms are {arms}")
+
+
+def guard_prepare(job: Proposal) -> None:
+    """Prepare is queued when the plan is committed (and again after one failed)."""
+
+
+def guard_train(job: Proposal) -> None:
+    trained = job.plan.trained_arms()
+    if job.arm not in trained:
+        raise Refused("train-arm", f"only {', '.join(trained)} are trained, not {job.arm}")
+    if not job.ledger.has("prepared"):
+        raise Refused(
+            "training-requires-committed-prepared-identity",
+            "no training before the prepared identity is committed: run and record the prepare job first",
+        )
+
+
+def guard_evaluate(job: Proposal) -> None:
+    if job.role not in {"dev", "test"}:
+        raise Refused("evaluate-role", "an evaluate job names its role: dev or test")
+    if job.role == "test" and not job.ledger.has("selection"):
+        raise Refused(
+            "test-evaluation-requires-committed-selection",
+            "no test evaluation before the selection is committed: select the final checkpoints first",
+        )
+    trained = {E.TRAINED, E.SELECTED, E.TESTED, E.SERVING}
+    if job.role == "dev" and job.arm in job.plan.trained_arms() and job.state not in trained:
+        raise Refused("dev-evaluation-requires-trained-arms", "dev evaluation of a trained arm waits for training")
+
+
+def guard_select(job: Proposal) -> None:
+    trained = job.plan.trained_arms()
+    if job.arm not in trained:
+        raise Refused("select-arm", f"only the trained arms {', '.join(trained)} are selected, not {job.arm}")
+    if job.state != E.TRAINED:
+        raise Refused("select-requires-trained-arms", f"selection follows training; the experiment is {job.state}")
+
+
+def guard_serving_job(job: Proposal) -> None:
+    guard_serving_arm(job.plan, job.arm)
+    if job.state != E.SERVING:
+        raise Refused("serving-requires-serving-commitment", "serving jobs wait for the serving commitment")
+
+
+def guard_report(job: Proposal) -> None:
+    if job.state != E.SERVING:
+        raise Refused("report-requires-test-evaluations", f"the report follows the test evaluations; now {job.state}")
 
 
 @dataclass(frozen=True)
@@ -283,15 +306,18 @@ class TrainedArm:
     model_identity: str | None
 
 
-def guard_selection(arms: Mapping[str, TrainedArm], chosen: Mapping[str, tuple[int, str]], final_step: int) -> None:
+def guard_selection(
+    plan: Plan, arms: Mapping[str, TrainedArm], chosen: Mapping[str, tuple[int, str]], final_step: int
+) -> None:
     """Selection takes each trained arm's verified final checkpoint: all three, final step only, never a score."""
-    unknown = sorted(set(chosen) - set(TRAINED_ARMS))
+    trained = plan.trained_arms()
+    unknown = sorted(set(chosen) - set(trained))
     if unknown:
-        raise Refused("selection-trained-arms-only", f"{', '.join(unknown)} cannot be selected; arms: {TRAINED_ARMS}")
-    missing = [arm for arm in TRAINED_ARMS if arm not in chosen]
+        raise Refused("selection-trained-arms-only", f"{', '.join(unknown)} cannot be selected; arms: {trained}")
+    missing = [arm for arm in trained if arm not in chosen]
     if missing:
         raise Refused("selection-requires-all-three-arms", f"the selection lacks {', '.join(missing)}")
-    for name in TRAINED_ARMS:
+    for name in trained:
         step, model_identity = chosen[name]
         recorded = arms[name]
         if recorded.final_step is None or recorded.model_identity is None:
@@ -309,18 +335,21 @@ def guard_selection(arms: Mapping[str, TrainedArm], chosen: Mapping[str, tuple[i
             )
 
 
-def guard_serving_arm(arm: str | None) -> None:
-    if arm == DAMAGED_ARM:
+def guard_serving_arm(plan: Plan, arm: str | None) -> None:
+    """Only the plan's served arm is served; the damaged arm never is (the rule names keep the reference's arms)."""
+    if arm is not None and arm in plan.arm_names() and plan.role_of(arm) == "damaged":
         raise Refused("damaged-arm-never-served", "the damaged arm is never eligible for serving")
-    if arm != SERVED_ARM:
-        raise Refused("serving-clean-pair-only", f"only the {SERVED_ARM} final checkpoint is served, not {arm}")
+    served = plan.served_arm()
+    if arm != served:
+        raise Refused("serving-clean-pair-only", f"only the {served} final checkpoint is served, not {arm}")
 
 
-def guard_serving(arm: str, model_identity: str, selected: Mapping[str, Any]) -> None:
-    guard_serving_arm(arm)
-    chosen = selected.get(SERVED_ARM)
+def guard_serving(plan: Plan, arm: str, model_identity: str, selected: Mapping[str, Any]) -> None:
+    guard_serving_arm(plan, arm)
+    served = plan.served_arm()
+    chosen = selected.get(served)
     if not isinstance(chosen, Mapping) or chosen.get("model_identity") != model_identity:
         raise Refused(
             "serving-selected-final-checkpoint-only",
-            "serving loads the clean-pair final checkpoint named by the committed selection, and no other",
+            f"serving loads the {served} final checkpoint named by the committed selection, and no other",
         )

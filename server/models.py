@@ -124,7 +124,8 @@ class Attempt(UUIDv7AuditBase):
     job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
     rank: Mapped[int] = mapped_column(Integer)
-    agent_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("agents.id"), index=True)
+    # None: the coordinator's own attempt (the report job: server.reporter).
+    agent_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("agents.id"), index=True, default=None)
     state: Mapped[str] = mapped_column(String(20))
     lease_token_hash: Mapped[str] = mapped_column(String(64))
     claim_key: Mapped[str | None] = mapped_column(String(64), default=None)

@@ -19,6 +19,7 @@ import msgspec
 
 from experiment import wire
 from experiment.errors import CoopError
+from experiment.reportmodel import read_report
 
 FINAL = {"reported", "failed", "halted"}
 
@@ -64,7 +65,7 @@ class Operator:
         return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/jobs"), type=list[wire.Job])
 
     def progress(self, job: wire.Job) -> tuple[int, int]:
-        """(done, total) updates of a train job's current attempt, from its rank-0 step events."""
+        """(done, total) updates of a job's current attempt, from its rank-0 step events (a train job's)."""
         attempts = self._json("GET", f"/api/jobs/{job.id}/attempts")
         current = [a for a in attempts if a["number"] == job.attempts_made and a["rank"] == 0]
         if not current:
@@ -95,7 +96,8 @@ def _snapshot(operator: Operator, experiment_id: uuid.UUID) -> tuple[wire.Experi
     experiment = operator.experiment(experiment_id)
     rows = []
     for job in operator.jobs(experiment_id):
-        done, total = operator.progress(job) if job.kind == "train" and job.state == "running" else (0, 0)
+        # A running job's updates, where its command prints ``step`` events (train jobs); (0, 0) otherwise.
+        done, total = operator.progress(job) if job.state == "running" else (0, 0)
         rows.append((job, done, total))
     return experiment, rows
 
@@ -141,11 +143,14 @@ def _watch_terminal(operator: Operator, experiment_id: uuid.UUID, poll: float) -
             time.sleep(poll)
 
 
-def verdict_lines(report: dict[str, Any]) -> list[str]:
-    primary = report["primary"]
-    verdict = primary["verdict"]
-    lines = [f"primary verdict ({primary['comparison']}): {'PASSED' if verdict['passed'] else 'NOT PASSED'}"]
-    for condition in verdict["conditions"]:
-        mark = "ok  " if condition["passed"] else "FAIL"
-        lines.append(f"  {mark} {condition['name']}: {condition['value']} (threshold {condition['threshold']})")
+def verdict_lines(recorded: dict[str, Any]) -> list[str]:
+    try:
+        primary = read_report(recorded).primary
+    except msgspec.ValidationError as exc:
+        return [f"the recorded report is not in the shape this command reads: {exc}"]
+    verdict = primary.verdict
+    lines = [f"primary verdict ({primary.comparison}): {'PASSED' if verdict.passed else 'NOT PASSED'}"]
+    for condition in verdict.conditions:
+        mark = "ok  " if condition.passed else "FAIL"
+        lines.append(f"  {mark} {condition.name}: {condition.value} (threshold {condition.threshold})")
     return lines

@@ -4,11 +4,11 @@ An operator advances an experiment one phase at a time (REST, ``coop-server expe
 UI); with autopilot on, the coordinator does the same as soon as every job of a phase succeeded. The order:
 
     committed            prepare
-    prepared, training   train clean-single, damaged-single, clean-pair
-    trained              dev evaluations of the four arms, then a select job per trained arm on the host
+    prepared, training   train each trained arm of the plan (clean-single, damaged-single, clean-pair)
+    trained              dev evaluations of every arm, then a select job per trained arm on the host
                          holding its checkpoint (their success commits the selection: state selected)
-    selected             the four test evaluations
-    tested               the serving commitment: the selected clean-pair final checkpoint (no job)
+    selected             the test evaluations of every arm
+    tested               the serving commitment: the served arm's selected final checkpoint (no job)
     serving              a replica on each host of the pair, the single, pair and failure benchmarks (the
                          failure phase stops rank 1's replica midway: serving.py), both replicas stopped,
                          then the report, run by the coordinator itself on the stored evidence
@@ -20,70 +20,45 @@ operator reads its reason and advances again (which queues the missing jobs) onc
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, models, serving
-from server.lifecycle import (
-    EVALUATED_ARMS,
-    EXPERIMENT_FINAL,
-    JOB_ACTIVE,
-    SERVED_ARM,
-    TRAINED_ARMS,
-    ExperimentState,
-    JobState,
-    Refused,
-)
+from experiment.plan import Plan
+from experiment.servingrecord import PHASES
+from server import experiments, kinds, models
+from server.kinds import Order
+from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState, Refused
 from server.settings import Settings
 
 E = ExperimentState
 J = JobState
+REPORT = Order(wire.ReportSpec())
 
 
-@dataclass(frozen=True)
-class Want:
-    """A job a phase needs to have succeeded."""
-
-    kind: wire.JobKind
-    arm: wire.ArmName | None = None
-    role: wire.Role | None = None
-    # Serving jobs differ by spec: the replica's rank, the benchmark's phase.
-    spec: tuple[tuple[str, str | int], ...] = ()
-
-    def matches(self, job: models.Job) -> bool:
-        return (job.kind, job.arm, job.role) == (self.kind, self.arm, self.role) and all(
-            job.spec.get(key) == value for key, value in self.spec
-        )
-
-    def __str__(self) -> str:
-        labels = [part for part in (self.kind, self.role, self.arm) if part]
-        return " ".join([*labels, *(f"{key} {value}" for key, value in self.spec)])
-
-
-_TRAINING = [[Want("train", arm) for arm in TRAINED_ARMS]]
-# Per state, the phase's stages in order: a stage is queued once the one before it has succeeded.
-STAGES: dict[ExperimentState, list[list[Want]]] = {
-    E.COMMITTED: [[Want("prepare")]],
-    E.PREPARED: _TRAINING,
-    E.TRAINING: _TRAINING,
-    E.TRAINED: [
-        [Want("evaluate", arm, "dev") for arm in EVALUATED_ARMS],
-        [Want("select", arm) for arm in TRAINED_ARMS],
-    ],
-    E.SELECTED: [[Want("evaluate", arm, "test") for arm in EVALUATED_ARMS]],
-    E.SERVING: [
-        [
-            Want("replica-start", SERVED_ARM, spec=(("rank", 0),)),
-            Want("replica-start", SERVED_ARM, spec=(("rank", 1),)),
+def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
+    """The state's phase as stages in order: a stage is queued once the one before it has succeeded."""
+    trained, evaluated, served = plan.trained_arms(), plan.arm_names(), plan.served_arm()
+    ranks = range(plan.world_size(served))
+    training = [[Order(wire.TrainSpec(), arm) for arm in trained]]
+    table: dict[ExperimentState, list[list[Order]]] = {
+        E.COMMITTED: [[Order(wire.PrepareSpec())]],
+        E.PREPARED: training,
+        E.TRAINING: training,
+        E.TRAINED: [
+            [Order(wire.EvaluateSpec(), arm, "dev") for arm in evaluated],
+            [Order(wire.SelectSpec(), arm) for arm in trained],
         ],
-        *([Want("benchmark", SERVED_ARM, spec=(("phase", phase),))] for phase in ("single", "pair", "failure")),
-        [Want("replica-stop", SERVED_ARM, spec=(("rank", 0),)), Want("replica-stop", SERVED_ARM, spec=(("rank", 1),))],
-        [Want("report")],
-    ],
-}
+        E.SELECTED: [[Order(wire.EvaluateSpec(), arm, "test") for arm in evaluated]],
+        E.SERVING: [
+            [Order(wire.ReplicaStartSpec(rank=rank), served) for rank in ranks],
+            *([Order(wire.BenchmarkSpec(phase=phase), served)] for phase in PHASES),
+            [Order(wire.ReplicaStopSpec(rank=rank), served) for rank in ranks],
+            [REPORT],
+        ],
+    }
+    return table.get(state, [])
 
 
 async def jobs_of(session: AsyncSession, experiment_id: uuid.UUID) -> list[models.Job]:
@@ -93,8 +68,8 @@ async def jobs_of(session: AsyncSession, experiment_id: uuid.UUID) -> list[model
     return list(rows)
 
 
-def _missing(stage: list[Want], jobs: list[models.Job]) -> list[Want]:
-    return [want for want in stage if not any(want.matches(j) and j.state == J.SUCCEEDED for j in jobs)]
+def _missing(stage: list[Order], jobs: list[models.Job]) -> list[Order]:
+    return [order for order in stage if not any(order.matches(j) and j.state == J.SUCCEEDED for j in jobs)]
 
 
 def _busy(jobs: list[models.Job]) -> list[models.Job]:
@@ -104,42 +79,55 @@ def _busy(jobs: list[models.Job]) -> list[models.Job]:
 def _refuse_while_running(state: ExperimentState, jobs: list[models.Job]) -> None:
     busy = _busy(jobs)
     if busy:
-        names = ", ".join(f"{Want(j.kind, j.arm, j.role)} ({j.state})" for j in busy)  # type: ignore[arg-type]
+        names = ", ".join(f"{kinds.label(j.kind, j.arm, j.role)} ({j.state})" for j in busy)
         raise Refused("phase-running", f"the {state} phase is still running: {names}")
 
 
-def _next_stage(state: ExperimentState, jobs: list[models.Job]) -> list[Want]:
-    for stage in STAGES.get(state, []):
+def _next_stage(plan: Plan, state: ExperimentState, jobs: list[models.Job]) -> list[Order]:
+    for stage in stages(plan, state):
         missing = _missing(stage, jobs)
         if missing:
             return missing
     return []
 
 
+async def create(session: AsyncSession, settings: Settings, body: wire.ExperimentCreate) -> models.Experiment:
+    """A new experiment from its plan, committed (and its prepare job queued) unless the body says not yet."""
+    experiment = await experiments.create(session, body)
+    if body.commit:
+        await commit(session, settings, experiment)
+    return experiment
+
+
+async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
+    """Commit a draft's plan and queue its first job."""
+    await experiments.commit_plan(session, experiment)
+    await kinds.enqueue(session, settings, experiment, Order(wire.PrepareSpec()))
+
+
 async def advance(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str:
     """Queue the next stage's jobs (or commit a draft's plan); refuses while the current stage runs."""
     state = E(experiment.state)
     if state == E.DRAFT:
-        await experiments.commit_plan(session, settings, experiment)
+        await commit(session, settings, experiment)
         return "plan committed; prepare queued"
+    plan = experiments.plan_of(experiment)
     if state == E.TESTED:
-        served = (await experiments.arms_of(session, experiment.id))[SERVED_ARM]
-        body = wire.ServingCreate(arm=SERVED_ARM, model_identity=served.model_identity or "")
+        name = plan.served_arm()
+        served = (await experiments.arms_of(session, experiment.id))[name]
+        body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
         await experiments.start_serving(session, experiment, body)
-        return f"serving committed: the {SERVED_ARM} final checkpoint {body.model_identity[:12]}"
+        return f"serving committed: the {name} final checkpoint {body.model_identity[:12]}"
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; there is nothing to advance")
     jobs = await jobs_of(session, experiment.id)
     _refuse_while_running(state, jobs)
-    missing = _next_stage(state, jobs)
+    missing = _next_stage(plan, state, jobs)
     if not missing:
         raise Refused("phase-complete", f"every job of the {state} phase succeeded; nothing is left to queue")
-    for want in missing:
-        if want.kind in serving.KINDS:
-            await serving.enqueue(session, settings, experiment, want.kind, dict(want.spec))
-        else:
-            await experiments.enqueue(session, settings, experiment, wire.JobCreate(want.kind, want.arm, want.role))
-    return "queued " + ", ".join(str(want) for want in missing)
+    for order in missing:
+        await kinds.enqueue(session, settings, experiment, order)
+    return "queued " + ", ".join(str(order) for order in missing)
 
 
 async def request_report(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> models.Job:
@@ -152,11 +140,11 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
         raise Refused("report-not-ready", f"the report is computed after the serving phase; the experiment is {state}")
     jobs = await jobs_of(session, experiment.id)
     _refuse_while_running(state, jobs)
-    missing = _next_stage(state, jobs)
-    if missing != [Want("report")]:
-        waiting = ", ".join(str(want) for want in missing)
+    missing = _next_stage(experiments.plan_of(experiment), state, jobs)
+    if missing != [REPORT]:
+        waiting = ", ".join(str(order) for order in missing)
         raise Refused("report-not-ready", f"the report is computed after the serving phase; it still needs {waiting}")
-    return await experiments.enqueue(session, settings, experiment, wire.JobCreate("report"))
+    return await kinds.enqueue(session, settings, experiment, REPORT)
 
 
 async def autopilot(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str | None:
@@ -168,8 +156,8 @@ async def autopilot(session: AsyncSession, settings: Settings, experiment: model
         if _busy(jobs):
             break
         if state != E.TESTED:
-            missing = _next_stage(state, jobs)
-            if not missing or any(want.matches(job) for want in missing for job in jobs):
+            missing = _next_stage(experiments.plan_of(experiment), state, jobs)
+            if not missing or any(order.matches(job) for order in missing for job in jobs):
                 break  # done, or a job of this stage ended without success: the operator decides
         actions.append(await advance(session, settings, experiment))
         if E(experiment.state) == state:

@@ -1,5 +1,8 @@
 """The leased job queue: atomic claims, gang claims for multi-rank jobs, heartbeats, the reaper, cancel.
 
+It knows jobs and attempts only: every call that ends attempts returns what ended (``Ended``), and the caller
+hands that to server.reactions, which records what a success commits and advances the experiment.
+
 A claim is one UPDATE of one queued job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on
 Postgres; on SQLite the write lock taken at BEGIN IMMEDIATE serialises claimers). Each lease is an
 attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
@@ -16,16 +19,17 @@ import hashlib
 import secrets
 import uuid
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from sqlalchemy import or_, select, true, update
+from sqlalchemy import ColumnElement, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from experiment import wire
-from server import experiments, lifecycle, models, phases, serving
+from server import lifecycle, models
 from server.errors import Forbidden, NotFound
-from server.lifecycle import COORDINATOR_KIND, EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, JobState, Refused
+from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, JobState, Refused
 from server.settings import Settings
 
 J = JobState
@@ -37,6 +41,30 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+@dataclass(frozen=True)
+class Ended:
+    """An attempt (None: a job cancelled before any claim) ended, and ``outcome`` is its job's state after it:
+    succeeded once every rank did, another final state, or queued or active while the job goes on."""
+
+    job: models.Job
+    attempt: models.Attempt | None
+    outcome: JobState
+
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome == J.SUCCEEDED
+
+
+async def generation(session: AsyncSession, job: models.Job) -> list[models.Attempt]:
+    """The attempts of the job's current generation, by rank."""
+    rows = await session.scalars(
+        select(models.Attempt)
+        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
+        .order_by(models.Attempt.rank)
+    )
+    return list(rows)
+
+
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
@@ -46,30 +74,37 @@ def rendezvous_port(settings: Settings, job_id: uuid.UUID, number: int) -> int:
     return settings.rendezvous_port_base + (job_id.int + number) % settings.rendezvous_port_span
 
 
-async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence[str] | None) -> uuid.UUID | None:
+async def _claim_row(session: AsyncSession, agent: models.Agent | None, kinds: Sequence[str]) -> uuid.UUID | None:
     """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job."""
-    now = _now()
     candidate = aliased(models.Job, name="candidate")
+    # A job of an experiment that has ended (reported, failed, halted) is never handed out.
+    live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))
+    wanted = [candidate.kind.in_(list(kinds)), candidate.experiment_id.in_(live)]
+    agent_id = None if agent is None else agent.id
+    return await _join_gang(session, candidate, agent_id, wanted) or await _take_queued(
+        session, candidate, agent_id, wanted
+    )
+
+
+async def _join_gang(
+    session: AsyncSession,
+    candidate: type[models.Job],
+    agent_id: uuid.UUID | None,
+    wanted: Sequence[ColumnElement[bool]],
+) -> uuid.UUID | None:
+    """Take an open rank of a gang the agent is not already in."""
     mine = (
         select(models.Attempt.id)
         .where(
             models.Attempt.job_id == candidate.id,
             models.Attempt.number == candidate.attempts_made,
-            models.Attempt.agent_id == agent.id,
+            models.Attempt.agent_id.is_(None) if agent_id is None else models.Attempt.agent_id == agent_id,
         )
         .exists()
     )
-    # Report jobs are the coordinator's own (phases.py, reporter.py); agents never claim them.
-    # A job of an experiment that has ended (reported, failed, halted) is never handed out.
-    live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))
-    kind_filter = [
-        candidate.kind.in_(list(kinds)) if kinds else true(),
-        candidate.kind != COORDINATOR_KIND,
-        candidate.experiment_id.in_(live),
-    ]
     open_gang = (
         select(candidate.id)
-        .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, *kind_filter)
+        .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, *wanted)
         .order_by(candidate.queued_at, candidate.id)
         .limit(1)
         .with_for_update(skip_locked=True)
@@ -80,19 +115,27 @@ async def _claim_row(session: AsyncSession, agent: models.Agent, kinds: Sequence
     joined = await session.execute(
         update(models.Job)
         .where(models.Job.id == open_gang, models.Job.ranks_open > 0, models.Job.state.in_(ACTIVE))
-        .values(ranks_open=models.Job.ranks_open - 1, updated_at=now)
+        .values(ranks_open=models.Job.ranks_open - 1, updated_at=_now())
         .returning(models.Job.id)
         .execution_options(synchronize_session=False)
     )
-    job_id = joined.scalar_one_or_none()
-    if job_id is not None:
-        return job_id
+    return joined.scalar_one_or_none()
+
+
+async def _take_queued(
+    session: AsyncSession,
+    candidate: type[models.Job],
+    agent_id: uuid.UUID | None,
+    wanted: Sequence[ColumnElement[bool]],
+) -> uuid.UUID | None:
+    """Lease a queued job the agent may claim (rank 0 of a gang), the first queued first."""
+    now = _now()
     queued = (
         select(candidate.id)
         .where(
             candidate.state == J.QUEUED.value,
-            or_(candidate.pinned_agent_id.is_(None), candidate.pinned_agent_id == agent.id),
-            *kind_filter,
+            or_(candidate.pinned_agent_id.is_(None), candidate.pinned_agent_id == agent_id),
+            *wanted,
         )
         .order_by(candidate.queued_at, candidate.id)
         .limit(1)
@@ -124,17 +167,15 @@ def _lease(settings: Settings, attempt: models.Attempt) -> str:
     return token
 
 
-def _assignment(settings: Settings, job: models.Job, attempt: models.Attempt, token: str) -> wire.Assignment:
+def _assignment(job: models.Job, attempt: models.Attempt, token: str) -> wire.Assignment:
     return wire.Assignment(
         job_id=job.id,
         attempt_id=attempt.id,
         experiment_id=job.experiment_id,
         kind=job.kind,  # type: ignore[arg-type]
-        arm=job.arm,  # type: ignore[arg-type]
+        arm=job.arm,
         role=job.role,  # type: ignore[arg-type]
-        # The probes' bearer token goes only to the agent of a serving job, and is stored nowhere.
-        spec=job.spec
-        | ({"serving_token": serving.token(settings, job.experiment_id)} if job.kind in serving.KINDS else {}),
+        spec=job.spec,
         number=attempt.number,
         rank=attempt.rank,
         world_size=job.world_size,
@@ -160,19 +201,20 @@ async def _claimed_before(
     if attempt.state != J.LEASED.value:
         return None  # ended (or started, which its agent would have needed the first reply for)
     job = await session.get_one(models.Job, attempt.job_id)
-    return _assignment(settings, job, attempt, _lease(settings, attempt))
+    return _assignment(job, attempt, _lease(settings, attempt))
 
 
 async def claim(
     session: AsyncSession,
     settings: Settings,
-    agent: models.Agent,
-    kinds: Sequence[str] | None,
+    agent: models.Agent | None,
+    kinds: Sequence[str],
     claim_key: str | None = None,
 ) -> wire.Assignment | None:
-    """One claim in the session's current transaction; the caller commits. A claim key seen before from this
-    agent gets the attempt of its first claim again, never a second one."""
-    if claim_key is not None:
+    """One claim of a job of one of ``kinds``, in the session's current transaction; the caller commits. ``agent``
+    None is the coordinator's own worker (server.reporter). A claim key seen before from this agent gets the
+    attempt of its first claim again, never a second one."""
+    if agent is not None and claim_key is not None:
         earlier = await _claimed_before(session, settings, agent, claim_key)
         if earlier is not False:
             return earlier
@@ -182,7 +224,7 @@ async def claim(
     job = await session.get_one(models.Job, job_id, populate_existing=True)
     rank = job.world_size - job.ranks_open - 1
     now = _now()
-    if rank == 0 and job.world_size > 1:
+    if rank == 0 and job.world_size > 1 and agent is not None:
         job.master_addr, job.master_port = agent.address, rendezvous_port(settings, job.id, job.attempts_made)
         job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
     if job.ranks_open == 0:
@@ -191,7 +233,7 @@ async def claim(
         job_id=job.id,
         number=job.attempts_made,
         rank=rank,
-        agent_id=agent.id,
+        agent_id=None if agent is None else agent.id,
         state=J.LEASED.value,
         claim_key=claim_key,
         master_addr=job.master_addr,
@@ -201,23 +243,27 @@ async def claim(
     session.add(attempt)
     await session.flush()
     lifecycle.record_claim(session, job, attempt)
-    return _assignment(settings, job, attempt, token)
+    return _assignment(job, attempt, token)
 
 
-async def _settle(session: AsyncSession, settings: Settings, job: models.Job, ended: models.Attempt) -> None:
+async def _settle(session: AsyncSession, job: models.Job, ended: models.Attempt) -> Ended:
     """Bring the job in line with an attempt that just ended: a gang ends together; a lost job is retried."""
-    if ended.number != job.attempts_made:
-        return  # an attempt of an earlier generation: its job has moved on
-    generation = await experiments.generation(session, job)
+    if ended.number == job.attempts_made:  # else an attempt of an earlier generation: its job has moved on
+        await _settle_generation(session, job, ended)
+    return Ended(job, ended, J(job.state))
+
+
+async def _settle_generation(session: AsyncSession, job: models.Job, ended: models.Attempt) -> None:
+    generation_ = await generation(session, job)
     outcome = J(ended.state)
     if outcome in {J.LOST, J.FAILED, J.CANCELLED}:
-        running = [sibling for sibling in generation if sibling.state in ACTIVE]
+        running = [sibling for sibling in generation_ if sibling.state in ACTIVE]
         if outcome == J.FAILED and running and job.cancel_requested_at is None:
             # A gang rank fails when a peer's host vanishes (its collective breaks). Whether this generation
             # was lost or failed is known once every rank ended: the peers still running finish or fail on
             # their own, and a vanished one's lease expires (lost, so the job is retried).
             return
-        if any(sibling.state == J.LOST.value for sibling in generation):
+        if any(sibling.state == J.LOST.value for sibling in generation_):
             outcome = J.LOST
         for sibling in running:
             if sibling.state in ACTIVE:
@@ -239,12 +285,10 @@ async def _settle(session: AsyncSession, settings: Settings, job: models.Job, en
             job.ranks_open, job.master_addr, job.master_port = job.world_size, None, None
             if job.world_size > 1:
                 # Each rank resumes from its own checkpoints: the retry's rank 0 is claimed on rank 0's host.
-                job.pinned_agent_id = next(a.agent_id for a in generation if a.rank == 0)
+                job.pinned_agent_id = next(a.agent_id for a in generation_ if a.rank == 0)
         return
-    if job.ranks_open == 0 and all(a.state == J.SUCCEEDED.value for a in generation):
+    if job.ranks_open == 0 and all(a.state == J.SUCCEEDED.value for a in generation_):
         lifecycle.move_job(session, job, J.SUCCEEDED, f"every rank of attempt {job.attempts_made} succeeded")
-        await experiments.job_succeeded(session, settings, job)
-        await phases.autopilot(session, settings, await experiments.load(session, job.experiment_id))
 
 
 async def _requeue_unformed(session: AsyncSession, settings: Settings, now: datetime.datetime) -> int:
@@ -263,7 +307,7 @@ async def _requeue_unformed(session: AsyncSession, settings: Settings, now: date
             f"the gang did not form within {settings.gang_form_seconds:g}s: "
             f"{claimed} of {job.world_size} ranks were claimed"
         )
-        for attempt in await experiments.generation(session, job):
+        for attempt in await generation(session, job):
             if attempt.state in ACTIVE:
                 lifecycle.move_attempt(session, job, attempt, J.CANCELLED, reason)
         lifecycle.move_job(session, job, J.QUEUED, reason)
@@ -272,9 +316,9 @@ async def _requeue_unformed(session: AsyncSession, settings: Settings, now: date
     return len(unformed)
 
 
-async def reap(session: AsyncSession, settings: Settings) -> int:
+async def reap(session: AsyncSession, settings: Settings) -> list[Ended]:
     """Turn expired leases into ``lost``, overdue cancellations into ``cancelled`` and requeue gangs that did
-    not form; returns how many attempts or jobs it ended."""
+    not form; returns the attempts it ended."""
     now = _now()
     expired = list(
         await session.scalars(
@@ -292,7 +336,7 @@ async def reap(session: AsyncSession, settings: Settings) -> int:
             .with_for_update(skip_locked=True)
         )
     )
-    count = 0
+    ended = []
     for attempt, target, reason in [
         *((a, J.LOST, f"lease expired at {a.lease_expires_at.isoformat()}") for a in expired),
         *((a, J.CANCELLED, "did not stop within the grace period") for a in overdue),
@@ -301,9 +345,9 @@ async def reap(session: AsyncSession, settings: Settings) -> int:
             continue  # already ended above, as a sibling of another rank
         job = await session.get_one(models.Job, attempt.job_id, with_for_update=True)
         lifecycle.move_attempt(session, job, attempt, target, reason)
-        await _settle(session, settings, job, attempt)
-        count += 1
-    return count + await _requeue_unformed(session, settings, now)
+        ended.append(await _settle(session, job, attempt))
+    await _requeue_unformed(session, settings, now)
+    return ended
 
 
 async def renew_after_restart(session: AsyncSession, settings: Settings) -> int:
@@ -319,13 +363,14 @@ async def renew_after_restart(session: AsyncSession, settings: Settings) -> int:
 
 
 async def owned_attempt(
-    session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, lease_token: str | None
+    session: AsyncSession, agent: models.Agent | None, attempt_id: uuid.UUID, lease_token: str | None
 ) -> tuple[models.Job, models.Attempt]:
-    """The attempt and its job, if this agent holds it (and, when given, the lease token matches)."""
+    """The attempt and its job, if this agent (None: the coordinator) holds it (and, when given, the lease token
+    matches)."""
     attempt = await session.get(models.Attempt, attempt_id, with_for_update=True)
     if attempt is None:
         raise NotFound(f"attempt {attempt_id} does not exist")
-    if attempt.agent_id != agent.id:
+    if attempt.agent_id != (None if agent is None else agent.id):
         raise Forbidden(f"attempt {attempt_id} is leased to another agent; an agent acts only on its own leases")
     if lease_token is not None and not secrets.compare_digest(attempt.lease_token_hash, hash_secret(lease_token)):
         raise Forbidden(f"the lease token does not match attempt {attempt_id}")
@@ -341,7 +386,9 @@ def require_active(attempt: models.Attempt) -> None:
         )
 
 
-async def start(session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUID, lease_token: str) -> models.Attempt:
+async def start(
+    session: AsyncSession, agent: models.Agent | None, attempt_id: uuid.UUID, lease_token: str
+) -> models.Attempt:
     job, attempt = await owned_attempt(session, agent, attempt_id, lease_token)
     require_active(attempt)
     if attempt.state == J.LEASED.value:
@@ -352,15 +399,21 @@ async def start(session: AsyncSession, agent: models.Agent, attempt_id: uuid.UUI
 
 
 async def finish(
-    session: AsyncSession, settings: Settings, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult
-) -> models.Attempt:
-    """End an attempt as its agent reports (the caller checked ownership with ``owned_attempt``)."""
+    session: AsyncSession,
+    job: models.Job,
+    attempt: models.Attempt,
+    outcome: wire.Outcome,
+    *,
+    exit_code: int | None = None,
+    reason: str | None = None,
+    result: dict[str, Any] | None = None,
+) -> Ended:
+    """End an attempt as its agent (or the coordinator) reports; the caller checked ownership (``owned_attempt``)
+    and the result (its job kind's, untagged)."""
     require_active(attempt)
-    attempt.exit_code, attempt.result = body.exit_code, body.result
-    reason = body.reason or f"the agent reported {body.outcome}"
-    lifecycle.move_attempt(session, job, attempt, J(body.outcome), reason)
-    await _settle(session, settings, job, attempt)
-    return attempt
+    attempt.exit_code, attempt.result = exit_code, result or {}
+    lifecycle.move_attempt(session, job, attempt, J(outcome), reason or f"the agent reported {outcome}")
+    return await _settle(session, job, attempt)
 
 
 async def heartbeat(
@@ -369,7 +422,7 @@ async def heartbeat(
     agent: models.Agent,
     attempt_ids: Sequence[uuid.UUID],
     claiming: str | None = None,
-) -> wire.HeartbeatReply:
+) -> tuple[wire.HeartbeatReply, list[Ended]]:
     """Renew the leases this agent names and tell it, per attempt named, whether to go on.
 
     An active attempt of the agent that it does not name, and whose claim is not the one it has in flight, is
@@ -380,6 +433,7 @@ async def heartbeat(
     expires = now + datetime.timedelta(seconds=settings.lease_seconds)
     previous, agent.last_seen_at = agent.last_seen_at, now
     named = set(attempt_ids)
+    ended = []
     held = await session.scalars(
         select(models.Attempt)
         .where(models.Attempt.agent_id == agent.id, models.Attempt.state.in_(ACTIVE))
@@ -392,7 +446,7 @@ async def heartbeat(
         elif active.created_at < previous:
             job = await session.get_one(models.Job, active.job_id, with_for_update=True)
             lifecycle.move_attempt(session, job, active, J.LOST, NOT_HELD)
-            await _settle(session, settings, job, active)
+            ended.append(await _settle(session, job, active))
     directives = []
     for attempt_id in attempt_ids:
         attempt = await session.get(models.Attempt, attempt_id, populate_existing=True)
@@ -404,21 +458,22 @@ async def heartbeat(
             directives.append(wire.Directive(attempt_id, "stop", "cancelled by the operator", attempt.cancel_deadline))
         else:
             directives.append(wire.Directive(attempt_id, "continue"))
-    return wire.HeartbeatReply(expires, settings.heartbeat_seconds, directives)
+    return wire.HeartbeatReply(expires, settings.heartbeat_seconds, directives), ended
 
 
-async def cancel(session: AsyncSession, job: models.Job, grace_seconds: float) -> None:
+async def cancel(session: AsyncSession, job: models.Job, grace_seconds: float) -> list[Ended]:
     """A queued job is cancelled at once; a running one is asked to stop, and forced after the grace period."""
     state = J(job.state)
     if state in JOB_FINAL:
         raise Refused("job-already-finished", f"job {job.id} is already {state.value}")
     if state == J.QUEUED:
         lifecycle.move_job(session, job, J.CANCELLED, "cancelled by the operator before any claim")
-        return
+        return [Ended(job, None, J.CANCELLED)]
     now = _now()
     job.cancel_requested_at = now
     job.ranks_open = 0
     deadline = now + datetime.timedelta(seconds=grace_seconds)
-    for attempt in await experiments.generation(session, job):
+    for attempt in await generation(session, job):
         if J(attempt.state) in JOB_ACTIVE:
             attempt.cancel_deadline = deadline
+    return []

@@ -1,30 +1,34 @@
-"""The coordinator's own job: the report, recomputed by ``experiment.report`` from the stored evidence.
+"""The coordinator's own worker: it runs the report job, recomputed by ``experiment.report`` from the stored evidence.
 
-A queued report job is taken by the coordinator (never by an agent), the evidence bundle and ledger.json
-are written under ``COOP_HOME/reports/EXPERIMENT/JOB/attempt-N/evidence``, the report is computed there in a worker
-thread (report.json and report.html beside the bundle), and its identity is committed. A report that
-fails a check fails the job with the report's message naming the file and field.
+A report job is claimed through the queue like any job (an attempt row, a lease, the same start and finish), but
+only by this worker, never by an agent (server.kinds: its kind is not run by agents). The evidence bundle and
+ledger.json are written under ``COOP_HOME/reports/EXPERIMENT/JOB/attempt-N/evidence``, the report is computed there
+in a worker thread (report.json and report.html beside the bundle) while the worker renews the attempt's lease,
+and the report's blob is named in the attempt's result; the job's success commits it (server.reactions). A report
+that fails a check fails the job with the report's message naming the file and field. An attempt the coordinator
+was running when it stopped loses its lease and is retried like any lost attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import logging
 import uuid
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from experiment import wire
 from experiment.canonical import write_new_bytes
 from experiment.errors import CoopError
-from server import evidence, experiments, models
-from server.lifecycle import COORDINATOR_KIND, JobState, move_job
+from server import evidence, experiments, kinds, models, queue, reactions
 from server.settings import Settings
 
 log = logging.getLogger("coop.server.reporter")
-J = JobState
 
 
 def report_dir(settings: Settings, experiment_id: uuid.UUID, job_id: uuid.UUID, attempt: int) -> Path:
@@ -38,62 +42,55 @@ def _compute(members: list[evidence.Member], folder: Path) -> dict[str, Any]:
     for member in members:
         data = member.source if isinstance(member.source, bytes) else member.source.read_bytes()
         write_new_bytes(bundle / member.path, data)
-    return write_report(bundle, folder / "report.json")
+    return msgspec.to_builtins(write_report(bundle, folder / "report.json"))  # type: ignore[no-any-return]
 
 
-async def _take(session: AsyncSession) -> models.Job | None:
-    job = await session.scalar(
-        select(models.Job)
-        .where(models.Job.kind == COORDINATOR_KIND, models.Job.state == J.QUEUED.value)
-        .order_by(models.Job.queued_at)
-        .limit(1)
-        .with_for_update(skip_locked=True)
-    )
-    if job is not None:
-        job.attempts_made += 1
-        move_job(session, job, J.LEASED, "the coordinator took the report job")
-        move_job(session, job, J.RUNNING, "recomputing the report from the stored evidence")
-    return job
+async def _renew(sessions: async_sessionmaker[AsyncSession], settings: Settings, attempt_id: uuid.UUID) -> None:
+    """Keep the attempt's lease while the report is computed (the reaper ends an attempt whose lease lapsed)."""
+    while True:
+        await asyncio.sleep(max(settings.lease_seconds / 3, 0.1))
+        with contextlib.suppress(Exception):  # a missed renewal is retried; the lease has two more in it
+            async with sessions() as session, session.begin():
+                attempt = await session.get_one(models.Attempt, attempt_id, with_for_update=True)
+                if attempt.state in queue.ACTIVE:
+                    lease = datetime.timedelta(seconds=settings.lease_seconds)
+                    attempt.lease_expires_at = datetime.datetime.now(datetime.UTC) + lease
 
 
 async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Settings) -> bool:
     """Run one queued report job, if there is one; True when one ran (succeeded or failed)."""
     async with sessions() as session, session.begin():
-        job = await _take(session)
-        if job is None:
+        assignment = await queue.claim(session, settings, None, kinds.BY_COORDINATOR)
+        if assignment is None:
             return False
-        job_id, experiment_id = job.id, job.experiment_id
-        folder = report_dir(settings, experiment_id, job_id, job.attempts_made)
-        members = await evidence.members(session, settings, experiment_id)
+        await queue.start(session, None, assignment.attempt_id, assignment.lease_token)
+        folder = report_dir(settings, assignment.experiment_id, assignment.job_id, assignment.number)
+        members = await evidence.members(session, settings, assignment.experiment_id)
+    renewing = asyncio.create_task(_renew(sessions, settings, assignment.attempt_id))
     try:
         report = await asyncio.to_thread(_compute, members, folder)
         failure = None
     except (CoopError, OSError) as exc:
         report, failure = {}, str(exc)
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
     async with sessions() as session, session.begin():
-        experiment = await experiments.load(session, experiment_id, lock=True)
-        job = await session.get_one(models.Job, job_id, with_for_update=True)
+        job, attempt = await queue.owned_attempt(session, None, assignment.attempt_id, assignment.lease_token)
         if failure is None:
-            await experiments.record_report(session, settings, experiment, report)
-            move_job(session, job, J.SUCCEEDED, f"report written to {folder / 'report.json'}")
+            identity = await experiments.store_report(session, settings, report)
+            result = wire.untagged(wire.ReportResult(report_identity=identity))
+            reason = f"report written to {folder / 'report.json'}"
+            ended = await queue.finish(session, job, attempt, "succeeded", exit_code=0, reason=reason, result=result)
         else:
-            log.error("report of experiment %s failed: %s", experiment_id, failure)
-            move_job(session, job, J.FAILED, failure[:4000])
+            log.error("report of experiment %s failed: %s", assignment.experiment_id, failure)
+            ended = await queue.finish(session, job, attempt, "failed", reason=failure[:4000])
+        await reactions.ended(session, settings, [ended])
     return True
 
 
-async def recover(sessions: async_sessionmaker[AsyncSession]) -> None:
-    """A report job running when the coordinator stopped is queued again (its folder is per job and attempt)."""
-    async with sessions() as session, session.begin():
-        rows = await session.scalars(
-            select(models.Job).where(models.Job.kind == COORDINATOR_KIND, models.Job.state == J.RUNNING.value)
-        )
-        for job in rows:
-            move_job(session, job, J.QUEUED, "the coordinator restarted while the report ran")
-
-
 async def loop(sessions: async_sessionmaker[AsyncSession], settings: Settings, every: float) -> None:
-    await recover(sessions)
     while True:
         try:
             if await run_once(sessions, settings):

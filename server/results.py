@@ -23,10 +23,8 @@ from server.settings import Settings
 MAX_PAGE = 1000
 
 
-async def record(
-    session: AsyncSession, settings: Settings, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult
-) -> None:
-    """Store the result's measurements (any outcome) and its answers and serving phases (success only)."""
+async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult) -> None:
+    """Store the result's measurements, whatever its outcome (its job's kind records the rest: server.kinds)."""
     if len({entry.step for entry in body.journal}) != len(body.journal):
         raise BadRequest("the journal names a step twice; each update appears once")
     if body.outcome != "succeeded" and (body.answers or body.serving or body.evidence):
@@ -44,22 +42,36 @@ async def record(
         )
         for index, sample in enumerate(body.resource_samples)
     )
-    if job.kind == "evaluate" and body.outcome == "succeeded":
-        await _check_answers(session, settings, job, body)
+
+
+def record_serving(
+    session: AsyncSession, job: models.Job, attempt: models.Attempt, phases: Sequence[wire.ServingPhase]
+) -> None:
+    session.add_all(
+        models.ServingResult(
+            experiment_id=job.experiment_id, attempt_id=attempt.id, phase=phase.phase, body=phase.report
+        )
+        for phase in phases
+    )
+
+
+async def record_answers(
+    session: AsyncSession,
+    settings: Settings,
+    job: models.Job,
+    attempt: models.Attempt,
+    body: wire.AttemptResult,
+    answers_sha256: str,
+) -> None:
+    """A succeeded evaluation's answers, checked against the answers file it names (``answers_sha256``)."""
+    await _check_answers(session, settings, job, body, answers_sha256)
     if body.answers:
         await _record_answers(session, job, attempt, body.answers)
-    if body.serving:
-        if job.kind != "benchmark":
-            raise BadRequest(f"a {job.kind} job reports no serving phases; only benchmark jobs do")
-        session.add_all(
-            models.ServingResult(
-                experiment_id=job.experiment_id, attempt_id=attempt.id, phase=phase.phase, body=phase.report
-            )
-            for phase in body.serving
-        )
 
 
-async def _check_answers(session: AsyncSession, settings: Settings, job: models.Job, body: wire.AttemptResult) -> None:
+async def _check_answers(
+    session: AsyncSession, settings: Settings, job: models.Job, body: wire.AttemptResult, claimed: str
+) -> None:
     """An evaluation's answers are published three ways: the rows, the hash its commitment takes and the
     answers.jsonl blob the report recomputes from. They must be one record: the result names the blob as evidence,
     ``answers_sha256`` is that blob's name, and the answers sent are its lines, in order."""
@@ -67,7 +79,6 @@ async def _check_answers(session: AsyncSession, settings: Settings, job: models.
     sha256 = body.evidence.get(path)
     if sha256 is None:
         raise BadRequest(f"an evaluate result names its answers file {path} among its evidence")
-    claimed = body.result.get("answers_sha256")
     if claimed != sha256:
         raise BadRequest(f"result.answers_sha256 {claimed!r} is not the sha256 of {path} ({sha256})")
     _, file = await blobs.find(session, settings, sha256)
@@ -86,8 +97,8 @@ async def _check_answers(session: AsyncSession, settings: Settings, job: models.
 async def _record_answers(
     session: AsyncSession, job: models.Job, attempt: models.Attempt, answers: Sequence[wire.AnswerRecord]
 ) -> None:
-    if job.kind != "evaluate" or job.arm is None or job.role is None:
-        raise BadRequest(f"a {job.kind} job reports no answers; only evaluate jobs do")
+    if job.arm is None or job.role is None:
+        raise BadRequest(f"a {job.kind} job without its arm and role reports no answers")
     if len({answer.id for answer in answers}) != len(answers):
         raise BadRequest("the answers name a task twice; each task is answered once")
     earlier = await session.scalar(
@@ -128,15 +139,16 @@ async def measurements(
     session: AsyncSession, *, job_id: uuid.UUID | None = None, attempt_id: uuid.UUID | None = None, kind: str | None
 ) -> list[wire.Measurement]:
     """A job's (every attempt and rank) or one attempt's measurements, in attempt, rank and step order."""
-    statement = select(models.Measurement, models.Attempt).join(
-        models.Attempt, models.Attempt.id == models.Measurement.attempt_id
+    chosen: list[tuple[InstrumentedAttribute[Any], object]] = [
+        (models.Attempt.job_id, job_id),
+        (models.Measurement.attempt_id, attempt_id),
+        (models.Measurement.kind, kind),
+    ]
+    statement = (
+        select(models.Measurement, models.Attempt)
+        .join(models.Attempt, models.Attempt.id == models.Measurement.attempt_id)
+        .where(*(column == value for column, value in chosen if value is not None))
     )
-    if job_id is not None:
-        statement = statement.where(models.Attempt.job_id == job_id)
-    if attempt_id is not None:
-        statement = statement.where(models.Measurement.attempt_id == attempt_id)
-    if kind is not None:
-        statement = statement.where(models.Measurement.kind == kind)
     rows = await session.execute(
         statement.order_by(
             models.Attempt.number, models.Attempt.rank, models.Measurement.kind, models.Measurement.position
@@ -196,7 +208,7 @@ async def answers(
         wire.RecordedAnswer(
             experiment_id=row.experiment_id,
             attempt_id=row.attempt_id,
-            arm=row.arm,  # type: ignore[arg-type]
+            arm=row.arm,
             role=row.role,  # type: ignore[arg-type]
             answer=msgspec.convert(row.body, type=wire.AnswerRecord),
         )

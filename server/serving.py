@@ -1,33 +1,31 @@
 """The serving phase's jobs: which host each runs on, what each is given, and the mid-phase stop.
 
-Both hosts of the pair start a replica of the selected clean-pair final checkpoint (each from its own rank's
-copy) behind its probe; rank 0's host then benchmarks the single phase (its own probe), the pair phase
-(both) and the failure phase (both), in which the coordinator stops rank 1's replica as soon as the benchmark
-reports the set number of completions (its ``stop-replica`` event); finally both replicas are stopped.
-The probes' bearer token is derived from the coordinator's secret per experiment and handed only to the
-agents that claim a serving job; it is stored nowhere.
+Both hosts of the pair start a replica of the served arm's selected final checkpoint (each from its own rank's
+copy) behind its probe; rank 0's host then benchmarks the single phase (its own probe), the pair phase (both) and
+the failure phase (both), in which the coordinator stops rank 1's replica as soon as the benchmark reports the set
+number of completions (its ``stop-replica`` event); finally both replicas are stopped. The probes' bearer token is
+derived from the coordinator's secret per experiment and handed only to the agents that claim a serving job
+(server.secret); it is stored nowhere.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, models
-from server.lifecycle import JOB_ACTIVE, SERVED_ARM, JobState, Refused
-from server.settings import Settings
-from server.web import keys
+from server import experiments, models, queue
+from server.lifecycle import JOB_ACTIVE, JobState, Refused
 
-KINDS = frozenset({"replica-start", "replica-stop", "benchmark"})
-PHASES = ("single", "pair", "failure")
 STOPPED_RANK = 1  # the failure phase stops the replica of the pair's rank 1
+STOP_SIGNAL = "stop-replica"  # the event the failure phase's benchmark prints when the replica is to stop
 # A stop in one of these states is taken to end the replica; a failed or cancelled one is not.
 _STOPPING = frozenset({JobState.QUEUED, *JOB_ACTIVE, JobState.SUCCEEDED})
+_LIVE = frozenset({JobState.QUEUED, *JOB_ACTIVE})
 
 
 @dataclass(frozen=True)
@@ -40,24 +38,39 @@ class Replica:
     start: models.Job
 
 
-def token(settings: Settings, experiment_id: uuid.UUID) -> str:
-    secret = keys.load_secret(settings.home)
-    return keys.derive(secret, f"coop serving token {experiment_id}").hex()
-
-
-async def pair_hosts(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, uuid.UUID]:
-    """Rank -> agent of the clean-pair training generation that succeeded (each holds that rank's checkpoint)."""
+async def pair_hosts(session: AsyncSession, experiment: models.Experiment) -> dict[int, uuid.UUID]:
+    """Rank -> agent of the served arm's training generation that succeeded (each holds that rank's checkpoint)."""
+    served = experiments.plan_of(experiment).served_arm()
     job = await session.scalar(
-        select(models.Job).where(
-            models.Job.experiment_id == experiment_id,
-            models.Job.kind == "train",
-            models.Job.arm == SERVED_ARM,
-            models.Job.state == JobState.SUCCEEDED.value,
+        select(models.Job).filter_by(
+            experiment_id=experiment.id, kind="train", arm=served, state=JobState.SUCCEEDED.value
         )
     )
     if job is None:
-        raise Refused("serving-requires-trained-pair", "no clean-pair training succeeded")
-    return {attempt.rank: attempt.agent_id for attempt in await experiments.generation(session, job)}
+        raise Refused("serving-requires-trained-pair", f"no {served} training succeeded")
+    ranks = await queue.generation(session, job)
+    return {attempt.rank: attempt.agent_id for attempt in ranks if attempt.agent_id is not None}
+
+
+async def replicas(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, Replica]:
+    """Rank -> its replica, for the ranks whose replica is starting or running."""
+    rows = await session.scalars(
+        select(models.Job)
+        .where(models.Job.experiment_id == experiment_id, models.Job.kind.in_(("replica-start", "replica-stop")))
+        .order_by(models.Job.queued_at)
+    )
+    found: dict[int, Replica] = {}
+    for job in rows:
+        state = JobState(job.state)
+        match wire.spec_of(job.kind, job.spec):
+            case wire.ReplicaStartSpec(rank=rank) if state in _LIVE:
+                found[rank] = Replica(rank, "starting", job)
+            case wire.ReplicaStartSpec(rank=rank) if state == JobState.SUCCEEDED:
+                found[rank] = Replica(rank, "running", job)
+            case wire.ReplicaStopSpec(rank=rank) if state in _STOPPING and rank in found:
+                if found[rank].state == "running":
+                    del found[rank]
+    return found
 
 
 async def _probes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, str]:
@@ -65,79 +78,79 @@ async def _probes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, 
     found = {}
     for rank, replica in (await replicas(session, experiment_id)).items():
         if replica.state == "running":
-            (result,) = await experiments.results_of(session, replica.start)
-            found[rank] = str(result["probe_url"])
+            results = await experiments.results_of(session, replica.start)
+            (started,) = experiments.decoded(results, wire.ReplicaStartResult, replica.start)
+            found[rank] = started.probe_url
     return found
 
 
-async def replicas(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, Replica]:
-    """Rank -> its replica, for the ranks whose replica is starting or running."""
-    rows = list(
-        await session.scalars(
-            select(models.Job)
-            .where(models.Job.experiment_id == experiment_id, models.Job.kind.in_(("replica-start", "replica-stop")))
-            .order_by(models.Job.queued_at)
+def _chosen_by_the_operator(spec: wire.ServingSpec) -> None:
+    """An operator names a replica's rank or a benchmark's phase; the rest is the coordinator's to fill in."""
+    if spec.serving_token is not None or (isinstance(spec, wire.BenchmarkSpec) and spec.endpoints):
+        name = wire.kind_of(spec)
+        raise Refused(
+            "serving-spec", f"a {name} job's spec names only its rank or phase; the coordinator adds the rest"
         )
-    )
-    found: dict[int, Replica] = {}
-    for job in rows:
-        rank, state = int(job.spec["rank"]), JobState(job.state)
-        if job.kind == "replica-start" and state in {JobState.QUEUED, *JOB_ACTIVE}:
-            found[rank] = Replica(rank, "starting", job)
-        elif job.kind == "replica-start" and state == JobState.SUCCEEDED:
-            found[rank] = Replica(rank, "running", job)
-        elif job.kind == "replica-stop" and state in _STOPPING and rank in found and found[rank].state == "running":
-            del found[rank]
-    return found
 
 
-def _checked_spec(kind: str, spec: dict[str, Any], ranks: list[int]) -> dict[str, Any]:
-    if kind == "benchmark":
-        if set(spec) != {"phase"} or spec["phase"] not in PHASES:
-            raise Refused("serving-spec", f'a benchmark job\'s spec is exactly {{"phase": P}}, P one of {PHASES}')
-        return spec
-    rank = spec.get("rank")
-    if set(spec) != {"rank"} or not isinstance(rank, int) or isinstance(rank, bool) or rank not in ranks:
-        raise Refused("serving-spec", f"a {kind} job's spec is exactly {{\"rank\": R}}, R one of the pair's {ranks}")
-    return spec
+async def _rank_host(session: AsyncSession, experiment: models.Experiment, rank: int, kind: str) -> uuid.UUID:
+    hosts = await pair_hosts(session, experiment)
+    if rank not in hosts:
+        raise Refused(
+            "serving-spec", f"a {kind} job's spec is exactly {{\"rank\": R}}, R one of the pair's {sorted(hosts)}"
+        )
+    return hosts[rank]
 
 
-async def enqueue(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, kind: str, spec: dict[str, Any]
-) -> models.Job:
-    """Queue one serving job on the host it belongs to (a replica's host; the benchmark on rank 0's). A replica
-    is started only where none is starting or running, and stopped only where one runs."""
-    hosts = await pair_hosts(session, experiment.id)
-    spec = _checked_spec(kind, spec, sorted(hosts))
-    if kind in {"replica-start", "replica-stop"}:
-        rank = int(spec["rank"])
-        replica = (await replicas(session, experiment.id)).get(rank)
-        if kind == "replica-start" and replica is not None:
-            raise Refused("replica-running", f"rank {rank}'s replica is already {replica.state}")
-        if kind == "replica-stop" and (replica is None or replica.state != "running"):
-            raise Refused(
-                "replica-not-running",
-                f"no replica of rank {rank} is running (a starting one is stopped by cancelling its replica-start job)",
-            )
-    if kind == "benchmark":
-        probes = await _probes(session, experiment.id)
-        ranks = [0] if spec["phase"] == "single" else [0, STOPPED_RANK]
-        missing = [rank for rank in ranks if rank not in probes]
-        if missing:
-            raise Refused("benchmark-requires-replicas", f"no replica runs for rank(s) {missing} of the pair")
-        spec = {**spec, "endpoints": [probes[rank] for rank in ranks]}
-        pinned = hosts[0]
-    else:
-        pinned = hosts[int(spec["rank"])]
-    body = wire.JobCreate(kind=kind, arm=SERVED_ARM, spec=spec)  # type: ignore[arg-type]
-    return await experiments.enqueue(session, settings, experiment, body, pinned=pinned)
+async def place_replica_start(
+    session: AsyncSession, experiment: models.Experiment, spec: wire.ReplicaStartSpec
+) -> tuple[uuid.UUID, wire.ReplicaStartSpec]:
+    """A replica starts on its rank's host, only where none is starting or running."""
+    _chosen_by_the_operator(spec)
+    host = await _rank_host(session, experiment, spec.rank, "replica-start")
+    replica = (await replicas(session, experiment.id)).get(spec.rank)
+    if replica is not None:
+        raise Refused("replica-running", f"rank {spec.rank}'s replica is already {replica.state}")
+    return host, spec
 
 
-async def on_events(session: AsyncSession, settings: Settings, job: models.Job, kinds: set[str]) -> None:
-    """The failure phase's benchmark announced the completions after which a replica is stopped."""
-    if job.kind != "benchmark" or job.spec.get("phase") != "failure" or "stop-replica" not in kinds:
-        return
-    experiment = await experiments.load(session, job.experiment_id, lock=True)
-    replica = (await replicas(session, experiment.id)).get(STOPPED_RANK)
-    if replica is not None and replica.state == "running":  # else its stop is already queued, or it is gone
-        await enqueue(session, settings, experiment, "replica-stop", {"rank": STOPPED_RANK})
+async def place_replica_stop(
+    session: AsyncSession, experiment: models.Experiment, spec: wire.ReplicaStopSpec
+) -> tuple[uuid.UUID, wire.ReplicaStopSpec]:
+    """A replica is stopped on its rank's host, only where one runs."""
+    _chosen_by_the_operator(spec)
+    host = await _rank_host(session, experiment, spec.rank, "replica-stop")
+    replica = (await replicas(session, experiment.id)).get(spec.rank)
+    if replica is None or replica.state != "running":
+        raise Refused(
+            "replica-not-running",
+            f"no replica of rank {spec.rank} is running "
+            "(a starting one is stopped by cancelling its replica-start job)",
+        )
+    return host, spec
+
+
+async def place_benchmark(
+    session: AsyncSession, experiment: models.Experiment, spec: wire.BenchmarkSpec
+) -> tuple[uuid.UUID, wire.BenchmarkSpec]:
+    """The benchmark runs on rank 0's host against the probes of the replicas its phase needs."""
+    _chosen_by_the_operator(spec)
+    hosts = await pair_hosts(session, experiment)
+    probes = await _probes(session, experiment.id)
+    ranks = [0] if spec.phase == "single" else [0, STOPPED_RANK]
+    missing = [rank for rank in ranks if rank not in probes]
+    if missing:
+        raise Refused("benchmark-requires-replicas", f"no replica runs for rank(s) {missing} of the pair")
+    return hosts[0], wire.BenchmarkSpec(phase=spec.phase, endpoints=[probes[rank] for rank in ranks])
+
+
+async def stop_due(
+    session: AsyncSession, job: models.Job, spec: wire.BenchmarkSpec, printed: set[str]
+) -> wire.ReplicaStopSpec | None:
+    """The replica stop the failure phase's benchmark asked for with its signal, unless it is queued or gone."""
+    if spec.phase != "failure" or STOP_SIGNAL not in printed:
+        return None
+    replica = (await replicas(session, job.experiment_id)).get(STOPPED_RANK)
+    if replica is None or replica.state != "running":
+        return None
+    return wire.ReplicaStopSpec(rank=STOPPED_RANK)

@@ -9,7 +9,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import evidence, idempotency, models, queue, results, serving, views
+from server import evidence, idempotency, kinds, models, queue, reactions, views
 from server.idempotency import Stored
 from server.settings import Settings
 
@@ -27,7 +27,7 @@ async def events(
 
     async def work() -> tuple[int, bytes]:
         queue.require_active(attempt)  # an ended attempt's command is gone: what it printed late is not its record
-        await serving.on_events(session, settings, job, {event.kind for event in body.events})
+        await reactions.printed(session, settings, job, {event.kind for event in body.events})
         received = datetime.datetime.now(datetime.UTC)
         session.add_all(
             models.Event(
@@ -60,11 +60,14 @@ async def result(
 
     async def work() -> tuple[int, bytes]:
         queue.require_active(attempt)
-        await results.record(session, settings, job, attempt, body)
+        result = await kinds.record_result(session, settings, job, attempt, body)
         if body.evidence:
-            await evidence.record(session, job, attempt, body.evidence)
-        finished = await queue.finish(session, settings, job, attempt, body)
+            await evidence.record(session, job, attempt, body.evidence, kinds.of(job.kind).writes(job, attempt))
+        ended = await queue.finish(
+            session, job, attempt, body.outcome, exit_code=body.exit_code, reason=body.reason, result=result
+        )
+        await reactions.ended(session, settings, [ended])
         await session.flush()
-        return 200, msgspec.json.encode(views.attempt(finished))
+        return 200, msgspec.json.encode(views.attempt(attempt))
 
     return await idempotency.once(session, checked, idempotency.payload_digest(msgspec.to_builtins(body)), work)

@@ -26,7 +26,7 @@ def arm(row: models.Arm) -> wire.Arm:
     return wire.Arm(
         id=row.id,
         experiment_id=row.experiment_id,
-        name=row.name,  # type: ignore[arg-type]
+        name=row.name,
         world_size=row.world_size,
         serving_eligible=row.serving_eligible,
         final_step=row.final_step,
@@ -40,7 +40,7 @@ def job(row: models.Job) -> wire.Job:
         id=row.id,
         experiment_id=row.experiment_id,
         kind=row.kind,  # type: ignore[arg-type]
-        arm=row.arm,  # type: ignore[arg-type]
+        arm=row.arm,
         role=row.role,  # type: ignore[arg-type]
         world_size=row.world_size,
         state=row.state,  # type: ignore[arg-type]

@@ -7,11 +7,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment import seedmodel
+from experiment import seedmodel, tinyseed
 from experiment.canonical import sha256_file
+from tests.support import ROOT
+from tests.support.scenarios import LOCAL_PLAN
 
-ROOT = Path(__file__).resolve().parents[1]
-LOCAL_PLAN = ROOT / "plans" / "local.toml"
 REFERENCE_FOLDER = ROOT / "plans" / "local-reference"
 
 # A small plan keeps every rule of plans/local.toml and shrinks the counts: 4 updates x 8 documents.
@@ -55,10 +55,20 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
 @pytest.fixture(scope="session")
 def small_seed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, seedmodel.Snapshot]:
     folder = tmp_path_factory.mktemp("seed") / "small"
-    snapshot = seedmodel.build_seed(folder, seedmodel.SMALL)
+    snapshot = tinyseed.build_seed(folder, tinyseed.SMALL)
     return folder, snapshot
 
 
 @pytest.fixture
 def small_plan(tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot]) -> Path:
     return write_plan(tmp_path / "plan.toml", small_seed[1])
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    """vLLM's venv, which the serving tests run replicas from; missing, it fails the test with the command that
+    builds it."""
+    venv = ROOT / ".venv-vllm"
+    if not (venv / "bin" / "python").exists():
+        pytest.fail(f"{venv} is missing: run `make vllm-venv`")
+    return venv

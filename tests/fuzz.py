@@ -27,8 +27,10 @@ from schemathesis import GenerationMode
 
 from server import migrate
 from server.settings import sqlite_url
-from tests.integration.coordinator import support
-from tests.processes import served
+from tests.support import database
+from tests.support.agent import FakeAgent
+from tests.support.processes import served
+from tests.support.scenarios import LOCAL_PLAN, bearer
 
 ROLES = ("operator", "agent", "none")
 
@@ -54,14 +56,15 @@ class Tally:
 
 @dataclass(frozen=True)
 class Principals:
-    """The base URL and a token of each role (None: no token)."""
+    """The base URL, a token of each role (None: no token), and the agent whose token it is."""
 
     base: str
     tokens: dict[str, str | None]
+    agent: FakeAgent
 
     def headers(self, role: str) -> dict[str, str]:
         token = self.tokens[role]
-        return support.bearer(token) if token else {}
+        return bearer(token) if token else {}
 
 
 @dataclass(frozen=True)
@@ -75,25 +78,20 @@ class Rows:
 
 
 def _principals(base: str, database_url: str) -> Principals:
-    operator = support.make_token(database_url, "operator", "fuzz-operator")
-    agent = support.make_token(database_url, "agent", "fuzz-agent")
-    principals = Principals(base, {"operator": operator, "agent": agent, "none": None})
-    registered = httpx.post(
-        f"{base}/api/agents/register", json={"address": "127.0.0.1"}, headers=principals.headers("agent"), timeout=30
-    )
-    registered.raise_for_status()
-    return principals
+    operator = database.make_token(database_url, "operator", "fuzz-operator")
+    token = database.make_token(database_url, "agent", "fuzz-agent")
+    agent = FakeAgent(base, token)
+    agent.register("127.0.0.1")
+    return Principals(base, {"operator": operator, "agent": token, "none": None}, agent)
 
 
 def _rows(principals: Principals) -> Rows:
     with httpx.Client(base_url=principals.base, timeout=30) as http:
-        plan = {"plan_toml": support.LOCAL_PLAN.read_text()}
+        plan = {"plan_toml": LOCAL_PLAN.read_text()}
         experiment = http.post("/api/experiments", json=plan, headers=principals.headers("operator")).json()
-        claim = http.post("/api/agents/claim", json={}, headers=principals.headers("agent")).json()["assignment"]
-        proof = {"lease_token": claim["lease_token"]}
-        http.post(f"/api/attempts/{claim['attempt_id']}/start", json=proof, headers=principals.headers("agent"))
-    ids = {"experiment_id": experiment["id"], "job_id": claim["job_id"], "attempt_id": claim["attempt_id"]}
-    return Rows(ids, claim["lease_token"])
+    job = principals.agent.take()
+    ids = {"experiment_id": experiment["id"], "job_id": str(job.job_id), "attempt_id": str(job.attempt_id)}
+    return Rows(ids, job.lease_token)
 
 
 def _sender(principals: Principals, operation: Any, role: str, rows: Rows | None, tally: Tally) -> Any:
@@ -150,21 +148,25 @@ def run(backend: str, examples: int) -> dict[str, Any]:
         if backend == "sqlite":
             url: str | None = sqlite_url(home / "coordinator.sqlite3")
         else:
-            url = support.create_postgres_database(support.postgres_admin_url())
+            url = database.create_postgres_database(database.postgres_admin_url())
             if url is None:
-                raise RuntimeError(f"no Postgres server answers at {support.postgres_admin_url()}")
+                raise RuntimeError(f"no Postgres server answers at {database.postgres_admin_url()}")
         try:
             migrate.upgrade(url)
             started = time.monotonic()
             # Claims long-poll for work at most 1 s here, well inside the client's timeout.
             with served(url, home, COOP_MAX_CLAIM_WAIT_SECONDS="1") as base:
-                tally = fuzz(_principals(base, url), examples)
+                principals = _principals(base, url)
+                try:
+                    tally = fuzz(principals, examples)
+                finally:
+                    principals.agent.close()
             return {"backend": backend, "examples": examples, "seconds": round(time.monotonic() - started, 1)} | (
                 tally.as_json()
             )
         finally:
             if backend == "postgres":
-                support.drop_postgres_database(support.postgres_admin_url(), url)
+                database.drop_postgres_database(database.postgres_admin_url(), url)
 
 
 def main() -> int:

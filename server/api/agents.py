@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, models, queue, views
+from server import audit, kinds, models, queue, reactions, views
 from server.api import spec
 from server.settings import Settings
 from server.tokens import Principal
@@ -65,7 +65,9 @@ class AgentController(Controller):
         settings: NamedDependency[Settings],
         agent: NamedDependency[models.Agent],
     ) -> wire.HeartbeatReply:
-        return await queue.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
+        reply, ended = await queue.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
+        await reactions.ended(db_session, settings, ended)
+        return reply
 
     @post("/claim", operation_id="claimJob", status_code=200, **spec.write("agent", found=False))
     async def claim(
@@ -78,13 +80,15 @@ class AgentController(Controller):
     ) -> wire.ClaimReply:
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued."""
         deadline = time.monotonic() + min(data.wait_seconds, settings.max_claim_wait_seconds)
+        # Agents run every kind but the coordinator's own (server.reporter), or those they ask for among them.
+        wanted = [name for name in kinds.BY_AGENTS if data.kinds is None or name in data.kinds]
         while True:
-            assignment = await queue.claim(db_session, settings, agent, data.kinds, data.claim_key)
+            assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
             if assignment is not None:
                 audit.record(
                     db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
                 )
-                return wire.ClaimReply(assignment, settings.heartbeat_seconds)
+                return wire.ClaimReply(kinds.hand_out(settings, assignment), settings.heartbeat_seconds)
             # End the empty transaction so that waiting holds no lock.
             await db_session.commit()
             if time.monotonic() >= deadline:

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, commitments, experiments, lifecycle, models, phases, serving, views
+from server import audit, commitments, experiments, kinds, models, phases, views
 from server.api import spec
 from server.errors import BadRequest
 from server.settings import Settings
@@ -39,7 +39,7 @@ class ExperimentController(Controller):
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
-        experiment = await experiments.create(db_session, settings, data)
+        experiment = await phases.create(db_session, settings, data)
         audit.record(db_session, principal, "experiment.create", f"experiment:{experiment.id}", commit=data.commit)
         return await _view(db_session, experiment)
 
@@ -63,7 +63,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        await experiments.commit_plan(db_session, settings, experiment)
+        await phases.commit(db_session, settings, experiment)
         audit.record(db_session, principal, "experiment.commit", f"experiment:{experiment.id}")
         return await _view(db_session, experiment)
 
@@ -102,11 +102,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Job:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        if data.kind in serving.KINDS:  # on the replica's host (the benchmark on rank 0's), spec checked
-            lifecycle.guard_serving_arm(data.arm)
-            job = await serving.enqueue(db_session, settings, experiment, data.kind, data.spec)
-        else:
-            job = await experiments.enqueue(db_session, settings, experiment, data)
+        job = await kinds.enqueue(db_session, settings, experiment, kinds.order_of(data))
         audit.record(db_session, principal, "job.queue", f"job:{job.id}", kind=data.kind, arm=data.arm, role=data.role)
         await db_session.flush()
         await db_session.refresh(job)

@@ -11,9 +11,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, models, queue, views
+from server import audit, models, queue, reactions, views
 from server.api import spec
 from server.errors import NotFound
+from server.settings import Settings
 from server.tokens import Principal
 
 
@@ -50,10 +51,11 @@ class JobController(Controller):
         job_id: FromPath[uuid.UUID],
         data: JSONBody[wire.CancelRequest],
         db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Job:
         job = await _job(db_session, job_id, lock=True)
-        await queue.cancel(db_session, job, data.grace_seconds)
+        await reactions.ended(db_session, settings, await queue.cancel(db_session, job, data.grace_seconds))
         audit.record(db_session, principal, "job.cancel", f"job:{job.id}", grace_seconds=data.grace_seconds)
         await db_session.flush()
         await db_session.refresh(job)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment import wire
+from experiment import layout, wire
 from server import blobs, evidence, models
 from server.errors import NotFound
-from server.lifecycle import EVALUATED_ARMS
 from server.settings import Settings
 
 
@@ -49,7 +49,8 @@ class Grid:
         return sum((self.family(arm, f) for f in self.families), Cell())
 
 
-async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, role: str) -> Grid:
+async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, arms: Sequence[str], role: str) -> Grid:
+    """``arms`` in the order the grid lists them (the plan's, baseline first)."""
     rows = await session.execute(
         select(
             models.Answer.arm,
@@ -62,9 +63,9 @@ async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, role: str) -
         .group_by(models.Answer.arm, models.Answer.family, models.Answer.variant)
     )
     cells = {(arm, family, variant): Cell(int(correct), int(n)) for arm, family, variant, n, correct in rows}
-    arms: list[str] = [arm for arm in EVALUATED_ARMS if any(key[0] == arm for key in cells)]
-    families = [family for family in ("lookup", "filter", "total", "sort") if any(key[1] == family for key in cells)]
-    return Grid(arms, families, sorted({key[2] for key in cells}), cells)
+    listed = [arm for arm in arms if any(key[0] == arm for key in cells)]
+    families = [family for family in get_args(wire.Family) if any(key[1] == family for key in cells)]
+    return Grid(listed, families, sorted({key[2] for key in cells}), cells)
 
 
 async def answer(
@@ -93,7 +94,7 @@ class PreparedTask(msgspec.Struct, frozen=True):
 
 # The prepared role files in the evidence bundle (experiment.corpus.ROLE_FILES under prepared/); importing
 # experiment.corpus would load the model libraries into the coordinator.
-ROLE_FILES = {"dev": "prepared/dev.jsonl", "test": "prepared/test.jsonl"}
+ROLE_FILES = {role: f"{layout.PREPARED}/{role}.jsonl" for role in ("dev", "test")}
 
 
 async def prepared_task(

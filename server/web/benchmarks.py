@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 
 from experiment import wire
-from experiment.figures import SERVING_PHASES, Span
-from experiment.servingrecord import Attempt, PhaseResult
+from experiment.figures import Span
+from experiment.servingrecord import PHASES, Attempt, PhaseResult
 from server.web import charts
 
 
@@ -113,7 +113,7 @@ def _decode(report: dict[str, Any]) -> tuple[PhaseResult | None, str | None]:
 
 def _phases(results: Sequence[wire.ServingResult]) -> list[Phase]:
     found = []
-    for name in SERVING_PHASES:
+    for name in PHASES:
         records = [result for result in results if result.phase == name]
         result, problem = _decode(records[-1].report) if records else (None, None)
         found.append(Phase(name, records, result, problem))

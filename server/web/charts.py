@@ -4,12 +4,13 @@ the same, since htmx asks for the live parts every few seconds and a figure take
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+import msgspec
 
 from experiment import figures
 from experiment.figures import Span
+from experiment.reportmodel import Report, read_report
 
 Series = tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
 
@@ -65,10 +66,10 @@ def timeline(
 
 
 @functools.lru_cache(maxsize=8)
-def _report(text: str) -> dict[str, str]:
-    return figures.report_figures(json.loads(text))
+def _report(text: bytes) -> dict[str, str]:
+    return figures.report_figures(read_report(text))
 
 
-def report(document: Mapping[str, Any]) -> dict[str, str]:
+def report(document: Report) -> dict[str, str]:
     """The report's figures; the recorded report never changes, so its text keys the cache."""
-    return _report(json.dumps(document, sort_keys=True))
+    return _report(msgspec.json.encode(document))

@@ -22,7 +22,6 @@ from server.web.access import WebRequest
 
 PAGE = 50
 ROLES: tuple[str, ...] = get_args(wire.Role)
-ARMS: tuple[str, ...] = get_args(wire.ArmName)
 FAMILIES: tuple[str, ...] = get_args(wire.Family)
 OUTCOMES = {"": None, "correct": True, "wrong": False}
 
@@ -37,10 +36,10 @@ class Filters:
     variant: str
     outcome: str
 
-    def check(self) -> results.AnswerFilter:
+    def check(self, arms: tuple[str, ...]) -> results.AnswerFilter:
         for name, value, allowed in (
             ("role", self.role, ROLES),
-            ("arm", self.arm, ("", *ARMS)),
+            ("arm", self.arm, ("", *arms)),
             ("family", self.family, ("", *FAMILIES)),
             ("outcome", self.outcome, tuple(OUTCOMES)),
         ):
@@ -78,18 +77,19 @@ class EvaluationPages(Controller):
         offset: Annotated[int, QueryParameter(ge=0)] = 0,
     ) -> Template:
         experiment = await experiments.load(db_session, experiment_id)
+        arms = experiments.plan_of(experiment).arm_names()
         filters = Filters(role, arm, family, variant, outcome)
-        page = await results.answers(db_session, experiment_id, filters.check(), PAGE, offset)
+        page = await results.answers(db_session, experiment_id, filters.check(arms), PAGE, offset)
         return render.page(
             request,
             "evaluations.html",
             tab="evaluations",
             experiment=experiment,
-            grid=await answers.accuracy(db_session, experiment_id, role),
+            grid=await answers.accuracy(db_session, experiment_id, arms, role),
             filters=filters,
             page=page,
             roles=ROLES,
-            arms=ARMS,
+            arms=arms,
             families=FAMILIES,
             outcomes=tuple(OUTCOMES),
         )

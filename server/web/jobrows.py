@@ -3,7 +3,7 @@ its latest attempt, how long it took, and a timeline of every attempt on each ho
 
 Times, all as recorded: an attempt runs from its creation (the claim) to its ``finished_at`` (set when it
 reached a final state), or to now while it is active; a job from its first attempt's claim to its own move to a
-final state. The coordinator's own job (the report) has no attempt: it runs from leaving the queue."""
+final state. The coordinator's own job (the report) has attempts like any other, in the coordinator's lane."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from experiment import wire
 from experiment.figures import Span
 from server import models
-from server.lifecycle import COORDINATOR_KIND, JOB_ACTIVE, JOB_FINAL, JobState
+from server.lifecycle import JOB_ACTIVE, JOB_FINAL, JobState
 from server.web import charts
-from server.web.queries import AttemptRow, StateChange
+from server.web.queries import COORDINATOR, AttemptRow, StateChange
 
 # The spec field that tells apart one kind's jobs for one arm, and how the page says it.
 _DETAIL = {
@@ -27,7 +27,6 @@ _DETAIL = {
     "replica-stop": ("rank", "rank {}"),
 }
 KINDS: tuple[str, ...] = typing.get_args(wire.JobKind)  # the timeline's colours, the same on every page
-COORDINATOR = "coordinator"  # the timeline's lane for the job the coordinator runs itself
 _BROKEN = frozenset({JobState.FAILED, JobState.LOST})
 Changes = Mapping[uuid.UUID, Sequence[StateChange]]
 
@@ -91,10 +90,7 @@ def rows(
         latest = max((row.attempt.number for row in tried), default=None)
         hosts = sorted((row.attempt.rank, row.agent) for row in tried if row.attempt.number == latest)
         moves = changes.get(job.id, [])
-        started = _started(tried, moves)
-        if job.kind == COORDINATOR_KIND and started is not None:
-            hosts = [(0, COORDINATOR)]
-        found.append(JobRow(job, name(job), hosts, started, _ended(job, tried, moves), at))
+        found.append(JobRow(job, name(job), hosts, _started(tried, moves), _ended(job, tried, moves), at))
     return found
 
 
@@ -124,12 +120,6 @@ def timeline(
         attempt = row.attempt
         end = attempt.finished_at or (at if row.active else attempt.updated_at)
         bars.append((row.agent, attempt.created_at, end, kind[attempt.job_id], JobState(attempt.state) in _BROKEN))
-    for job in jobs:
-        moves = changes.get(job.id, [])
-        start = _started([], moves)
-        if job.kind == COORDINATOR_KIND and start is not None:
-            broken = JobState(job.state) in _BROKEN
-            bars.append((COORDINATOR, start, _ended(job, [], moves) or at, job.kind, broken))
     if not bars:
         return Timeline(None, [], 0.0)
     lanes = sorted({bar[0] for bar in bars}, key=lambda lane: (lane == COORDINATOR, lane))

@@ -14,8 +14,9 @@ from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, experiments, queue
+from server import audit, experiments, queue, reactions
 from server.lifecycle import JOB_FINAL, JobState, Refused
+from server.settings import Settings
 from server.web import access, jobrows, queries, render
 from server.web.access import WebRequest
 from server.web.forms import Confirmation
@@ -105,6 +106,7 @@ class JobPages(Controller):
         job_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Confirmation],
         db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Redirect | Template:
         operator = access.operator(request)
         job = await queries.job(db_session, job_id, lock=True)
@@ -128,7 +130,7 @@ class JobPages(Controller):
             )
         grace = wire.CancelRequest().grace_seconds
         try:
-            await queue.cancel(db_session, job, grace)
+            await reactions.ended(db_session, settings, await queue.cancel(db_session, job, grace))
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, f"/jobs/{job_id}")
         audit.record(db_session, operator, "job.cancel", f"job:{job_id}", grace_seconds=grace)

@@ -1,20 +1,12 @@
-"""The web UI's secret: made once per coordinator home (COOP_HOME/web-secret, mode 0600), from which the
-session cookie's key and the CSRF tokens' HMAC key are derived, so that sessions outlive a restart."""
+"""The web UI's keys, derived from the coordinator home's secret (server.secret): the session cookie's key and the
+CSRF tokens' HMAC key, so that sessions outlive a restart."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
-import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiment.errors import CoopError
-
-FILE = "web-secret"
-SECRET_BYTES = 32
+from server import secret
 
 
 @dataclass(frozen=True)
@@ -23,42 +15,8 @@ class Keys:
     csrf: str  # the HMAC secret of Litestar's CSRF tokens
 
 
-def _read_or_create(path: Path) -> bytes:
-    """The home's secret; a new one is written beside it and linked into place, so that two coordinators
-    starting at once agree on one secret and neither reads a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        draft = path.with_name(f".{FILE}.{secrets.token_hex(8)}")
-        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(descriptor, "w") as file:
-                file.write(secrets.token_hex(SECRET_BYTES) + "\n")
-                file.flush()
-                os.fsync(file.fileno())
-            with contextlib.suppress(FileExistsError):
-                os.link(draft, path)
-        finally:
-            draft.unlink()
-    if path.stat().st_mode & 0o077:
-        raise CoopError(f"{path} is readable by others; make it private with: chmod 600 {path}")
-    try:
-        return bytes.fromhex(path.read_text().strip())
-    except ValueError as exc:
-        raise CoopError(f"{path} is not a hex secret; delete it and restart to make a new one") from exc
-
-
-def derive(secret: bytes, purpose: str) -> bytes:
-    return hmac.new(secret, purpose.encode(), hashlib.sha256).digest()
-
-
-def load_secret(home: Path) -> bytes:
-    """The coordinator home's secret (the web keys and the serving tokens are derived from it)."""
-    secret = _read_or_create(home / FILE)
-    if len(secret) < SECRET_BYTES:
-        raise CoopError(f"{home / FILE} holds fewer than {SECRET_BYTES} bytes; delete it and restart to make a new one")
-    return secret
-
-
 def load(home: Path) -> Keys:
-    secret = load_secret(home)
-    return Keys(session=derive(secret, "coop web session"), csrf=derive(secret, "coop web csrf").hex())
+    home_secret = secret.load(home)
+    return Keys(
+        session=secret.derive(home_secret, "coop web session"), csrf=secret.derive(home_secret, "coop web csrf").hex()
+    )

@@ -89,7 +89,7 @@ class OverviewPages(Controller):
             body = msgspec.convert(fields, type=wire.ExperimentCreate)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"the plan cannot be used: {exc}") from exc
-        experiment = await experiments.create(db_session, settings, body)
+        experiment = await phases.create(db_session, settings, body)
         audit.record(db_session, operator, "experiment.create", f"experiment:{experiment.id}", commit=body.commit)
         await db_session.commit()
         access.notify(request, f"created experiment {experiment.name} ({experiment.state})")

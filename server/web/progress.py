@@ -14,7 +14,6 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import experiments, models
-from server.lifecycle import TRAINED_ARMS
 
 
 @dataclass(frozen=True)
@@ -63,18 +62,18 @@ async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dic
     """Per attempt, its updates: the live ``step`` events, completed by the step journal of its result."""
     found: dict[uuid.UUID, dict[int, Step]] = {attempt_id: {} for attempt_id in attempt_ids}
     events = await session.execute(
-        select(models.Event.attempt_id, models.Event.at, models.Event.body).where(
-            models.Event.attempt_id.in_(attempt_ids), models.Event.kind == "step"
-        )
+        select(models.Event.attempt_id, models.Event.at, models.Event.body)
+        .where(models.Event.attempt_id.in_(attempt_ids))
+        .filter_by(kind="step")
     )
     for attempt_id, at, body in events:
         step = _step(body, at, "done")
         if attempt_id is not None and step is not None:
             found[attempt_id][step.step] = step
     journal = await session.execute(
-        select(models.Measurement.attempt_id, models.Measurement.at, models.Measurement.body).where(
-            models.Measurement.attempt_id.in_(attempt_ids), models.Measurement.kind == "step"
-        )
+        select(models.Measurement.attempt_id, models.Measurement.at, models.Measurement.body)
+        .where(models.Measurement.attempt_id.in_(attempt_ids))
+        .filter_by(kind="step")
     )
     for attempt_id, at, body in journal:
         step = _step(body, at, "step")
@@ -84,13 +83,14 @@ async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dic
 
 
 async def training(session: AsyncSession, experiment: models.Experiment) -> list[ArmProgress]:
-    updates = experiments.plan_of(experiment).training.updates
+    plan = experiments.plan_of(experiment)
+    updates = plan.training.updates
     arms = await experiments.arms_of(session, experiment.id)
     jobs = {
         job.arm: job
         for job in await session.scalars(
             select(models.Job)
-            .where(models.Job.experiment_id == experiment.id, models.Job.kind == "train")
+            .filter_by(experiment_id=experiment.id, kind="train")
             .order_by(models.Job.queued_at, models.Job.id)
         )
     }
@@ -104,7 +104,7 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
     )
     steps = await _steps(session, [attempt.id for attempt in attempts])
     progress = []
-    for name in TRAINED_ARMS:
+    for name in plan.trained_arms():
         arm, job = arms[name], jobs.get(name)
         mine = [attempt for attempt in attempts if job is not None and attempt.job_id == job.id]
         losses: dict[int, float] = {}

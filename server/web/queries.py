@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from sqlalchemy import select
@@ -37,12 +38,8 @@ async def _state_events(session: AsyncSession, experiment_id: uuid.UUID, of_jobs
     """The state-change events of the experiment itself, or of its jobs (never their attempts'), oldest first."""
     rows = await session.scalars(
         select(models.Event)
-        .where(
-            models.Event.experiment_id == experiment_id,
-            models.Event.kind == "state",
-            models.Event.job_id.is_not(None) if of_jobs else models.Event.job_id.is_(None),
-            models.Event.attempt_id.is_(None),
-        )
+        .filter_by(experiment_id=experiment_id, kind="state", attempt_id=None)
+        .where(models.Event.job_id.is_not(None) if of_jobs else models.Event.job_id.is_(None))
         .order_by(models.Event.at, models.Event.id)
     )
     return list(rows)
@@ -123,10 +120,13 @@ async def job(session: AsyncSession, job_id: uuid.UUID, *, lock: bool = False) -
     return found
 
 
+COORDINATOR = "coordinator"  # the host of an attempt without an agent: the coordinator's own job (the report)
+
+
 @dataclass(frozen=True)
 class AttemptRow:
     attempt: models.Attempt
-    agent: str
+    agent: str  # the agent's name, or COORDINATOR
 
     @property
     def active(self) -> bool:
@@ -136,23 +136,23 @@ class AttemptRow:
 async def attempts(session: AsyncSession, job_id: uuid.UUID) -> list[AttemptRow]:
     rows = await session.execute(
         select(models.Attempt, models.Agent.name)
-        .join(models.Agent, models.Agent.id == models.Attempt.agent_id)
+        .outerjoin(models.Agent, models.Agent.id == models.Attempt.agent_id)
         .where(models.Attempt.job_id == job_id)
         .order_by(models.Attempt.number.desc(), models.Attempt.rank)
     )
-    return [AttemptRow(attempt, name) for attempt, name in rows]
+    return [AttemptRow(attempt, name or COORDINATOR) for attempt, name in rows]
 
 
 async def experiment_attempts(session: AsyncSession, experiment_id: uuid.UUID) -> list[AttemptRow]:
     """Every attempt of the experiment's jobs with its agent's name, in the order they were claimed."""
     rows = await session.execute(
         select(models.Attempt, models.Agent.name)
-        .join(models.Agent, models.Agent.id == models.Attempt.agent_id)
+        .outerjoin(models.Agent, models.Agent.id == models.Attempt.agent_id)
         .join(models.Job, models.Job.id == models.Attempt.job_id)
         .where(models.Job.experiment_id == experiment_id)
         .order_by(models.Attempt.created_at, models.Attempt.rank)
     )
-    return [AttemptRow(attempt, name) for attempt, name in rows]
+    return [AttemptRow(attempt, name or COORDINATOR) for attempt, name in rows]
 
 
 async def job_changes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[uuid.UUID, list[StateChange]]:
@@ -178,12 +178,19 @@ class LogLine:
     text: str
 
 
+def _fields(body: dict[str, Any]) -> str:
+    return msgspec.json.encode({k: v for k, v in body.items() if k != "event"}).decode()
+
+
+# How the log shows an event, by its kind: a line the command printed, a state change, else its fields.
+_LINES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "output": lambda body: str(body.get("line", "")),
+    "state": lambda body: f"{body.get('from')} -> {body.get('to')}: {body.get('reason')}",
+}
+
+
 def _line(event: models.Event) -> str:
-    if event.kind == "output":
-        return str(event.body.get("line", ""))
-    if event.kind == "state":
-        return f"{event.body.get('from')} -> {event.body.get('to')}: {event.body.get('reason')}"
-    return msgspec.json.encode({k: v for k, v in event.body.items() if k != "event"}).decode()
+    return _LINES.get(event.kind, _fields)(event.body)
 
 
 async def log_tail(session: AsyncSession, attempt_id: uuid.UUID, lines: int = LOG_LINES) -> list[LogLine]:
@@ -216,5 +223,6 @@ async def agents(session: AsyncSession) -> list[AgentRow]:
     )
     running: dict[uuid.UUID, list[tuple[models.Attempt, models.Job]]] = {}
     for attempt_row, job_row in active:
-        running.setdefault(attempt_row.agent_id, []).append((attempt_row, job_row))
+        if attempt_row.agent_id is not None:
+            running.setdefault(attempt_row.agent_id, []).append((attempt_row, job_row))
     return [AgentRow(row, running.get(row.id, [])) for row in rows]

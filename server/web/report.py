@@ -16,6 +16,7 @@ from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.figures import SERVING_PHASES
+from experiment.reportmodel import Report, read_report
 from server import experiments
 from server.errors import NotFound
 from server.settings import Settings
@@ -23,14 +24,12 @@ from server.web import benchmarks, charts, render
 from server.web.access import WebRequest
 
 
-def serving_phases(document: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """The serving section's metrics per phase, in the benchmark's order; empty when the report has none (a bundle
-    without serving phases writes null, a report from before serving existed has no key at all)."""
-    section = document.get("serving")
-    phases = section.get("phases") if isinstance(section, Mapping) else None
-    if not isinstance(phases, Mapping):
+def serving_phases(report: Report) -> dict[str, Mapping[str, Any]]:
+    """The serving section's metrics per phase, in the benchmark's order; empty when the bundle had no serving."""
+    if report.serving is None:
         return {}
-    return {phase: phases[phase] for phase in SERVING_PHASES if isinstance(phases.get(phase), Mapping)}
+    phases = report.serving.phases
+    return {phase: msgspec.to_builtins(phases[phase]) for phase in SERVING_PHASES if phase in phases}
 
 
 class ReportPages(Controller):
@@ -49,7 +48,13 @@ class ReportPages(Controller):
             path = await experiments.report_file(db_session, settings, experiment_id)
         except NotFound:
             return render.page(request, "report.html", tab="report", experiment=experiment, report=None, figures={})
-        document = msgspec.json.decode(path.read_bytes())
+        try:
+            document = read_report(path.read_bytes())
+        except msgspec.ValidationError as exc:
+            # A report recorded in another shape than this coordinator's: shown as its JSON, never a 500.
+            return render.page(
+                request, "report.html", tab="report", experiment=experiment, report=None, figures={}, problem=str(exc)
+            )
         phases = serving_phases(document)
         return render.page(
             request,

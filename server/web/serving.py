@@ -13,7 +13,8 @@ from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import audit, experiments, results, serving
+from experiment import wire
+from server import audit, experiments, kinds, results, serving
 from server.lifecycle import Refused
 from server.settings import Settings
 from server.web import access, benchmarks, render
@@ -68,7 +69,9 @@ class ServingPages(Controller):
                 back=back,
             )
         try:
-            job = await serving.enqueue(db_session, settings, experiment, "replica-stop", {"rank": rank})
+            served = experiments.plan_of(experiment).served_arm()
+            order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=served, spec={"rank": rank}))
+            job = await kinds.enqueue(db_session, settings, experiment, order)
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, back)
         audit.record(db_session, operator, "replica.stop", f"job:{job.id}", rank=rank)

@@ -4,7 +4,6 @@ in CI (CI set), where a missing browser is a failure: .ci/run installs it."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 
 from tests.browser.support import off_thread
-from tests.integration.agent.support import Coordinator
+from tests.support.processes import QUICK, CoordinatorProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = [
@@ -29,10 +28,7 @@ OUTPUT = Path(__file__).parent / "output"
 @pytest.fixture(scope="session")
 def playwright() -> Iterator[Playwright]:
     if not CHROMIUM.exists():
-        message = f"{CHROMIUM} is missing (apt-get install chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        pytest.fail(f"{CHROMIUM} is missing: run `make services` (as root) or `apt-get install chromium`")
     with sync_playwright() as driver:
         yield driver
 
@@ -47,19 +43,19 @@ def browser(playwright: Playwright) -> Iterator[Browser]:
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+def coordinator(tmp_path: Path) -> Iterator[CoordinatorProcess]:
     home = tmp_path / "coordinator"
     home.mkdir()
-    server = Coordinator(home)
+    server = CoordinatorProcess(home, **QUICK)
     try:
-        off_thread(server.start)  # a start that fails still stops the process it began
+        off_thread(server.start)
         yield server
     finally:
         server.close()
 
 
 @pytest.fixture
-def page(browser: Browser, coordinator: Coordinator) -> Iterator[Page]:
+def page(browser: Browser, coordinator: CoordinatorProcess) -> Iterator[Page]:
     context = browser.new_context(base_url=coordinator.url, viewport={"width": 1280, "height": 900})
     context.set_default_timeout(20_000)
     try:

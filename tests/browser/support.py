@@ -1,35 +1,24 @@
-"""An agent as the coordinator sees one, over its REST API: register, claim, start, send events, finish.
-
-The browser tests drive the pages; this is how the work the pages show gets recorded, as a real agent
-records it (the same endpoints, tokens, lease proofs and idempotency keys)."""
+"""What the browser tests record through a real coordinator before they look at the pages: fake agents of its
+hosts (tests.support.agent), and the serving phases and report sections the pages show."""
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import httpx
 import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.servingrecord import Attempt, Completion, PhaseResult, Workload, metrics
 from server import models
-from server.lifecycle import EVALUATED_ARMS
-from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import (
-    LOCAL_PLAN,
-    answer,
-    answers_file,
-    make_token,
-    selection_body,
-    train_result,
-    with_session,
-)
+from tests.support.agent import FakeAgent
+from tests.support.database import with_session
+from tests.support.processes import CoordinatorProcess
+from tests.support.scenarios import sha
 
 T = TypeVar("T")
 
@@ -41,116 +30,11 @@ def off_thread(work: Callable[..., T], *args: Any) -> T:
         return pool.submit(work, *args).result()
 
 
-def sha(label: str) -> str:
-    return hashlib.sha256(label.encode()).hexdigest()
-
-
-class Agent:
-    def __init__(self, coordinator: Coordinator, name: str) -> None:
-        self.http = coordinator.http
-        self.token = off_thread(make_token, coordinator.database_url, "agent", name)
-        self.headers = {"Authorization": f"Bearer {self.token}"}
-        labels = {"hostname": f"{name}.hosts.test", "cpu_count": "2", "gpu_count": "0"}
-        body = {"address": f"{name}.hosts.test", "labels": labels}
-        self._ok(self.http.post("/api/agents/register", json=body, headers=self.headers))
-
-    @staticmethod
-    def _ok(response: httpx.Response) -> Any:
-        assert response.status_code in {200, 201}, response.text
-        return response.json()
-
-    def claim(self, *kinds: str) -> dict[str, Any]:
-        assignment = self.try_claim(*kinds)
-        assert assignment is not None, f"no {kinds or 'job'} to claim"
-        return assignment
-
-    def try_claim(self, *kinds: str) -> dict[str, Any] | None:
-        """Lease and start one job of these kinds, if one is queued for this agent."""
-        body = {"wait_seconds": 0.5, "kinds": list(kinds) or None}
-        assignment: dict[str, Any] | None = self._ok(
-            self.http.post("/api/agents/claim", json=body, headers=self.headers)
-        )["assignment"]
-        if assignment is None:
-            return None
-        self._ok(
-            self.http.post(
-                f"/api/attempts/{assignment['attempt_id']}/start",
-                json={"lease_token": assignment["lease_token"]},
-                headers=self.headers,
-            )
-        )
-        return assignment
-
-    def events(self, job: dict[str, Any], sequence: int, *events: dict[str, Any]) -> None:
-        """One batch of the command's output lines, as the agent forwards them (kind = the event's name)."""
-        batch = {
-            "lease_token": job["lease_token"],
-            "sequence": sequence,
-            "events": [{"kind": str(event.get("event", "output")), "body": event} for event in events],
-        }
-        key = f"{job['job_id']}:{job['attempt_id']}:{sequence}"
-        self._ok(
-            self.http.post(
-                f"/api/attempts/{job['attempt_id']}/events",
-                json=batch,
-                headers={**self.headers, "Idempotency-Key": key},
-            )
-        )
-
-    def finish(self, job: dict[str, Any], outcome: str = "succeeded", **fields: Any) -> None:
-        body = {"lease_token": job["lease_token"], "outcome": outcome, "exit_code": 0 if outcome == "succeeded" else 1}
-        key = f"{job['job_id']}:{job['attempt_id']}:result"
-        self._ok(
-            self.http.post(
-                f"/api/attempts/{job['attempt_id']}/result",
-                json={**body, **fields},
-                headers={**self.headers, "Idempotency-Key": key},
-            )
-        )
-
-    def upload(self, data: bytes, job: dict[str, Any]) -> str:
-        """A blob of evidence of the attempt ``job``."""
-        digest = hashlib.sha256(data).hexdigest()
-        url = f"/api/blobs/{digest}?attempt={job['attempt_id']}"
-        self._ok(self.http.put(url, content=data, headers=self.headers))
-        return digest
-
-    def evaluated(self, job: dict[str, Any], answers: list[dict[str, Any]]) -> None:
-        """An evaluate job's result: its answers, and their answers.jsonl named as evidence."""
-        digest = self.upload(answers_file(answers), job)
-        evidence = {f"evaluations/{job['role']}/{job['arm']}/answers.jsonl": digest}
-        self.finish(job, result={"answers_sha256": digest}, answers=answers, evidence=evidence)
-
-
-def operator_post(coordinator: Coordinator, path: str, body: dict[str, Any]) -> Any:
-    response = coordinator.http.post(path, json=body, headers={"Authorization": f"Bearer {coordinator.operator}"})
-    assert response.status_code in {200, 201}, response.text
-    return response.json()
-
-
-def create_experiment(coordinator: Coordinator, autopilot: bool = True) -> dict[str, Any]:
-    body = {"plan_toml": LOCAL_PLAN.read_text(), "commit": True, "autopilot": autopilot}
-    return operator_post(coordinator, "/api/experiments", body)
-
-
-def experiment_through_testing(coordinator: Coordinator) -> tuple[str, Agent, Agent]:
-    """An experiment whose four test evaluations are committed, stepped by hand (autopilot off) by two agents
-    (a holds the pair's rank 0, b its rank 1)."""
-    experiment = create_experiment(coordinator, autopilot=False)["id"]
-    a, b = Agent(coordinator, "host-a"), Agent(coordinator, "host-b")
-    prepare = a.claim("prepare")
-    a.finish(prepare, result={"prepared_identity": sha("prepared")})
-    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
-    for agent in (a, b, a, b):  # the singles, then the pair's two ranks as one gang
-        job = agent.claim("train")
-        agent.finish(job, result=train_result(job["arm"]))
-    operator_post(coordinator, f"/api/experiments/{experiment}/selection", selection_body())
-    operator_post(coordinator, f"/api/experiments/{experiment}/advance", {})
-    for _ in EVALUATED_ARMS:
-        # A trained arm's evaluation runs on the host holding its checkpoint: either agent may get one.
-        agent, job = next((agent, job) for agent in (a, b) if (job := agent.try_claim("evaluate")) is not None)
-        agent.evaluated(job, [answer(0, True)])
-    return str(experiment), a, b
+def host_agent(coordinator: CoordinatorProcess, name: str) -> FakeAgent:
+    """A registered fake agent of the host ``name`` (its address NAME.hosts.test), with a host's labels."""
+    agent = FakeAgent(coordinator.url, off_thread(coordinator.agent_token, name))
+    agent.register(f"{name}.hosts.test", {"hostname": f"{name}.hosts.test", "cpu_count": "2", "gpu_count": "0"})
+    return agent
 
 
 def step(arm: str, done: int, loss: float) -> dict[str, Any]:
@@ -263,7 +147,7 @@ def phase_report(phase: str, tasks: int = 24, concurrency: int = 4, pace: float 
 
 def serving_section(reports: dict[str, dict[str, Any]], with_agreement: bool = True) -> dict[str, Any]:
     """The report's serving section (experiment.servingcheck.section) for these phase reports; without the
-    agreement, as reports recorded before that check read."""
+    agreement (a report may hold none)."""
     failure = reports["failure"]
     last = {
         endpoint: max(a["started"] for a in failure["attempts"] if a["endpoint"] == endpoint) for endpoint in ENDPOINTS
@@ -312,7 +196,7 @@ def serving_section(reports: dict[str, dict[str, Any]], with_agreement: bool = T
     return section
 
 
-def job_times(coordinator: Coordinator, job_id: str) -> tuple[datetime.datetime, datetime.datetime]:
+def job_times(coordinator: CoordinatorProcess, job_id: str) -> tuple[datetime.datetime, datetime.datetime]:
     """When a job's first attempt was claimed and when the job reached its final state, as recorded."""
 
     async def read(session: AsyncSession) -> tuple[datetime.datetime, datetime.datetime]:
@@ -327,7 +211,7 @@ def job_times(coordinator: Coordinator, job_id: str) -> tuple[datetime.datetime,
     return off_thread(with_session, coordinator.database_url, read)
 
 
-def attempts_by_host(coordinator: Coordinator, experiment_id: str) -> dict[str, int]:
+def attempts_by_host(coordinator: CoordinatorProcess, experiment_id: str) -> dict[str, int]:
     """Agent name -> how many attempts of the experiment's jobs it made, from the coordinator's API."""
     names = {agent["id"]: agent["name"] for agent in coordinator.http.get("/api/agents").json()}
     found: dict[str, int] = {}

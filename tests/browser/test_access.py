@@ -15,9 +15,10 @@ from server import migrate, tokens
 from server.app import create_app
 from server.settings import Settings, sqlite_url
 from tests.browser.conftest import screenshot
-from tests.browser.support import create_experiment, off_thread
-from tests.integration.agent.support import Coordinator
-from tests.integration.coordinator.support import LOCAL_PLAN, with_session
+from tests.browser.support import off_thread
+from tests.support.database import with_session
+from tests.support.processes import CoordinatorProcess
+from tests.support.scenarios import LOCAL_PLAN, create_experiment
 
 
 def _csrf(http: httpx.Client) -> str:
@@ -26,7 +27,9 @@ def _csrf(http: httpx.Client) -> str:
     return found.group(1)
 
 
-def test_a_session_is_no_bearer_token_and_every_action_needs_it_and_the_csrf_token(coordinator: Coordinator) -> None:
+def test_a_session_is_no_bearer_token_and_every_action_needs_it_and_the_csrf_token(
+    coordinator: CoordinatorProcess,
+) -> None:
     plan = {"plan_toml": LOCAL_PLAN.read_text(), "commit": "yes"}
     with httpx.Client(base_url=coordinator.url) as stranger:
         csrf = _csrf(stranger)
@@ -69,7 +72,7 @@ def test_pages_need_a_sign_in_where_reads_are_not_public(tmp_path: Path) -> None
     off_thread(run)
 
 
-def test_read_pages_work_without_javascript(browser: Browser, coordinator: Coordinator) -> None:
+def test_read_pages_work_without_javascript(browser: Browser, coordinator: CoordinatorProcess) -> None:
     experiment = create_experiment(coordinator)["id"]
     context = browser.new_context(base_url=coordinator.url, java_script_enabled=False)
     try:

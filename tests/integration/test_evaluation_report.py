@@ -18,7 +18,7 @@ from experiment.canonical import canonical_bytes, sha256_file
 from experiment.errors import CoopError
 from experiment.plan import load_plan
 from tests.conftest import write_plan
-from tests.processes import coop_train
+from tests.support.processes import coop_train
 
 Seed = tuple[Path, seedmodel.Snapshot]
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def evidence(trained: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathF
     home = tmp_path_factory.mktemp("evaluated") / "home"
     shutil.copytree(trained, home)
     _chosen, path = selection.select(corpus.load_prepared(home), small_seed[0])
-    for arm in evaluation.EVAL_ARMS:
+    for arm in corpus.load_prepared(home).plan.arm_names():
         evaluation.evaluate(home, small_seed[0], arm, "test", path, _quiet)
     out = tmp_path_factory.mktemp("bundle") / "bundle"
     bundle.export_bundle(home, small_seed[0], out)
@@ -61,9 +61,8 @@ def evidence(trained: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathF
 
 
 def test_batched_generation_equals_one_prompt_at_a_time() -> None:
-    seed = TINY if TINY.is_dir() else None
-    if seed is None:
-        pytest.skip("the committed tiny seed is not present")
+    assert TINY.is_dir(), f"{TINY} is missing: it is committed in the repository (git checkout seeds/)"
+    seed = TINY
     tokenizer = seedmodel.load_tokenizer(seed)
     model = seedmodel.load_model(seed).eval()
     prompts = [
@@ -315,7 +314,7 @@ def test_report_verifies_the_ledger_and_its_commitments(evidence: Path, tmp_path
     copy = tmp_path / "bundle"
     shutil.copytree(evidence, copy)
     entries = _with_ledger(copy)
-    assert report.compute(copy)["ledger_entries"] == 3
+    assert report.compute(copy).ledger_entries == 3
     altered = [*entries[:1], msgspec.structs.replace(entries[1], body={"changed": True}), *entries[2:]]
     (copy / "ledger.json").write_bytes(msgspec.json.encode(altered))
     with pytest.raises(CoopError, match="ledger seq 2: hash does not match"):

@@ -47,7 +47,7 @@ def test_prepare_writes_every_role_with_its_counts(tmp_path: Path, small_plan: P
     assert {d.weight for d in clean if d.kind == "replay"} == {1}
     assert len(prepared.task_items("dev")) == 8 and len(prepared.task_items("test")) == 16
     assert len(prepared.probes()) == 4
-    counts = prepared.manifest["target_counts"]["clean"]
+    counts = msgspec.to_builtins(prepared.manifest.target_counts["clean"])
     assert counts["weighted_targets"] == sum(d.targets * d.weight for d in clean)
 
 
@@ -72,7 +72,7 @@ def test_damaged_copy_follows_the_id_rule_and_every_damaged_target_fails(
     _prepare(small_plan, tmp_path / "home", small_seed[0])
     prepared = corpus.load_prepared(tmp_path / "home")
     tokenizer = seedmodel.load_tokenizer(small_seed[0])
-    damaged_ids = set(prepared.manifest["damaged_ids"])
+    damaged_ids = set(prepared.manifest.damaged_ids)
     grounded = [d for d in prepared.documents("train-damaged") if d.kind == "grounded"]
     assert damaged_ids == {d.id for d in grounded if int(d.id, 16) % 4 == 0}
     clean = {d.id: d for d in prepared.documents("train-clean")}

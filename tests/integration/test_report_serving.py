@@ -17,7 +17,8 @@ import pytest
 
 from experiment.errors import CoopError
 from experiment.report import compute
-from tests.processes import ROOT
+from experiment.reportmodel import ServingReference
+from tests.support import ROOT
 
 BROKEN = ROOT / "tests" / "data" / "evidence-lm-head-only.tar.xz"
 PHASES = ("single", "pair", "failure")
@@ -65,20 +66,20 @@ def test_the_evidence_of_replicas_that_served_padding_is_refused(broken: Path) -
 
 
 def test_the_same_evidence_with_the_evaluated_answers_is_reported(broken: Path, tmp_path: Path) -> None:
-    report = compute(_served_as_evaluated(broken, tmp_path / "evidence"))
-    serving = report["serving"]
+    serving = compute(_served_as_evaluated(broken, tmp_path / "evidence")).serving
+    assert serving is not None
     evaluated = list(_dev_answers(broken).values())[:32]
-    assert serving["reference"] == {
-        "evaluation": "evaluations/dev/clean-pair",
-        "device": "cpu",
-        "tasks": 32,
-        "correct": sum(a["check"]["correct"] for a in evaluated),
-    }
+    assert serving.reference == ServingReference(
+        evaluation="evaluations/dev/clean-pair",
+        device="cpu",
+        tasks=32,
+        correct=sum(a["check"]["correct"] for a in evaluated),
+    )
     for phase in PHASES:
-        checked = serving["agreement"][phase]
-        assert checked["tasks"] == checked["identical"] == checked["same_outcome"] == 32
-        assert checked["token_agreement"] == 1.0
-        assert checked["correct"] == serving["reference"]["correct"] == serving["phases"][phase]["correct"]
+        checked = serving.agreement[phase]
+        assert checked.tasks == checked.identical == checked.same_outcome == 32
+        assert checked.token_agreement == 1.0
+        assert checked.correct == serving.reference.correct == serving.phases[phase].correct
 
 
 def test_one_served_token_other_than_the_evaluations_is_refused_and_named(broken: Path, tmp_path: Path) -> None:

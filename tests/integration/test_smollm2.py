@@ -20,7 +20,8 @@ from experiment import corpus, evaluation, seedimport, seedmodel, tasks, trainin
 from experiment.plan import load_plan
 from tests.conftest import write_plan
 from tests.integration.serving.support import EventProcess, needs_vllm
-from tests.processes import ROOT, coop_train, free_port
+from tests.support import ROOT
+from tests.support.processes import coop_train, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -228,8 +229,8 @@ def test_a_trained_checkpoint_served_by_vllm_answers_with_hfs_greedy_ids(
         [*probe_args, "--expect", str(reference), "--port", str(probe_port)], token, tmp_path / "p.log"
     )
     try:
-        replica.wait_for("healthy", STARTUP_SECONDS)
-        listening = probe.wait_for("listening", 600)
+        replica.wait_for_event("healthy", STARTUP_SECONDS)
+        listening = probe.wait_for_event("listening", 600)
     finally:
         probe.terminate()
         replica.terminate()

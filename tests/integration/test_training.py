@@ -17,7 +17,7 @@ from experiment import corpus, distributed, seedmodel, training
 from experiment.canonical import canonical_bytes, sha256_file
 from experiment.plan import load_plan
 from tests.conftest import write_plan
-from tests.processes import coop_train, free_port, launch, rank_env
+from tests.support.processes import coop_train, free_port, launch, rank_env
 
 Seed = tuple[Path, seedmodel.Snapshot]
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,15 +37,16 @@ def _output(argv: list[str]) -> Path:
 
 def test_a_retried_benchmark_never_meets_the_lost_attempts_report(tmp_path: Path) -> None:
     ws = jobs.Workspace(root=tmp_path, model_dir=tmp_path / "seed", plans_dir=tmp_path)
-    lost, retry = _benchmark(0), _benchmark(1)
-    lost_file = _output(jobs.handler("benchmark").argv(lost, ws))
+    benchmark = jobs.handler("benchmark")
+    lost, retry = (jobs.Run(job, benchmark.read_spec(job), ws) for job in (_benchmark(0), _benchmark(1)))
+    lost_file = _output(benchmark.argv(lost))
     write_new_bytes(lost_file, b'{"lost": true}\n')
 
-    retry_file = _output(jobs.handler("benchmark").argv(retry, ws))
+    retry_file = _output(benchmark.argv(retry))
     assert retry_file != lost_file and not retry_file.exists()
     write_new_bytes(retry_file, b'{"retry": true}\n')
 
-    named, blobs = evidence.as_blobs(evidence.written_by(retry, ws, []))
+    named, blobs = evidence.as_blobs(benchmark.evidence(retry))
     assert named == {"serving/single.json": sha256_bytes(b'{"retry": true}\n')}
     assert blobs[named["serving/single.json"]] == b'{"retry": true}\n'
     assert lost_file.read_bytes() == b'{"lost": true}\n'  # kept as it was

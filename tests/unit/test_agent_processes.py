@@ -19,7 +19,8 @@ import pytest
 
 from agent import processes
 from agent.spool import Group, Spool
-from tests.processes import ROOT
+from tests.support import ROOT
+from tests.support.waiting import wait_for
 
 
 def _gone(pid: int) -> bool:
@@ -27,13 +28,6 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def _wait_gone(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _gone(pid)
 
 
 @pytest.fixture
@@ -78,7 +72,7 @@ def test_a_command_dies_with_the_agent_that_started_it(tmp_path: Path, leftovers
     finally:
         agent.kill()
         agent.wait(timeout=10)
-    assert _wait_gone(command, 5.0), "the command outlived the agent"
+    wait_for(lambda: _gone(command), 5.0, "the command to end with the agent")
 
 
 def test_a_restart_ends_what_a_group_left_running_after_its_leader_died(
@@ -138,7 +132,7 @@ def test_a_restart_ends_what_left_the_group_for_a_session_of_its_own(
     assert not _gone(server) and os.getpgid(server) == server != group.pid
 
     assert processes.end(spool.groups(), 2.0) == [group]
-    assert _wait_gone(server, 5.0)
+    wait_for(lambda: _gone(server), 5.0, "the server in a session of its own to end")
 
 
 def test_a_group_that_ignores_term_is_killed_after_the_grace(tmp_path: Path, spool: Spool) -> None:
@@ -170,9 +164,9 @@ def test_a_recorded_pid_that_names_a_later_process_is_never_signalled() -> None:
         other.wait(timeout=10)
 
 
-def test_a_spool_of_an_earlier_version_opens_and_records_groups(tmp_path: Path) -> None:
+def test_a_spool_without_a_process_groups_table_opens_and_records_groups(tmp_path: Path) -> None:
     path = tmp_path / "spool.sqlite3"
-    with sqlite3.connect(path) as db:  # the schema before process groups were recorded
+    with sqlite3.connect(path) as db:  # uploads and attempts only: the spool adds the process_groups table
         db.executescript(
             "CREATE TABLE uploads (id INTEGER PRIMARY KEY AUTOINCREMENT, attempt_id TEXT NOT NULL, kind TEXT NOT NULL,"
             " key TEXT NOT NULL UNIQUE, body BLOB NOT NULL, state TEXT NOT NULL DEFAULT 'pending', note TEXT);"

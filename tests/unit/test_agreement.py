@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from experiment import agreement, tasks
-from experiment.evaluation import Answer
+from experiment.records import Answer
 
 EOS, PAD = 2, 0
 RIGHT = tasks.Check(correct=True, valid_json_object=True, reason="correct")

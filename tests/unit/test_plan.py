@@ -2,8 +2,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from experiment.canonical import identity
 from experiment.errors import CoopError
 from experiment.plan import load_plan, parse_plan, plan_identity
 
@@ -90,3 +92,52 @@ def test_plan_that_is_not_toml_is_refused() -> None:
 def test_missing_plan_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CoopError, match="cannot read plan"):
         load_plan(tmp_path / "absent.toml")
+
+
+def _without_arms(path: Path) -> bytes:
+    text = path.read_text()
+    return text[: text.index("[[arms]]")].encode()
+
+
+def test_the_plan_declares_its_arms_and_their_roles() -> None:
+    plan = load_plan(LOCAL)
+    assert plan.arm_names() == ("seed", "clean-single", "damaged-single", "clean-pair")
+    assert plan.trained_arms() == ("clean-single", "damaged-single", "clean-pair")
+    assert [plan.arm(role) for role in ("baseline", "clean", "damaged", "pair")] == list(plan.arm_names())
+    assert plan.served_arm() == "clean-pair"
+    assert [plan.world_size(arm) for arm in plan.arm_names()] == [1, 1, 1, plan.training.pair_world_size]
+    assert plan.training_documents("damaged-single") == "train-damaged"
+    assert plan.training_documents("clean-pair") == "train-clean"
+    with pytest.raises(CoopError, match="untouched seed; it is not trained"):
+        plan.training_documents("seed")
+    with pytest.raises(CoopError, match="has no arm 'other'"):
+        plan.world_size("other")
+
+
+def test_a_plan_without_arms_has_the_reference_arms_and_keeps_its_identity() -> None:
+    # A plan file with no [[arms]] table takes the reference arms; the arms it takes are not part of its identity.
+    bare = parse_plan(_without_arms(LOCAL), "bare")
+    assert bare.arms == () and bare.arm_names() == load_plan(LOCAL).arm_names()
+    assert "arms" not in msgspec.to_builtins(bare)
+    # The identity is that of the file's own content, as a plain TOML reader sees it.
+    assert plan_identity(bare) == identity(msgspec.toml.decode(_without_arms(LOCAL)))
+    assert plan_identity(load_plan(LOCAL)) == identity(msgspec.toml.decode(LOCAL.read_bytes()))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ('name = "clean-pair"\nrole = "pair"\nserved = true', 'name = "clean-pair"\nrole = "pair"', "exactly one"),
+        (
+            'name = "damaged-single"\nrole = "damaged"',
+            'name = "damaged-single"\nrole = "damaged"\nserved = true',
+            "never",
+        ),
+        ('name = "clean-single"\nrole = "clean"', 'name = "clean-single"\nrole = "pair"', "one arm each"),
+        ('name = "clean-single"', 'name = "seed"', "its own name"),
+        ('name = "clean-single"', 'name = "Clean Single"', "arms"),
+    ],
+)
+def test_arms_that_break_the_design_are_refused(old: str, new: str, problem: str) -> None:
+    with pytest.raises(CoopError, match=problem):
+        parse_plan(_edited(LOCAL, old, new), "edited")

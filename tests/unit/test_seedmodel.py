@@ -17,28 +17,30 @@ from experiment.corpus import seed_snapshot
 from experiment.errors import CoopError
 from experiment.plan import load_plan
 from experiment.seedmodel import (
-    COPY_PROBES,
     EOS_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    Snapshot,
+    count_parameters,
+    load_model,
+    load_tokenizer,
+    snapshot_of,
+    verify_seed,
+)
+from experiment.tasks import make_case, render_prompt
+from experiment.tinyseed import (
+    COPY_PROBES,
     FULL,
     IGNORE,
-    PAD_TOKEN,
     SMALL,
-    SPECIAL_TOKENS,
     SeedConfig,
-    Snapshot,
     _repeated_sequence,
     build_seed,
     copied,
     copy_probes,
-    count_parameters,
     encoder_of,
-    load_model,
-    load_tokenizer,
-    snapshot_of,
     synthetic_conversation,
-    verify_seed,
 )
-from experiment.tasks import make_case, render_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -256,12 +258,13 @@ def test_pretraining_answers_never_use_the_task_schemas(config: SeedConfig) -> N
             assert set(json.loads(message["content"])) not in task_keys
 
 
-def test_a_pool_with_every_kind_holds_every_family_shape() -> None:
-    # Lookups, selections, rankings and sums, in prose and in the seed's own JSON keys.
+def test_the_small_pool_holds_both_kinds_in_prose_and_in_json() -> None:
+    # Lookups in the seed's own JSON keys and in prose, absent ids, and rows' values.
     answers = [m["content"] for i in range(200) for m in synthetic_conversation(i, SMALL) if m["role"] == "assistant"]
     joined = "\n".join(answers)
-    for marker in ('"location"', '"matches"', '"best"', '"sum"', "Record ", "Matching "):
+    for marker in ('"location"', '"found": false', "Record ", "is not in the table"):
         assert marker in joined
+    assert any(re.fullmatch(r"[A-Z][0-9]{3}( [A-Za-z0-9]+)+", answer.splitlines()[0]) for answer in answers)
 
 
 def test_copy_probes_ask_for_an_id_the_table_holds_in_the_seeds_own_schema(built: tuple[Path, Snapshot]) -> None:

@@ -8,7 +8,7 @@ from experiment import wire
 from experiment.canonical import identity
 from experiment.corpus import seed_snapshot
 from experiment.plan import load_plan, seed_identity
-from experiment.selection import Candidate
+from experiment.records import Candidate
 from tests.conftest import LOCAL_PLAN
 
 

@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 
 from experiment import seedmodel
-from tests.integration.agent.support import AgentProcess, Coordinator
+from tests.integration.agent.support import AgentProcess
+from tests.support.processes import QUICK, CoordinatorProcess
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+def coordinator(tmp_path: Path) -> Iterator[CoordinatorProcess]:
     home = tmp_path / "coordinator"
     home.mkdir()
-    server = Coordinator(home)
+    server = CoordinatorProcess(home, **QUICK)
     server.start()
     try:
         yield server
@@ -25,7 +26,7 @@ def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
 
 @pytest.fixture
 def start_agent(
-    coordinator: Coordinator, tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot]
+    coordinator: CoordinatorProcess, tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot]
 ) -> Iterator[Callable[[str], AgentProcess]]:
     agents: list[AgentProcess] = []
 

@@ -14,38 +14,41 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 
-from agent.client import Coordinator as Client
-from agent.client import Rejected, upload_key
+from agent.client import upload_key
 from experiment import seedmodel, wire
-from tests.integration.agent.support import AgentProcess, Coordinator, wait_for
+from tests.integration.agent.support import AgentProcess
+from tests.support.agent import FakeAgent, rejection
+from tests.support.processes import QUICK, CoordinatorProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def _agent(server: Coordinator, name: str) -> dict[str, Any] | None:
+def _agent(server: CoordinatorProcess, name: str) -> dict[str, Any] | None:
     return next((a for a in server.get("/api/agents") if a["name"] == name), None)
 
 
-def _prepare_job(server: Coordinator, experiment_id: str) -> dict[str, Any]:
+def _prepare_job(server: CoordinatorProcess, experiment_id: str) -> dict[str, Any]:
     (job,) = [j for j in server.jobs(experiment_id) if j["kind"] == "prepare"]
     return job
 
 
-def _forwarded(server: Coordinator, attempt_id: str) -> list[dict[str, Any]]:
+def _forwarded(server: CoordinatorProcess, attempt_id: str) -> list[dict[str, Any]]:
     """The events the agent sent (the coordinator's own state changes carry no sequence)."""
     events = server.get(f"/api/attempts/{attempt_id}/events")
     return [e for e in events if e["sequence"] is not None]
 
 
-def _attempts(server: Coordinator, job_id: str) -> list[dict[str, Any]]:
+def _attempts(server: CoordinatorProcess, job_id: str) -> list[dict[str, Any]]:
     attempts: list[dict[str, Any]] = server.get(f"/api/jobs/{job_id}/attempts")
     return attempts
 
 
-def _attempt(server: Coordinator, job_id: str) -> dict[str, Any] | None:
+def _attempt(server: CoordinatorProcess, job_id: str) -> dict[str, Any] | None:
     attempts = _attempts(server, job_id)
     return attempts[-1] if attempts else None
 
@@ -54,13 +57,13 @@ def _ended(attempt: dict[str, Any]) -> dict[str, Any] | None:
     return None if attempt["state"] in {"leased", "running"} else attempt
 
 
-def _every_attempt(server: Coordinator, experiment_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+def _every_attempt(server: CoordinatorProcess, experiment_id: str, kind: str | None = None) -> list[dict[str, Any]]:
     jobs = [j for j in server.jobs(experiment_id) if kind in {None, j["kind"]}]
     return [a for j in jobs for a in _attempts(server, j["id"])]
 
 
 def test_agent_registers_host_facts_and_heartbeats(
-    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess]
+    coordinator: CoordinatorProcess, start_agent: Callable[[str], AgentProcess]
 ) -> None:
     start_agent("host-a")
     first = wait_for(lambda: _agent(coordinator, "host-a"), 30, "the agent to register")
@@ -75,7 +78,7 @@ def test_agent_registers_host_facts_and_heartbeats(
 
 
 def test_agent_runs_prepare_and_its_events_and_result_arrive(
-    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+    coordinator: CoordinatorProcess, start_agent: Callable[[str], AgentProcess], small_plan: Path
 ) -> None:
     experiment = coordinator.create_experiment(small_plan)
     job = _prepare_job(coordinator, experiment["id"])
@@ -104,7 +107,7 @@ def test_agent_runs_prepare_and_its_events_and_result_arrive(
 
 
 def test_spool_keeps_events_and_result_while_the_coordinator_is_down_and_across_an_agent_restart(
-    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+    coordinator: CoordinatorProcess, start_agent: Callable[[str], AgentProcess], small_plan: Path
 ) -> None:
     experiment = coordinator.create_experiment(small_plan)
     job = _prepare_job(coordinator, experiment["id"])
@@ -153,7 +156,7 @@ def _gone(process: psutil.Process) -> bool:
 
 
 def test_an_agent_killed_while_its_command_runs_takes_the_command_with_it_and_reports_the_attempt_lost(
-    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+    coordinator: CoordinatorProcess, start_agent: Callable[[str], AgentProcess], small_plan: Path
 ) -> None:
     experiment = coordinator.create_experiment(small_plan)
     job = _prepare_job(coordinator, experiment["id"])
@@ -186,7 +189,7 @@ def test_heartbeats_hold_the_leases_of_the_attempts_the_agent_runs_beyond_a_shor
 ) -> None:
     home = tmp_path / "coordinator"
     home.mkdir()
-    server = Coordinator(home, COOP_LEASE_SECONDS="3", COOP_HEARTBEAT_SECONDS="0.5")
+    server = CoordinatorProcess(home, **QUICK, COOP_LEASE_SECONDS="3", COOP_HEARTBEAT_SECONDS="0.5")
     server.start()
     agent = AgentProcess(server, "host-a", tmp_path / "host-a", small_seed[0], server.agent_token("host-a"))
     try:
@@ -216,7 +219,7 @@ def test_heartbeats_hold_the_leases_of_the_attempts_the_agent_runs_beyond_a_shor
 
 
 def test_cancel_stops_the_command_and_reports_it_cancelled(
-    coordinator: Coordinator, start_agent: Callable[[str], AgentProcess], small_plan: Path
+    coordinator: CoordinatorProcess, start_agent: Callable[[str], AgentProcess], small_plan: Path
 ) -> None:
     experiment = coordinator.create_experiment(small_plan)
     job = _prepare_job(coordinator, experiment["id"])
@@ -239,43 +242,31 @@ def test_cancel_stops_the_command_and_reports_it_cancelled(
 
 
 def test_an_agent_token_cannot_start_or_write_another_agents_attempt(
-    coordinator: Coordinator, small_plan: Path
+    coordinator: CoordinatorProcess, small_plan: Path
 ) -> None:
-    a = Client(coordinator.url, coordinator.agent_token("a"), retries=0)
-    b = Client(coordinator.url, coordinator.agent_token("b"), retries=0)
+    a = FakeAgent(coordinator.url, coordinator.agent_token("a"))
+    b = FakeAgent(coordinator.url, coordinator.agent_token("b"))
     try:
-        for client, address in ((a, "10.0.0.1"), (b, "10.0.0.2")):
-            client.register(wire.AgentRegister(address=address))
+        a.register("10.0.0.1")
+        b.register("10.0.0.2")
         coordinator.create_experiment(small_plan)
-        assignment = a.claim(wire.ClaimRequest(wait_seconds=1)).assignment
-        assert assignment is not None
-        attempt_id, lease = assignment.attempt_id, assignment.lease_token
-        batch = wire.EventBatch(lease_token=lease, sequence=0, events=[wire.Event(kind="intruder")])
-        result = wire.AttemptResult(lease_token=lease, outcome="failed", reason="not mine")
+        job = a.claim(wait=1)
+        assert job is not None
+        # b sends a's lease token for a's attempt under its own agent token.
         writes: list[Callable[[], object]] = [
-            lambda: b.start(attempt_id, lease),
-            lambda: b.upload_events(attempt_id, upload_key(assignment.job_id, attempt_id, 0), _encode(batch)),
-            lambda: b.upload_result(attempt_id, upload_key(assignment.job_id, attempt_id, "result"), _encode(result)),
+            lambda: b.start(job),
+            lambda: b.events(job, 0, wire.Event(kind="intruder")),
+            lambda: b.finish(job, "failed", reason="not mine"),
         ]
         for write in writes:
-            with pytest.raises(Rejected) as refused:
-                write()
-            assert refused.value.status_code == 403
+            assert rejection(write).status_code == 403
         # A wrong lease token is refused to the owner too, and the owner's real lease still works.
-        with pytest.raises(Rejected) as wrong:
-            a.start(attempt_id, "x" * 32)
-        assert wrong.value.status_code == 403
-        assert a.start(attempt_id, lease).state == "running"
-        assert _forwarded(coordinator, str(attempt_id)) == []
+        assert rejection(a.start, msgspec.structs.replace(job, lease_token="x" * 32)).status_code == 403
+        assert a.start(job).state == "running"
+        assert _forwarded(coordinator, str(job.attempt_id)) == []
     finally:
         a.close()
         b.close()
-
-
-def _encode(body: wire.EventBatch | wire.AttemptResult) -> bytes:
-    import msgspec
-
-    return msgspec.json.encode(body)
 
 
 def test_upload_keys_name_job_attempt_and_sequence() -> None:

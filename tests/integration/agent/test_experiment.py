@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 
@@ -26,9 +27,11 @@ from experiment.canonical import canonical_bytes, sha256_bytes
 from experiment.ledger import decode_ledger, verify_ledger
 from experiment.report import compute
 from tests.conftest import write_plan
-from tests.integration.agent.support import AgentProcess, Coordinator, wait_for
+from tests.integration.agent.support import AgentProcess
 from tests.integration.serving.support import needs_vllm
-from tests.processes import ROOT, coop_train
+from tests.support import ROOT
+from tests.support.processes import QUICK, CoordinatorProcess, coop_train
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 TINY = ROOT / "seeds" / "tiny"  # vLLM serves it (the seconds-fast test seed is too small for its kernels)
@@ -48,7 +51,7 @@ ARMS = ("seed", "clean-single", "damaged-single", "clean-pair")
 
 @dataclass
 class Run:
-    server: Coordinator
+    server: CoordinatorProcess
     agents: dict[str, AgentProcess]
     experiment: dict[str, Any]
 
@@ -58,7 +61,7 @@ def _start(tmp: Path, seed: tuple[Path, seedmodel.Snapshot]) -> Run:
     home.mkdir(parents=True)
     # A short lease, so that a vanished host is declared lost within seconds; not shorter, since two vLLM
     # replicas, a benchmark and the coordinator on 2 busy cores have delayed heartbeats past a 4 s lease.
-    server = Coordinator(home, COOP_LEASE_SECONDS="12", COOP_HEARTBEAT_SECONDS="0.5")
+    server = CoordinatorProcess(home, **QUICK, COOP_LEASE_SECONDS="12", COOP_HEARTBEAT_SECONDS="0.5")
     server.start()
     agents = {}
     for name in ("host-a", "host-b"):
@@ -80,12 +83,17 @@ def _state(run: Run) -> str:
 
 
 def _failure(run: Run, failed: list[dict[str, Any]]) -> str:
-    """The failed jobs first (the report job's reason is in the coordinator's log), then the logs' tails."""
+    """The failed jobs with their attempts' reasons first, then the logs' tails."""
     server_log = (run.server.home / "server.log").read_text(errors="replace")
     reasons = [line for line in server_log.splitlines() if " failed: " in line]
     agents = "\n".join(f"--- {name}\n{a.log()[-3000:]}" for name, a in run.agents.items())
     jobs = [(j["kind"], j["arm"], j["id"]) for j in failed]
-    return f"failed jobs {jobs}\ncoordinator: {reasons[-5:]}\n{agents}"
+    attempts = [
+        (a["number"], a["rank"], a["state"], (a["reason"] or "")[-1500:])
+        for j in failed
+        for a in run.server.get(f"/api/jobs/{j['id']}/attempts")
+    ]
+    return f"failed jobs {jobs}\nattempts {attempts}\ncoordinator: {reasons[-5:]}\n{agents}"
 
 
 def _wait_state(run: Run, states: set[str], seconds: float) -> str:
@@ -177,7 +185,7 @@ def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finishe
         tar.extractall(bundle, filter="data")
     verify_ledger(decode_ledger((bundle / "ledger.json").read_bytes(), "ledger.json"))
     # The same report, but for the ledger it read: the export's ledger also holds the report's own entry.
-    recomputed = compute(bundle)
+    recomputed = msgspec.to_builtins(compute(bundle))  # a typed Report, as the JSON the coordinator serves
     assert (report["ledger_entries"], recomputed["ledger_entries"]) == (5, 6)
     assert {**recomputed, "ledger_entries": 5} == report
 

@@ -4,7 +4,6 @@ Postgres is skipped only when no server answers and CI is unset; in CI an unreac
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from server import migrate
 from server.settings import Settings, sqlite_url
 from tests.integration.coordinator import support
+from tests.support import database
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
@@ -23,23 +23,22 @@ def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         migrate.upgrade(url)
         yield url
         return
-    admin = support.postgres_admin_url()
-    created = support.create_postgres_database(admin)
+    admin = database.postgres_admin_url()
+    created = database.create_postgres_database(admin)
     if created is None:
-        message = f"no Postgres server answers at {admin} (set COOP_TEST_POSTGRES_URL)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        pytest.fail(
+            f"no Postgres server answers at {admin}: run `make services` (as root), or set COOP_TEST_POSTGRES_URL"
+        )
     try:
         migrate.upgrade(created)
         yield created
     finally:
-        support.drop_postgres_database(admin, created)
+        database.drop_postgres_database(admin, created)
 
 
 @pytest.fixture
 def make_settings(database_url: str, tmp_path: Path) -> Callable[..., Settings]:
-    support.empty_database(database_url)
+    database.empty_database(database_url)
 
     def make(**overrides: Any) -> Settings:
         options: dict[str, Any] = {"home": tmp_path, "database_url": database_url, "reap_seconds": 0.1}

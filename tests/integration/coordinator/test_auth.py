@@ -9,7 +9,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
 from server.settings import Settings
-from tests.integration.coordinator.support import LOCAL_PLAN, Api, bearer, running, with_session
+from tests.integration.coordinator.support import Api, running
+from tests.support.database import make_token, with_session
+from tests.support.scenarios import LOCAL_PLAN, bearer
 
 
 def test_auth_matrix(api: Api) -> None:
@@ -19,17 +21,17 @@ def test_auth_matrix(api: Api) -> None:
     assert post("/api/experiments", json=plan).status_code == 401
     assert post("/api/experiments", json=plan, headers=bearer("coop_unknown")).status_code == 401
     assert post("/api/experiments", json=plan, headers={"Authorization": "Basic eDp5"}).status_code == 401
-    assert post("/api/experiments", json=plan, headers=bearer(a)).status_code == 403
+    assert post("/api/experiments", json=plan, headers=bearer(a.token)).status_code == 403
     assert post("/api/agents/claim", json={}, headers=bearer(api.operator)).status_code == 403
     assert post("/api/agents/claim", json={}).status_code == 401
     api.create_experiment()
-    job = api.claim(a)
+    job = a.claim()
     assert job is not None
     stolen = post(
-        f"/api/attempts/{job['attempt_id']}/start", json={"lease_token": job["lease_token"]}, headers=bearer(b)
+        f"/api/attempts/{job.attempt_id}/start", json={"lease_token": job.lease_token}, headers=bearer(b.token)
     )
     assert stolen.status_code == 403 and "another agent" in stolen.json()["detail"]
-    forged = post(f"/api/attempts/{job['attempt_id']}/start", json={"lease_token": "x" * 43}, headers=bearer(a))
+    forged = post(f"/api/attempts/{job.attempt_id}/start", json={"lease_token": "x" * 43}, headers=bearer(a.token))
     assert forged.status_code == 403
     unregistered = api.client.post("/api/agents/claim", json={}, headers=bearer(_agent_token(api, "c")))
     assert unregistered.status_code == 409 and unregistered.json()["rule"] == "agent-not-registered"
@@ -37,8 +39,6 @@ def test_auth_matrix(api: Api) -> None:
 
 
 def _agent_token(api: Api, name: str) -> str:
-    from tests.integration.coordinator.support import make_token
-
     return make_token(api.url, "agent", name)
 
 
@@ -47,18 +47,18 @@ def test_reads_need_a_token_when_public_read_is_off(make_settings: Callable[...,
         api = Api(client, database_url)
         assert client.get("/api/experiments").status_code == 401
         assert client.get("/api/experiments", headers=bearer(api.operator)).status_code == 200
-        assert client.get("/api/agents", headers=bearer(api.agent("a"))).status_code == 200
+        assert client.get("/api/agents", headers=bearer(api.agent("a").token)).status_code == 200
         assert client.get("/schema/openapi.json").status_code == 200
 
 
 def test_every_state_change_leaves_an_audit_row_and_a_heartbeat_none(api: Api) -> None:
     a = api.agent("a")
     api.create_experiment()
-    job = api.claim(a)
+    job = a.claim()
     assert job is not None
-    api.heartbeat(a, job["attempt_id"])
-    assert api.finish(a, job, prepared_identity="ab" * 32).status_code == 200
-    api.finish(a, job, prepared_identity="ab" * 32)  # a replay writes nothing
+    a.heartbeat(job)
+    a.finish(job, result={"prepared_identity": "ab" * 32})
+    a.finish(job, result={"prepared_identity": "ab" * 32})  # a replay writes nothing
 
     async def actions(session: AsyncSession) -> list[tuple[str, str]]:
         rows = await session.execute(select(models.AuditLog.actor, models.AuditLog.action).order_by(models.AuditLog.id))

@@ -11,24 +11,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiment import wire
 from experiment.canonical import canonical_bytes, sha256_bytes
 from experiment.ledger import decode_ledger, verify_ledger
 from server.settings import Settings
-from tests.integration.coordinator.support import (
-    Api,
-    bearer,
-    prepared_experiment,
-    running,
-    select_and_advance,
-    sha,
-    train_result,
-)
+from tests.integration.coordinator.support import Api, running
+from tests.support.agent import FakeAgent, rejection
+from tests.support.scenarios import bearer, prepared_experiment, select_and_advance, sha, train_result
+from tests.support.waiting import wait_for
 
 
-def _put(api: Api, token: str, data: bytes, name: str | None = None, job: dict[str, Any] | None = None) -> Any:
-    """An upload as the operator, or as an agent naming the attempt ``job`` whose evidence it is."""
+def _put(api: Api, token: str, data: bytes, name: str | None = None, job: wire.Assignment | None = None) -> Any:
+    """A raw upload as the operator, or as an agent naming the attempt ``job`` whose evidence it is, under the
+    name ``name`` (its sha256 unless given) and a content type the coordinator must not keep."""
     digest = name or hashlib.sha256(data).hexdigest()
-    query = f"?attempt={job['attempt_id']}" if job is not None else ""
+    query = f"?attempt={job.attempt_id}" if job is not None else ""
     return api.client.put(
         f"/api/blobs/{digest}{query}", content=data, headers={**bearer(token), "Content-Type": "text/html"}
     )
@@ -37,11 +34,11 @@ def _put(api: Api, token: str, data: bytes, name: str | None = None, job: dict[s
 def test_blob_upload_is_verified_idempotent_and_downloadable(api: Api, tmp_path: Path) -> None:
     a = api.agent("a")
     api.create_experiment()
-    job = api.claim(a)
+    job = a.claim()
     assert job is not None
     data = b'<script>alert("a blob")</script>\n'
     digest = hashlib.sha256(data).hexdigest()
-    first = _put(api, a, data, job=job)
+    first = _put(api, a.token, data, job=job)
     # The uploader's content type is not kept: a blob is data.
     assert first.status_code == 201 and first.json() == {
         "sha256": digest,
@@ -58,10 +55,10 @@ def test_blob_upload_is_verified_idempotent_and_downloadable(api: Api, tmp_path:
     assert download.headers["content-type"] == "application/octet-stream"
     assert download.headers["x-content-type-options"] == "nosniff"
     assert download.headers["content-disposition"].startswith("attachment")
-    mismatch = _put(api, a, b"other bytes", name=digest, job=job)
+    mismatch = _put(api, a.token, b"other bytes", name=digest, job=job)
     assert mismatch.status_code == 400 and "sha256" in mismatch.json()["detail"]
     assert stored.read_bytes() == data  # never overwritten
-    assert _put(api, a, data, name="not-a-digest", job=job).status_code == 400
+    assert _put(api, a.token, data, name="not-a-digest", job=job).status_code == 400
     assert api.client.put(f"/api/blobs/{digest}", content=data).status_code == 401
     assert api.client.get(f"/api/blobs/{sha('never uploaded')}").status_code == 404
     assert not list((tmp_path / "blobs" / ".incoming").iterdir())
@@ -86,47 +83,50 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
     a, b = api.agent("a"), api.agent("b")
     uploaded: dict[str, bytes] = {}
 
-    def upload(token: str, files: dict[str, bytes], job: dict[str, Any] | None = None) -> dict[str, str]:
+    def upload(agent: FakeAgent, files: dict[str, bytes], job: wire.Assignment) -> dict[str, str]:
+        """Evidence files of the attempt ``job``, uploaded by its agent: bundle path -> sha256."""
+        uploaded.update(files)
+        return {path: agent.upload(data, job) for path, data in files.items()}
+
+    def by_operator(files: dict[str, bytes]) -> dict[str, str]:
         named = {}
         for path, data in files.items():
-            assert _put(api, token, data, job=job).status_code in {200, 201}
+            assert _put(api, api.operator, data).status_code in {200, 201}
             named[path] = hashlib.sha256(data).hexdigest()
         uploaded.update(files)
         return named
 
     experiment = api.create_experiment()
     experiment_id = experiment["id"]
-    prepare = api.claim(a)
+    prepare = a.claim()
     assert prepare is not None
     prepared = upload(
         a,
         _files("prepared/", ("plan.json", "manifest.json", "test.jsonl")) | _files("seed/", ("tokenizer.json",)),
         prepare,
     )
-    reply = api.report(a, prepare, result={"prepared_identity": sha("prepared")}, evidence=prepared)
-    assert reply.status_code == 200, reply.text
-    for token in (a, b):
-        job = api.claim(token)
-        assert job is not None and job["kind"] == "train"
-        outside = api.report(
-            token, job, result=train_result(job["arm"]), evidence=upload(token, _files("prepared/", ("x",)), job)
-        )
-        assert outside.status_code == 409 and outside.json()["rule"] == "evidence-outside-job"
+    a.finish(prepare, result={"prepared_identity": sha("prepared")}, evidence=prepared)
+    for agent in (a, b):
+        job = agent.claim()
+        assert job is not None and job.kind == "train" and job.arm is not None
+        outside = upload(agent, _files("prepared/", ("x",)), job)
+        refused = rejection(agent.finish, job, result=train_result(job.arm), evidence=outside)
+        assert refused.status_code == 409 and refused.rule == "evidence-outside-job"
         uploaded.pop("prepared/x")
-        runs = upload(token, _files(f"runs/{job['arm']}/rank-0/", ("result.json", "run.json")), job)
-        assert api.report(token, job, result=train_result(job["arm"]), evidence=runs).status_code == 200
-    ranks = [api.claim(a), api.claim(b)]
+        runs = upload(agent, _files(f"runs/{job.arm}/rank-0/", ("result.json", "run.json")), job)
+        agent.finish(job, result=train_result(job.arm), evidence=runs)
+    ranks = [a.claim(), b.claim()]
     assert api.operator_post(f"/api/experiments/{experiment_id}/autopilot", {"on": False}).status_code == 200
-    for token, job in zip((a, b), ranks, strict=True):
+    for agent, job in zip((a, b), ranks, strict=True):
         assert job is not None
-        runs = upload(token, _files(f"runs/clean-pair/rank-{job['rank']}/", ("result.json", "run.json")), job)
-        assert api.report(token, job, result=train_result("clean-pair"), evidence=runs).status_code == 200
+        runs = upload(agent, _files(f"runs/clean-pair/rank-{job.rank}/", ("result.json", "run.json")), job)
+        agent.finish(job, result=train_result("clean-pair"), evidence=runs)
     select_and_advance(api, experiment_id)
     # The committed selection is the bundle's selection.json, written by the coordinator; it is never replaced.
     committed = next(e for e in api.get(f"/api/experiments/{experiment_id}/ledger") if e["kind"] == "selection")
     assert sha256_bytes(canonical_bytes(committed["body"])) == committed["identity"]
     conflict = api.operator_post(
-        f"/api/experiments/{experiment_id}/evidence", {"files": upload(api.operator, {"selection.json": b"{}\n"})}
+        f"/api/experiments/{experiment_id}/evidence", {"files": by_operator({"selection.json": b"{}\n"})}
     )
     assert conflict.status_code == 409 and conflict.json()["rule"] == "evidence-path-conflict"
     uploaded["selection.json"] = canonical_bytes(committed["body"]) + b"\n"
@@ -157,31 +157,20 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation(
         api = Api(client, database_url)
         a, b = api.agent("a"), api.agent("b")
         experiment_id = prepared_experiment(api, a)["id"]
-        for token in (a, b):
-            single = api.claim(token)
-            assert single is not None
-            assert api.finish(token, single, **train_result(single["arm"])).status_code == 200
-        rank0, rank1 = api.claim(a), api.claim(b)
+        for agent in (a, b):
+            single = agent.claim()
+            assert single is not None and single.arm is not None
+            agent.finish(single, result=train_result(single.arm))
+        rank0, rank1 = a.claim(), b.claim()
         assert rank0 is not None and rank1 is not None
-        first = {"runs/clean-pair/rank-0/run.json": b"first\n"}
-        named = {p: hashlib.sha256(d).hexdigest() for p, d in first.items()}
-        for data in first.values():
-            assert _put(api, a, data, job=rank0).status_code == 201
-        assert api.report(a, rank0, result=train_result("clean-pair"), evidence=named).status_code == 200
-        # rank 1 falls silent: the gang is lost and retried; the retry's rank 0 writes the same path anew.
-        import time
-
-        deadline = time.monotonic() + 6
-        while api.get(f"/api/jobs/{rank0['job_id']}")["state"] != "queued":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        retry0, retry1 = api.claim(a), api.claim(b)
-        assert retry0 is not None and retry1 is not None and retry0["rank"] == 0
-        second = b"second\n"
-        assert _put(api, a, second, job=retry0).status_code == 201
         path = "runs/clean-pair/rank-0/run.json"
-        evidence = {path: hashlib.sha256(second).hexdigest()}
-        assert api.report(a, retry0, result=train_result("clean-pair"), evidence=evidence).status_code == 200
-        assert api.finish(b, retry1, **train_result("clean-pair")).status_code == 200
+        a.finish(rank0, result=train_result("clean-pair"), evidence={path: a.upload(b"first\n", rank0)})
+        # rank 1 falls silent: the gang is lost and retried; the retry's rank 0 writes the same path anew.
+        wait_for(lambda: api.get(f"/api/jobs/{rank0.job_id}")["state"] == "queued", 6, "the gang to be retried")
+        retry0, retry1 = a.claim(), b.claim()
+        assert retry0 is not None and retry1 is not None and retry0.rank == 0
+        evidence = {path: a.upload(b"second\n", retry0)}
+        a.finish(retry0, result=train_result("clean-pair"), evidence=evidence)
+        b.finish(retry1, result=train_result("clean-pair"))
         listed = api.get(f"/api/experiments/{experiment_id}/evidence")
         assert [(f["path"], f["sha256"]) for f in listed] == [(path, evidence[path])]

@@ -3,13 +3,13 @@ agent or host behaves, and checks that the coordinator ends in a state that reco
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import secrets
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,120 +23,74 @@ from agent.loop import Agent as AgentLoop
 from agent.loop import Settings as AgentSettings
 from agent.spool import OpenAttempt, Spool
 from experiment import wire
-from tests.integration.coordinator.support import (
-    LOCAL_PLAN,
-    answer,
-    answers_file,
-    bearer,
-    empty_database,
-    make_token,
-    sha,
-)
-from tests.processes import served
+from tests.support.agent import FakeAgent, answer, answers_file, rejection
+from tests.support.database import empty_database, make_token
+from tests.support.processes import served
+from tests.support.scenarios import bearer, create_experiment, operate, sha
+from tests.support.waiting import wait_for
 
 
 class Server:
-    """One real coordinator process and the tokens a test needs."""
+    """One real coordinator process, its operator's token, and the fake agents a test registers with it."""
 
     def __init__(self, base: str, database_url: str) -> None:
         self.base = base
         self.url = database_url
         self.http = httpx.Client(base_url=base, timeout=60)
         self.operator = make_token(database_url, "operator", "operator")
+        self.agents: list[FakeAgent] = []
 
-    def agent(self, name: str) -> str:
-        token = make_token(self.url, "agent", name)
-        registered = self.http.post("/api/agents/register", json={"address": "127.0.0.1"}, headers=bearer(token))
-        assert registered.status_code == 201, registered.text
-        return token
+    def agent(self, name: str) -> FakeAgent:
+        agent = FakeAgent(self.base, make_token(self.url, "agent", name))
+        self.agents.append(agent)
+        agent.register("127.0.0.1")
+        return agent
 
     def experiment(self) -> str:
-        created = self.http.post(
-            "/api/experiments", json={"plan_toml": LOCAL_PLAN.read_text()}, headers=bearer(self.operator)
-        )
-        assert created.status_code == 201, created.text
-        return str(created.json()["id"])
+        return str(create_experiment(self)["id"])
 
-    def claim(self, token: str, key: str | None = None) -> dict[str, Any] | None:
-        body = {"claim_key": key} if key else {}
-        reply = self.http.post("/api/agents/claim", json=body, headers=bearer(token))
-        assert reply.status_code == 200, reply.text
-        assignment: dict[str, Any] | None = reply.json()["assignment"]
-        return assignment
-
-    def running(self, token: str) -> tuple[str, dict[str, Any]]:
-        """A new experiment, and its prepare job claimed and started by ``token``'s agent."""
+    def running(self, agent: FakeAgent) -> tuple[str, wire.Assignment]:
+        """A new experiment, and its prepare job claimed and started by ``agent``."""
         experiment = self.experiment()
-        job = self.claim(token)
-        assert job is not None
-        self.start(token, job)
-        return experiment, job
-
-    def start(self, token: str, job: dict[str, Any]) -> None:
-        proof = {"lease_token": job["lease_token"]}
-        started = self.http.post(f"/api/attempts/{job['attempt_id']}/start", json=proof, headers=bearer(token))
-        assert started.status_code == 201, started.text
-
-    def heartbeat(self, token: str, *held: str, claiming: str | None = None) -> httpx.Response:
-        body: dict[str, Any] = {"attempt_ids": list(held), "claiming": claiming}
-        return self.http.post("/api/agents/heartbeat", json=body, headers=bearer(token))
-
-    def result(self, token: str, job: dict[str, Any], **fields: Any) -> httpx.Response:
-        body = {"lease_token": job["lease_token"], "outcome": "succeeded", "exit_code": 0, **fields}
-        key = f"{job['job_id']}:{job['attempt_id']}:result"
-        headers = {**bearer(token), "Idempotency-Key": key}
-        return self.http.post(f"/api/attempts/{job['attempt_id']}/result", json=body, headers=headers)
-
-    def events(self, token: str, job: dict[str, Any], sequence: int, events: list[Any]) -> httpx.Response:
-        body = {"lease_token": job["lease_token"], "sequence": sequence, "events": events}
-        key = f"{job['job_id']}:{job['attempt_id']}:{sequence}"
-        headers = {**bearer(token), "Idempotency-Key": key}
-        return self.http.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
-
-    def put_blob(self, token: str, data: bytes, job: dict[str, Any] | None) -> httpx.Response:
-        query = f"?attempt={job['attempt_id']}" if job else ""
-        return self.http.put(
-            f"/api/blobs/{hashlib.sha256(data).hexdigest()}{query}", content=data, headers=bearer(token)
-        )
+        return experiment, agent.take()
 
     def get(self, path: str) -> Any:
         response = self.http.get(path)
         assert response.status_code == 200, response.text
         return response.json()
 
-    def attempt(self, job: dict[str, Any]) -> dict[str, Any]:
-        attempt: dict[str, Any] = self.get(f"/api/attempts/{job['attempt_id']}")
+    def attempt(self, job: wire.Assignment) -> dict[str, Any]:
+        attempt: dict[str, Any] = self.get(f"/api/attempts/{job.attempt_id}")
         return attempt
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.close()
+        self.http.close()
 
 
 @pytest.fixture
 def serve(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     """Start the coordinator with COOP_* settings (fast reaper by default); stopped when the test ends."""
-    stack: list[Any] = []
+    stack: list[tuple[Any, Server]] = []
 
     def start(**environment: str) -> Server:
         empty_database(database_url)
         context = served(database_url, tmp_path, **{"COOP_REAP_SECONDS": "0.1", **environment})
         server = Server(context.__enter__(), database_url)
-        stack.append(context)
+        stack.append((context, server))
         return server
 
     yield start
-    for context in reversed(stack):
+    for context, server in reversed(stack):
+        server.close()
         context.__exit__(None, None, None)
 
 
-def _output(server: Server, job: dict[str, Any]) -> list[str]:
+def _output(server: Server, job: wire.Assignment) -> list[str]:
     """The attempt's recorded output lines (its state changes are events too)."""
-    events = server.get(f"/api/attempts/{job['attempt_id']}/events")
+    events = server.get(f"/api/attempts/{job.attempt_id}/events")
     return [event["body"]["line"] for event in events if event["kind"] == "output"]
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {seconds:g}s waiting for {what}"
-        time.sleep(0.1)
 
 
 # 1. A lease nobody holds expires -----------------------------------------------------------------------------
@@ -148,14 +102,14 @@ def test_an_attempt_its_agent_does_not_name_is_lost_and_retried(serve: Callable[
     _, job = server.running(a)
     # The agent forgot the attempt (its result was refused, say) but heartbeats on with nothing named.
     for _ in range(3):
-        assert server.heartbeat(a).status_code == 200
+        a.heartbeat()
         time.sleep(0.2)
     attempt = server.attempt(job)
     assert attempt["state"] == "lost" and attempt["reason"].startswith("not held by its agent"), attempt
-    state = server.get(f"/api/jobs/{job['job_id']}")
+    state = server.get(f"/api/jobs/{job.job_id}")
     assert state["state"] == "queued" and state["attempts_made"] == 1  # retried, well within one lease
-    retry = server.claim(a)
-    assert retry is not None and retry["job_id"] == job["job_id"] and retry["number"] == 2
+    retry = a.claim()
+    assert retry is not None and retry.job_id == job.job_id and retry.number == 2
 
 
 def test_a_named_attempt_keeps_its_lease_and_an_unnamed_one_of_the_same_agent_does_not(
@@ -164,14 +118,14 @@ def test_a_named_attempt_keeps_its_lease_and_an_unnamed_one_of_the_same_agent_do
     server = serve(COOP_LEASE_SECONDS="1.5", COOP_HEARTBEAT_SECONDS="0.3")
     a, b = server.agent("a"), server.agent("b")
     experiment = server.experiment()
-    prepare = server.claim(a)
+    prepare = a.claim()
     assert prepare is not None
-    assert server.result(a, prepare, result={"prepared_identity": sha("prepared")}).status_code == 200
-    single_a, single_b = server.claim(a), server.claim(b)
+    a.finish(prepare, result={"prepared_identity": sha("prepared")})
+    single_a, single_b = a.claim(), b.claim()
     assert single_a is not None and single_b is not None
     ends = time.monotonic() + 4  # past two leases
     while time.monotonic() < ends:
-        assert server.heartbeat(a, single_a["attempt_id"]).json()["directives"][0]["action"] == "continue"
+        assert a.heartbeat(single_a).directives[0].action == "continue"
         time.sleep(0.3)
     assert server.attempt(single_a)["state"] == "leased"
     assert server.attempt(single_b)["state"] == "lost"  # b never heartbeat: its lease expired
@@ -185,37 +139,34 @@ def test_a_retried_claim_gets_the_same_attempt_and_a_heartbeat_naming_the_claim_
     a = server.agent("a")
     server.experiment()
     key = secrets.token_urlsafe(24)
-    first = server.claim(a, key)
+    first = a.claim(key=key)
     assert first is not None
     # The reply was lost. Heartbeats while the claim is retried name the claim in flight, not an attempt.
     for _ in range(3):
-        assert server.heartbeat(a, claiming=key).status_code == 200
+        a.heartbeat(claiming=key)
         time.sleep(0.2)
-    again = server.claim(a, key)
-    assert again is not None and again["attempt_id"] == first["attempt_id"] and again["job_id"] == first["job_id"]
-    assert again["lease_token"] != first["lease_token"]  # a new token: the lost reply's is no good any more
-    stale = server.http.post(
-        f"/api/attempts/{first['attempt_id']}/start", json={"lease_token": first["lease_token"]}, headers=bearer(a)
-    )
-    assert stale.status_code == 403
-    server.start(a, again)
-    attempts = server.get(f"/api/jobs/{first['job_id']}/attempts")
+    again = a.claim(key=key)
+    assert again is not None and (again.attempt_id, again.job_id) == (first.attempt_id, first.job_id)
+    assert again.lease_token != first.lease_token  # a new token: the lost reply's is refused
+    assert rejection(a.start, first).status_code == 403
+    a.start(again)
+    attempts = server.get(f"/api/jobs/{first.job_id}/attempts")
     assert len(attempts) == 1 and attempts[0]["state"] == "running"
     # Once the attempt has started, the same key never hands out a second one.
-    assert server.claim(a, key) is None
+    assert a.claim(key=key) is None
 
 
 # 2. A slow upload cannot block the others ------------------------------------------------------------------
 
 
-def _stalled_upload(base: str, token: str, job: dict[str, Any], sent: threading.Event, stop: threading.Event) -> None:
+def _stalled_upload(base: str, token: str, job: wire.Assignment, sent: threading.Event, stop: threading.Event) -> None:
     """A PUT of a 1,024-byte blob that sends 16 bytes and then waits, as a client on a dying link does."""
     data = bytes(1024)
     digest = hashlib.sha256(data).hexdigest()
     address = urlsplit(base)
     with socket.create_connection((address.hostname, address.port)) as sock:
         head = (
-            f"PUT /api/blobs/{digest}?attempt={job['attempt_id']} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"PUT /api/blobs/{digest}?attempt={job.attempt_id} HTTP/1.1\r\nHost: {address.netloc}\r\n"
             f"Authorization: Bearer {token}\r\nContent-Length: {len(data)}\r\n"
             "Content-Type: application/octet-stream\r\n\r\n"
         )
@@ -228,26 +179,25 @@ def test_a_stalled_upload_blocks_no_other_request_and_no_reaper_round(serve: Cal
     server = serve(COOP_LEASE_SECONDS="2", COOP_HEARTBEAT_SECONDS="0.5")
     a, b = server.agent("a"), server.agent("b")
     server.experiment()
-    job = server.claim(a)
+    job = a.claim()
     assert job is not None
     sent, stop = threading.Event(), threading.Event()
-    uploader = threading.Thread(target=_stalled_upload, args=(server.base, a, job, sent, stop), daemon=True)
+    uploader = threading.Thread(target=_stalled_upload, args=(server.base, a.token, job, sent, stop), daemon=True)
     uploader.start()
     try:
         assert sent.wait(10)
         time.sleep(0.5)  # the server has read the headers and is waiting for the rest of the body
         timings = {}
         for name, call in [
-            ("heartbeat", lambda: server.heartbeat(a, job["attempt_id"])),
-            ("experiments", lambda: server.http.get("/api/experiments")),
-            ("agents", lambda: server.http.get("/api/agents")),
-            ("register", lambda: server.http.post("/api/agents/register", json={"address": "b"}, headers=bearer(b))),
+            ("heartbeat", lambda: a.heartbeat(job)),
+            ("experiments", lambda: server.get("/api/experiments")),
+            ("agents", lambda: server.get("/api/agents")),
+            ("register", lambda: b.register("b")),
         ]:
             began = time.monotonic()
-            response = call()
+            call()  # each answers 2xx, or fails the test
             timings[name] = time.monotonic() - began
-            assert response.status_code in {200, 201}, (name, response.status_code, response.text)
-        assert max(timings.values()) < 3.0, timings  # they waited 30 s and got 500 while the upload held the lock
+        assert max(timings.values()) < 3.0, timings  # none waits on the stalled upload
         # The reaper goes on too: with no more heartbeats, the attempt is lost when its 2 s lease ends.
         wait_for(lambda: server.attempt(job)["state"] == "lost", 10, "the reaper to end the lease")
     finally:
@@ -264,17 +214,29 @@ def test_values_the_database_cannot_hold_are_refused_with_the_field_named_and_no
     server = serve()
     a = server.agent("a")
     experiment, job = server.running(a)
+
+    def events(sequence: int, events: list[Any]) -> httpx.Response:
+        """An event batch sent raw: the agent's client would never send these values."""
+        body = {"lease_token": job.lease_token, "sequence": sequence, "events": events}
+        headers = {**bearer(a.token), "Idempotency-Key": f"{job.job_id}:{job.attempt_id}:{sequence}"}
+        return server.http.post(f"/api/attempts/{job.attempt_id}/events", json=body, headers=headers)
+
+    def result(**fields: Any) -> httpx.Response:
+        body = {"lease_token": job.lease_token, "outcome": "succeeded", "exit_code": 0, **fields}
+        headers = {**bearer(a.token), "Idempotency-Key": f"{job.job_id}:{job.attempt_id}:result"}
+        return server.http.post(f"/api/attempts/{job.attempt_id}/result", json=body, headers=headers)
+
     cases: list[tuple[httpx.Response, str]] = [
-        (server.events(a, job, 0, [{"kind": "output", "body": {"line": "a\u0000b"}}]), "$.events[0].body.line"),
-        (server.events(a, job, 0, [{"kind": "a\u0000b"}]), "$.events[0].kind"),
-        (server.events(a, job, 0, [{"kind": "x", "at": "2026-12-02T10:00:00"}]), "$.events[0].at"),
-        (server.events(a, job, 2**63, [{"kind": "x"}]), "$.sequence"),
-        (server.events(a, job, 2**31, [{"kind": "x"}]), "$.sequence"),
-        (server.result(a, job, outcome="failed", reason="a\u0000b"), "$.reason"),
-        (server.result(a, job, outcome="failed", exit_code=2**31), "$.exit_code"),
-        (server.result(a, job, outcome="failed", exit_code=2**63), "$.exit_code"),
-        (server.result(a, job, outcome="failed", journal=[_step(2**31)]), "$.journal[0].step"),
-        (server.result(a, job, result={"prepared_identity": sha("p")}, answers=[_nul_answer()]), "$.answers[0].text"),
+        (events(0, [{"kind": "output", "body": {"line": "a\u0000b"}}]), "$.events[0].body.line"),
+        (events(0, [{"kind": "a\u0000b"}]), "$.events[0].kind"),
+        (events(0, [{"kind": "x", "at": "2026-12-02T10:00:00"}]), "$.events[0].at"),
+        (events(2**63, [{"kind": "x"}]), "$.sequence"),
+        (events(2**31, [{"kind": "x"}]), "$.sequence"),
+        (result(outcome="failed", reason="a\u0000b"), "$.reason"),
+        (result(outcome="failed", exit_code=2**31), "$.exit_code"),
+        (result(outcome="failed", exit_code=2**63), "$.exit_code"),
+        (result(outcome="failed", journal=[_step(2**31)]), "$.journal[0].step"),
+        (result(result={"prepared_identity": sha("p")}, answers=[_nul_answer()]), "$.answers[0].text"),
     ]
     for response, field in cases:
         assert response.status_code == 400, (field, response.status_code, response.text)
@@ -283,7 +245,7 @@ def test_values_the_database_cannot_hold_are_refused_with_the_field_named_and_no
     assert offset.status_code == 400 and "offset" in offset.text
     assert server.attempt(job)["state"] == "running"
     assert _output(server, job) == []
-    good = server.events(a, job, 0, [{"kind": "output", "body": {"line": "a\ufffdb"}, "at": "2026-12-02T10:00:00Z"}])
+    good = events(0, [{"kind": "output", "body": {"line": "a\ufffdb"}, "at": "2026-12-02T10:00:00Z"}])
     assert good.status_code == 201, good.text
 
 
@@ -303,14 +265,14 @@ def test_a_refused_upload_leaves_the_spool_and_the_uploads_after_it_arrive(
     serve: Callable[..., Server], tmp_path: Path
 ) -> None:
     server = serve()
-    token = server.agent("a")
-    _, job = server.running(token)
+    a = server.agent("a")
+    _, job = server.running(a)
     spool = Spool(tmp_path / "agent" / "spool.sqlite3")
-    client = AgentClient(server.base, token, retries=1, backoff=0.05)
-    settings = AgentSettings(server.base, token, "a", "127.0.0.1", tmp_path / "agent", tmp_path, tmp_path)
+    client = AgentClient(server.base, a.token, retries=1, backoff=0.05)
+    settings = AgentSettings(server.base, a.token, "a", "127.0.0.1", tmp_path / "agent", tmp_path, tmp_path)
     loop = AgentLoop(settings, client, spool)
     try:
-        held = OpenAttempt(uuid.UUID(job["attempt_id"]), uuid.UUID(job["job_id"]), job["lease_token"])
+        held = OpenAttempt(job.attempt_id, job.job_id, job.lease_token)
         spool.open_attempt(held.attempt_id, held.job_id, held.lease_token)
         spool.add_events(held, [wire.Event(kind="output", body={"line": "a\x00b"})])  # a value Postgres cannot hold
         spool.add_events(held, [wire.Event(kind="output", body={"line": "after"})])
@@ -344,23 +306,24 @@ def test_events_results_and_blobs_of_an_ended_attempt_get_409(serve: Callable[..
     server = serve(COOP_LEASE_SECONDS="1", COOP_HEARTBEAT_SECONDS="0.2")
     a = server.agent("a")
     _, job = server.running(a)
-    assert server.events(a, job, 0, [{"kind": "output", "body": {"line": "early"}}]).status_code == 201
+    early = wire.Event(kind="output", body={"line": "early"}, at=datetime.datetime.now(datetime.UTC))
+    accepted = a.events(job, 0, early)
     wait_for(lambda: server.attempt(job)["state"] == "lost", 10, "the lease to expire")
-    retry = server.claim(a)
-    assert retry is not None and retry["job_id"] == job["job_id"]
-    server.start(a, retry)
-    late = server.events(a, job, 1, [{"kind": "output", "body": {"line": "late"}}])
-    assert late.status_code == 409 and late.json()["rule"] == "attempt-already-ended", late.text
-    replay = server.events(a, job, 0, [{"kind": "output", "body": {"line": "early"}}])
-    assert replay.status_code == 201  # a replay of what was accepted still gets its stored reply
-    blob = server.put_blob(a, b"late evidence\n", job)
-    assert blob.status_code == 409 and blob.json()["rule"] == "attempt-already-ended", blob.text
-    unnamed = server.put_blob(a, b"late evidence\n", None)
+    retry = a.claim()
+    assert retry is not None and retry.job_id == job.job_id
+    a.start(retry)
+    late = rejection(a.printed, job, 1, "late")
+    assert late.status_code == 409 and late.rule == "attempt-already-ended", late
+    assert a.events(job, 0, early) == accepted  # a replay of what was accepted still gets its stored reply
+    blob = rejection(a.upload, b"late evidence\n", job)
+    assert blob.status_code == 409 and blob.rule == "attempt-already-ended", blob
+    data = b"late evidence\n"  # an upload that names no attempt: the agent's client never sends one
+    unnamed = server.http.put(f"/api/blobs/{hashlib.sha256(data).hexdigest()}", content=data, headers=bearer(a.token))
     assert unnamed.status_code == 400 and "names its attempt" in unnamed.json()["detail"]
-    result = server.result(a, job, result={"prepared_identity": sha("p")})
-    assert result.status_code == 409 and result.json()["rule"] == "attempt-already-ended"
+    result = rejection(a.finish, job, result={"prepared_identity": sha("p")})
+    assert result.status_code == 409 and result.rule == "attempt-already-ended"
     assert _output(server, job) == ["early"]
-    assert server.put_blob(a, b"evidence\n", retry).status_code == 201
+    a.upload(b"evidence\n", retry)  # the retry's own evidence is taken
 
 
 # 7. The published answers are the evidence's ------------------------------------------------------------------
@@ -370,20 +333,15 @@ def test_answers_their_hash_and_the_blob_must_agree(serve: Callable[..., Server]
     server = serve()
     a = server.agent("a")
     experiment = server.experiment()
-    prepare = server.claim(a)
+    prepare = a.claim()
     assert prepare is not None
-    assert server.result(a, prepare, result={"prepared_identity": sha("prepared")}).status_code == 200
-    queued = server.http.post(
-        f"/api/experiments/{experiment}/jobs",
-        json={"kind": "evaluate", "arm": "seed", "role": "dev"},
-        headers=bearer(server.operator),
-    )
-    assert queued.status_code == 201, queued.text
-    job = next(j for _ in range(5) if (j := server.claim(a)) is not None and j["kind"] == "evaluate")
+    a.finish(prepare, result={"prepared_identity": sha("prepared")})
+    operate(server, f"/api/experiments/{experiment}/jobs", {"kind": "evaluate", "arm": "seed", "role": "dev"})
+    job = a.claim("evaluate")
+    assert job is not None
     answers = [answer(0, True), answer(1, False)]
     data = answers_file(answers)
-    assert server.put_blob(a, data, job).status_code == 201
-    digest = hashlib.sha256(data).hexdigest()
+    digest = a.upload(data, job)
     path = "evaluations/dev/seed/answers.jsonl"
     altered = [answers[0], answer(1, True)]  # the rows would publish a correct answer the file holds as wrong
     for fields, reason in [
@@ -392,12 +350,11 @@ def test_answers_their_hash_and_the_blob_must_agree(serve: Callable[..., Server]
         ({"answers": altered, "result": {"answers_sha256": digest}, "evidence": {path: digest}}, "answers[1]"),
         ({"answers": answers[:1], "result": {"answers_sha256": digest}, "evidence": {path: digest}}, "holds 2"),
     ]:
-        refused = server.result(a, job, **fields)
-        assert refused.status_code == 400 and reason in refused.json()["detail"], refused.text
+        refused = rejection(a.finish, job, **fields)
+        assert refused.status_code == 400 and reason in refused.detail, refused
     assert server.get(f"/api/experiments/{experiment}/answers")["total"] == 0
     assert server.attempt(job)["state"] == "leased"
-    kept = server.result(a, job, answers=answers, result={"answers_sha256": digest}, evidence={path: digest})
-    assert kept.status_code == 200, kept.text
+    a.finish(job, answers=answers, result={"answers_sha256": digest}, evidence={path: digest})
     published = server.get(f"/api/experiments/{experiment}/answers?arm=seed&role=dev")["items"]
     assert [item["answer"] for item in published] == [json.loads(line) for line in data.splitlines()]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from experiment.ledger import Entry, verify_ledger
-from tests.integration.coordinator.support import (
+from tests.integration.coordinator.support import Api
+from tests.support.database import record_report
+from tests.support.scenarios import (
     FINAL_STEP,
-    Api,
     bearer,
     experiment_through_testing,
     prepared_experiment,
-    record_report,
     selection_body,
     sha,
     trained_experiment,
@@ -88,7 +88,7 @@ def test_selection_takes_only_final_checkpoints_of_all_three_verified_arms(api: 
 
 
 def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pair(api: Api) -> None:
-    experiment_id, _ = experiment_through_testing(api)
+    experiment_id = experiment_through_testing(api, api.agent("a"), api.agent("b"))
     path = f"/api/experiments/{experiment_id}/serving"
     refused(
         api.operator_post(path, {"arm": "damaged-single", "model_identity": sha("damaged-single")}),
@@ -107,7 +107,8 @@ def test_serving_refuses_the_damaged_arm_and_anything_but_the_selected_clean_pai
 
 
 def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -> None:
-    experiment_id, a = experiment_through_testing(api)
+    a = api.agent("a")
+    experiment_id = experiment_through_testing(api, a, api.agent("b"))
     path = f"/api/experiments/{experiment_id}/report"
     early = api.client.post(path, headers=bearer(api.operator))
     refused(early, "report-not-ready")
@@ -132,7 +133,7 @@ def test_full_protocol_leaves_a_verifiable_ledger_of_six_commitments(api: Api) -
         "experiment-final",
     )
     # Serving jobs queued before the experiment ended are never handed out after it.
-    assert api.claim(a) is None
+    assert a.claim() is None
 
 
 def test_halted_experiment_takes_no_more_steps(api: Api) -> None:

@@ -3,11 +3,14 @@ of a trained arm to the host holding its checkpoint; autopilot does the same on 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from tests.integration.coordinator.support import FINAL_STEP, LOCAL_PLAN, Api, bearer, sha, train_result
+from experiment import wire
+from tests.integration.coordinator.support import Api
 from tests.integration.coordinator.test_lifecycle import refused
+from tests.support.agent import FakeAgent
+from tests.support.scenarios import FINAL_STEP, LOCAL_PLAN, bearer, sha, train_result
+from tests.support.waiting import wait_for
 
 
 def _advance(api: Api, experiment_id: str) -> str:
@@ -17,36 +20,37 @@ def _advance(api: Api, experiment_id: str) -> str:
     return action
 
 
-def _finish_all(api: Api, tokens: dict[str, str], kind: str, result: Any) -> dict[str, str]:
+def _finish_all(agents: dict[str, FakeAgent], kind: str, result: Any) -> dict[str, str]:
     """Claim and finish every queued ``kind`` job with whichever agent may take it; arm -> agent name."""
     ran: dict[str, str] = {}
     while True:
-        claimed = next(((name, job) for name, token in tokens.items() if (job := api.claim(token))), None)
+        claimed = next(((name, job) for name, agent in agents.items() if (job := agent.claim())), None)
         if claimed is None:
             return ran
         name, job = claimed
-        assert job["kind"] == kind, job
+        assert job.kind == kind, job
         if kind == "evaluate":
-            assert api.evaluated(tokens[name], job).status_code == 200
+            agents[name].evaluated(job)
         else:
-            fields = result(job) if callable(result) else result
-            assert api.finish(tokens[name], job, **fields).status_code == 200
-        ran[str(job["arm"])] = name
+            agents[name].finish(job, result=result(job) if callable(result) else result)
+        ran[str(job.arm)] = name
 
 
-def _train(api: Api, tokens: dict[str, str]) -> dict[str, str]:
+def _train(agents: dict[str, FakeAgent]) -> dict[str, str]:
     """The singles on a and b, then the pair as a gang (a: rank 0); arm -> the agent of rank 0."""
-    a, b = tokens["a"], tokens["b"]
-    singles = [api.claim(a), api.claim(b)]
-    pair = [api.claim(a), api.claim(b)]
-    for token, job in ((a, singles[0]), (b, singles[1]), (a, pair[0]), (b, pair[1])):
-        assert job is not None and job["kind"] == "train"
-        assert api.finish(token, job, **train_result(job["arm"]), binding=sha("binding")).status_code == 200
-    return {str(singles[0]["arm"]): "a", str(singles[1]["arm"]): "b", "clean-pair": "a"}  # type: ignore[index]
+    a, b = agents["a"], agents["b"]
+    singles = [a.claim(), b.claim()]
+    pair = [a.claim(), b.claim()]
+    held: dict[str, str] = {}
+    for name, job in (("a", singles[0]), ("b", singles[1]), ("a", pair[0]), ("b", pair[1])):
+        assert job is not None and job.kind == "train", job
+        agents[name].finish(job, result=train_result(str(job.arm)) | {"binding": sha("binding")})
+        held.setdefault(str(job.arm), name)
+    return held
 
 
-def _verified(job: dict[str, Any]) -> dict[str, Any]:
-    arm = job["arm"]
+def _verified(job: wire.Assignment) -> dict[str, Any]:
+    arm = str(job.arm)
     return {
         "arm": arm,
         "model_identity": sha(arm),
@@ -58,7 +62,7 @@ def _verified(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: Api) -> None:
-    tokens = {"a": api.agent("a"), "b": api.agent("b")}
+    agents = {"a": api.agent("a"), "b": api.agent("b")}
     response = api.client.post(
         "/api/experiments",
         json={"plan_toml": LOCAL_PLAN.read_text(), "autopilot": False},
@@ -67,18 +71,18 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     assert response.status_code == 201 and not response.json()["autopilot"]
     experiment_id = response.json()["id"]
     refused(api.operator_post(f"/api/experiments/{experiment_id}/advance", {}), "phase-running")  # prepare queued
-    _finish_all(api, tokens, "prepare", {"prepared_identity": sha("prepared")})
+    _finish_all(agents, "prepare", {"prepared_identity": sha("prepared")})
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "prepared"
-    assert api.claim(tokens["a"]) is None  # autopilot off: nothing queued until the operator advances
+    assert agents["a"].claim() is None  # autopilot off: nothing queued until the operator advances
     assert _advance(api, experiment_id) == "queued train clean-single, train damaged-single, train clean-pair"
-    holders = _train(api, tokens)
+    holders = _train(agents)
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "trained"
 
     assert _advance(api, experiment_id).startswith("queued evaluate dev seed")
-    ran = _finish_all(api, tokens, "evaluate", None)
+    ran = _finish_all(agents, "evaluate", None)
     assert {arm: ran[arm] for arm in holders} == holders  # each trained arm evaluated where its checkpoint is
     assert _advance(api, experiment_id) == "queued select clean-single, select damaged-single, select clean-pair"
-    assert _finish_all(api, tokens, "select", _verified) == holders
+    assert _finish_all(agents, "select", _verified) == holders
     experiment = api.get(f"/api/experiments/{experiment_id}")
     assert experiment["state"] == "selected"
     selection = next(e for e in api.get(f"/api/experiments/{experiment_id}/ledger") if e["kind"] == "selection")
@@ -87,18 +91,21 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     assert selection["body"]["arms"]["clean-pair"]["path"] == "runs/clean-pair/rank-0/checkpoints/step-000128/model"
 
     assert _advance(api, experiment_id).startswith("queued evaluate test seed")
-    ran = _finish_all(api, tokens, "evaluate", None)
+    ran = _finish_all(agents, "evaluate", None)
     assert {arm: ran[arm] for arm in holders} == holders
     assert _advance(api, experiment_id).startswith("serving committed: the clean-pair final checkpoint")
-    _serve(api, experiment_id, tokens)
+    _serve(api, experiment_id, agents)
     assert _advance(api, experiment_id) == "queued report"
     # The coordinator runs the report itself; this evidence is not a real bundle, so the job fails and says why.
-    deadline = time.monotonic() + 60
-    while (report := _job(api, experiment_id, "report"))["state"] != "failed":
-        assert report["state"] in {"queued", "leased", "running"} and time.monotonic() < deadline, report
-        time.sleep(0.2)
+
+    def report_failed() -> bool:
+        report = _job(api, experiment_id, "report")
+        assert report["state"] in {"queued", "leased", "running", "failed"}, report
+        return report["state"] == "failed"
+
+    wait_for(report_failed, 60, "the report job to fail")
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "serving"
-    assert api.claim(tokens["a"]) is None and api.claim(tokens["b"]) is None  # agents never take report jobs
+    assert agents["a"].claim() is None and agents["b"].claim() is None  # agents never take report jobs
     # The operator may ask for the computation again, but never send a report of their own.
     path = f"/api/experiments/{experiment_id}/report"
     made_up = api.client.post(path, json={"verdict": "PASSED", "gain": 0.99}, headers=bearer(api.operator))
@@ -115,26 +122,26 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
 
 
 def test_autopilot_queues_the_next_stage_when_the_last_job_succeeds(api: Api) -> None:
-    tokens = {"a": api.agent("a"), "b": api.agent("b")}
+    agents = {"a": api.agent("a"), "b": api.agent("b")}
     experiment_id = api.create_experiment()["id"]  # autopilot on by default
-    prepare = api.claim(tokens["a"])
-    assert prepare is not None and prepare["kind"] == "prepare"
-    assert api.finish(tokens["a"], prepare, prepared_identity=sha("prepared")).status_code == 200
-    _train(api, tokens)
+    prepare = agents["a"].claim()
+    assert prepare is not None and prepare.kind == "prepare"
+    agents["a"].finish(prepare, result={"prepared_identity": sha("prepared")})
+    _train(agents)
     jobs = api.get(f"/api/experiments/{experiment_id}/jobs")
     assert [(j["kind"], j["role"], j["arm"]) for j in jobs if j["state"] == "queued"] == [
         ("evaluate", "dev", arm) for arm in ("seed", "clean-single", "damaged-single", "clean-pair")
     ]
     # A failed dev evaluation stops the autopilot: the operator reads the reason, then advances again.
-    claimed = api.claim(tokens["a"])
-    assert claimed is not None and claimed["arm"] == "seed"
-    assert api.finish(tokens["a"], claimed, outcome="failed").status_code == 200
-    _finish_all(api, tokens, "evaluate", None)
+    claimed = agents["a"].claim()
+    assert claimed is not None and claimed.arm == "seed"
+    agents["a"].finish(claimed, outcome="failed")
+    _finish_all(agents, "evaluate", None)
     assert not [j for j in api.get(f"/api/experiments/{experiment_id}/jobs") if j["kind"] == "select"]
     assert _advance(api, experiment_id) == "queued evaluate dev seed"
-    retried = api.claim(tokens["b"])
-    assert retried is not None and (retried["kind"], retried["arm"]) == ("evaluate", "seed")
-    assert api.evaluated(tokens["b"], retried).status_code == 200
+    retried = agents["b"].claim()
+    assert retried is not None and (retried.kind, retried.arm) == ("evaluate", "seed")
+    agents["b"].evaluated(retried)
     assert [j["arm"] for j in api.get(f"/api/experiments/{experiment_id}/jobs") if j["kind"] == "select"] == [
         "clean-single",
         "damaged-single",
@@ -149,47 +156,36 @@ def _job(api: Api, experiment_id: str, kind: str) -> dict[str, Any]:
     return job
 
 
-def _claim_pinned(api: Api, tokens: dict[str, str], name: str, kind: str) -> dict[str, Any]:
-    other = next(token for n, token in tokens.items() if n != name)
-    assert api.claim(other) is None  # pinned: only its host may claim it
-    job = api.claim(tokens[name])
-    assert job is not None and job["kind"] == kind, job
+def _claim_pinned(agents: dict[str, FakeAgent], name: str, kind: str) -> wire.Assignment:
+    other = next(agent for n, agent in agents.items() if n != name)
+    assert other.claim() is None  # pinned: only its host may claim it
+    job = agents[name].claim()
+    assert job is not None and job.kind == kind, job
     return job
 
 
-def _serve(api: Api, experiment_id: str, tokens: dict[str, str]) -> None:
+def _serve(api: Api, experiment_id: str, agents: dict[str, FakeAgent]) -> None:
     """Replicas on both hosts of the pair (a: rank 0, b: rank 1), the three benchmark phases on a, the failure
     phase's stop of b's replica on the benchmark's signal, then both replicas stopped."""
     assert _advance(api, experiment_id) == ("queued replica-start clean-pair rank 0, replica-start clean-pair rank 1")
     for name, rank in (("a", 0), ("b", 1)):
-        job = api.claim(tokens[name])  # each host claims the replica of its own rank
-        assert job is not None and job["kind"] == "replica-start"
-        assert job["spec"]["rank"] == rank and len(job["spec"]["serving_token"]) == 64
+        job = agents[name].claim()  # each host claims the replica of its own rank
+        assert job is not None and job.kind == "replica-start"
+        assert job.spec["rank"] == rank and len(job.spec["serving_token"]) == 64
         result = {"probe_url": f"http://{name}:9000", "replica_url": "http://127.0.0.1:8000", "rank": rank}
-        assert api.finish(tokens[name], job, **result, model_identity=sha("clean-pair")).status_code == 200
+        agents[name].finish(job, result=result | {"model_identity": sha("clean-pair")})
     for phase, endpoints in (("single", ["http://a:9000"]), ("pair", ["http://a:9000", "http://b:9000"])):
         assert _advance(api, experiment_id) == f"queued benchmark clean-pair phase {phase}"
-        job = _claim_pinned(api, tokens, "a", "benchmark")
-        assert job["spec"]["endpoints"] == endpoints
-        served = [{"phase": phase, "report": {"metrics": {"failed": 0}}}]
-        assert api.report(tokens["a"], job, serving=served).status_code == 200
+        job = _claim_pinned(agents, "a", "benchmark")
+        assert job.spec["endpoints"] == endpoints
+        agents["a"].finish(job, serving=[{"phase": phase, "report": {"metrics": {"failed": 0}}}])
     assert _advance(api, experiment_id) == "queued benchmark clean-pair phase failure"
-    failure = _claim_pinned(api, tokens, "a", "benchmark")
-    assert api.claim(tokens["b"]) is None
-    signal = {"lease_token": failure["lease_token"], "sequence": 0, "events": [{"kind": "stop-replica", "body": {}}]}
-    sent = api.client.post(
-        f"/api/attempts/{failure['attempt_id']}/events",
-        json=signal,
-        headers={
-            "Authorization": f"Bearer {tokens['a']}",
-            "Idempotency-Key": f"{failure['job_id']}:{failure['attempt_id']}:0",
-        },
-    )
-    assert sent.status_code == 201, sent.text
-    stop = _claim_pinned(api, tokens, "b", "replica-stop")  # the coordinator stops rank 1's replica mid-phase
-    assert stop["spec"]["rank"] == 1
-    assert api.finish(tokens["b"], stop, stopped=True).status_code == 200
-    served = [{"phase": "failure", "report": {"metrics": {"failed": 0}}}]
-    assert api.report(tokens["a"], failure, serving=served).status_code == 200
+    failure = _claim_pinned(agents, "a", "benchmark")
+    assert agents["b"].claim() is None
+    agents["a"].printed(failure, 0, {"event": "stop-replica"})  # the benchmark's signal: stop a replica now
+    stop = _claim_pinned(agents, "b", "replica-stop")  # the coordinator stops rank 1's replica mid-phase
+    assert stop.spec["rank"] == 1
+    agents["b"].finish(stop, result={"stopped": True})
+    agents["a"].finish(failure, serving=[{"phase": "failure", "report": {"metrics": {"failed": 0}}}])
     assert _advance(api, experiment_id) == "queued replica-stop clean-pair rank 0"
-    assert api.finish(tokens["a"], _claim_pinned(api, tokens, "a", "replica-stop"), stopped=True).status_code == 200
+    agents["a"].finish(_claim_pinned(agents, "a", "replica-stop"), result={"stopped": True})

@@ -7,15 +7,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from experiment import wire
 from server.settings import Settings
-from tests.integration.coordinator.support import Api, prepared_experiment, running, train_result
-
-
-def _wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the reaper"
-        time.sleep(0.05)
+from tests.integration.coordinator.support import Api, running
+from tests.support.agent import FakeAgent, rejection
+from tests.support.scenarios import prepared_experiment, train_result
+from tests.support.waiting import wait_for
 
 
 def _short_leases(make_settings: Callable[..., Settings], **overrides: Any) -> Settings:
@@ -29,19 +26,23 @@ def test_expired_lease_is_lost_and_retried_as_a_new_attempt(
         api = Api(client, database_url)
         a = api.agent("a")
         experiment = api.create_experiment()
-        first = api.claim(a)
-        assert first is not None and first["number"] == 1
-        job_path = f"/api/jobs/{first['job_id']}"
-        _wait_for(lambda: api.get(job_path)["state"] == "queued" and api.get(job_path)["attempts_made"] == 1)
+        first = a.claim()
+        assert first is not None and first.number == 1
+        job_path = f"/api/jobs/{first.job_id}"
+        wait_for(
+            lambda: api.get(job_path)["state"] == "queued" and api.get(job_path)["attempts_made"] == 1,
+            5,
+            "the reaper to end the lease",
+        )
         attempts = api.get(f"{job_path}/attempts")
         assert [(x["number"], x["state"]) for x in attempts] == [(1, "lost")]
         assert "lease expired" in attempts[0]["reason"]
         # The lost attempt's late result is refused: its lease is gone.
-        late = api.finish(a, first, prepared_identity="0" * 64)
-        assert late.status_code == 409 and late.json()["rule"] == "attempt-already-ended"
-        second = api.claim(a)
-        assert second is not None and second["number"] == 2 and second["attempt_id"] != first["attempt_id"]
-        _wait_for(lambda: api.get(job_path)["state"] == "lost")
+        late = rejection(a.finish, first, result={"prepared_identity": "0" * 64})
+        assert late.status_code == 409 and late.rule == "attempt-already-ended"
+        second = a.claim()
+        assert second is not None and second.number == 2 and second.attempt_id != first.attempt_id
+        wait_for(lambda: api.get(job_path)["state"] == "lost", 5, "the reaper to end the second lease")
         states = [(x["number"], x["state"]) for x in api.get(f"{job_path}/attempts")]
         assert states == [(1, "lost"), (2, "lost")]  # both rows kept; max_attempts=2 ends the retries
         assert api.get(f"/api/experiments/{experiment['id']}")["state"] == "committed"
@@ -54,40 +55,45 @@ def test_heartbeat_renews_the_lease(make_settings: Callable[..., Settings], data
         api = Api(client, database_url)
         a = api.agent("a")
         api.create_experiment()
-        job = api.claim(a)
+        job = a.claim()
         assert job is not None
         ends = time.monotonic() + 5.5  # past two leases
         while time.monotonic() < ends:
-            reply = api.heartbeat(a, job["attempt_id"])
-            assert reply["directives"] == [
-                {"attempt_id": job["attempt_id"], "action": "continue", "reason": None, "deadline": None}
-            ]
+            reply = a.heartbeat(job)
+            assert reply.directives == [wire.Directive(attempt_id=job.attempt_id, action="continue")]
             time.sleep(0.25)
-        assert api.get(f"/api/attempts/{job['attempt_id']}")["state"] == "leased"
+        assert api.get(f"/api/attempts/{job.attempt_id}")["state"] == "leased"
 
 
-def _gang(api: Api, a: str, b: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _gang(api: Api, a: FakeAgent, b: FakeAgent) -> tuple[wire.Assignment, wire.Assignment]:
     prepared_experiment(api, a)
-    for token, arm in ((a, "clean-single"), (b, "damaged-single")):
-        single = api.claim(token)
-        assert single is not None and single["arm"] == arm
-        assert api.finish(token, single, **train_result(arm)).status_code == 200
-    rank0 = api.claim(a)
-    assert rank0 is not None and rank0["arm"] == "clean-pair" and rank0["rank"] == 0
-    assert api.claim(a) is None  # agent a cannot take the second rank of its own gang
-    rank1 = api.claim(b)
+    for agent, arm in ((a, "clean-single"), (b, "damaged-single")):
+        single = agent.claim()
+        assert single is not None and single.arm == arm
+        agent.finish(single, result=train_result(arm))
+    rank0 = a.claim()
+    assert rank0 is not None and rank0.arm == "clean-pair" and rank0.rank == 0
+    assert a.claim() is None  # agent a cannot take the second rank of its own gang
+    rank1 = b.claim()
     assert rank1 is not None
     return rank0, rank1
+
+
+def _stop_directive(agent: FakeAgent, job: wire.Assignment) -> wire.Directive | None:
+    """The directive of a heartbeat naming ``job``, when it says stop."""
+    directive = agent.heartbeat(job).directives[0]
+    return directive if directive.action == "stop" else None
 
 
 def test_gang_leases_both_ranks_to_two_agents_with_one_rendezvous(api: Api) -> None:
     a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
     rank0, rank1 = _gang(api, a, b)
-    assert (rank0["job_id"], rank0["number"]) == (rank1["job_id"], rank1["number"])
-    assert (rank0["rank"], rank1["rank"], rank0["world_size"]) == (0, 1, 2)
-    assert rank0["master_addr"] == rank1["master_addr"] == "10.1.0.1"
-    assert rank0["master_port"] == rank1["master_port"] and 29500 <= rank0["master_port"] < 30000
-    attempts = api.get(f"/api/jobs/{rank0['job_id']}/attempts")
+    assert (rank0.job_id, rank0.number) == (rank1.job_id, rank1.number)
+    assert (rank0.rank, rank1.rank, rank0.world_size) == (0, 1, 2)
+    assert rank0.master_addr == rank1.master_addr == "10.1.0.1"
+    assert rank0.master_port is not None and rank0.master_port == rank1.master_port
+    assert 29500 <= rank0.master_port < 30000
+    attempts = api.get(f"/api/jobs/{rank0.job_id}/attempts")
     assert len({x["agent_id"] for x in attempts}) == 2
 
 
@@ -98,34 +104,27 @@ def test_losing_one_rank_ends_both_attempts_and_retries_the_gang(
         api = Api(client, database_url)
         a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
         rank0, rank1 = _gang(api, a, b)
-        job_path = f"/api/jobs/{rank0['job_id']}"
+        job_path = f"/api/jobs/{rank0.job_id}"
         # b keeps heartbeating (a lease long enough for a stalled heartbeat); a falls silent and loses its lease.
-        deadline = time.monotonic() + 12
-        directive: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            directive = api.heartbeat(b, rank1["attempt_id"])["directives"][0]
-            if directive["action"] == "stop":
-                break
-            time.sleep(0.2)
-        assert directive["action"] == "stop" and "rank 0 lost" in directive["reason"]
+        directive = wait_for(lambda: _stop_directive(b, rank1), 12, "rank 1 to be told to stop")
+        assert directive.reason is not None and "rank 0 lost" in directive.reason
         states = {(x["number"], x["rank"]): x["state"] for x in api.get(f"{job_path}/attempts")}
         assert states == {(1, 0): "lost", (1, 1): "cancelled"}
         assert api.get(job_path)["state"] == "queued"
         # Each rank resumes from its own checkpoints: the retry's rank 0 waits for rank 0's host.
-        assert api.claim(b) is None
-        retry = [api.claim(a), api.claim(b)]
-        assert [(r or {}).get("number") for r in retry] == [2, 2]
-        assert [(r or {}).get("rank") for r in retry] == [0, 1]
-        assert retry[1] is not None and retry[1]["master_addr"] == "10.1.0.1"  # rank 0's address
+        assert b.claim() is None
+        retry = [a.claim(), b.claim()]
+        assert [(r.number, r.rank) if r else None for r in retry] == [(2, 0), (2, 1)]
+        assert retry[1] is not None and retry[1].master_addr == "10.1.0.1"  # rank 0's address
 
 
 def test_gang_succeeds_only_when_both_ranks_report_the_same_final_checkpoint(api: Api) -> None:
     a, b = api.agent("a"), api.agent("b")
     rank0, rank1 = _gang(api, a, b)
-    assert api.finish(a, rank0, **train_result("clean-pair")).status_code == 200
-    assert api.get(f"/api/jobs/{rank0['job_id']}")["state"] == "leased"
-    assert api.finish(b, rank1, **train_result("clean-pair")).status_code == 200
-    assert api.get(f"/api/jobs/{rank0['job_id']}")["state"] == "succeeded"
+    a.finish(rank0, result=train_result("clean-pair"))
+    assert api.get(f"/api/jobs/{rank0.job_id}")["state"] == "leased"
+    b.finish(rank1, result=train_result("clean-pair"))
+    assert api.get(f"/api/jobs/{rank0.job_id}")["state"] == "succeeded"
 
 
 def test_cancel_asks_the_agent_to_stop_and_forces_it_after_the_grace_period(
@@ -135,22 +134,17 @@ def test_cancel_asks_the_agent_to_stop_and_forces_it_after_the_grace_period(
         api = Api(client, database_url)
         a = api.agent("a")
         api.create_experiment()
-        job = api.claim(a)
+        job = a.claim()
         assert job is not None
-        started = client.post(
-            f"/api/attempts/{job['attempt_id']}/start",
-            json={"lease_token": job["lease_token"]},
-            headers={"Authorization": f"Bearer {a}"},
-        )
-        assert started.status_code == 201 and started.json()["state"] == "running"
-        cancelled = api.operator_post(f"/api/jobs/{job['job_id']}/cancel", {"grace_seconds": 0.5})
+        assert a.start(job).state == "running"
+        cancelled = api.operator_post(f"/api/jobs/{job.job_id}/cancel", {"grace_seconds": 0.5})
         assert cancelled.status_code == 201, cancelled.text
-        directive = api.heartbeat(a, job["attempt_id"])["directives"][0]
-        assert directive["action"] == "stop" and directive["deadline"] is not None
-        _wait_for(lambda: api.get(f"/api/jobs/{job['job_id']}")["state"] == "cancelled")
-        attempt = api.get(f"/api/attempts/{job['attempt_id']}")
+        directive = a.heartbeat(job).directives[0]
+        assert directive.action == "stop" and directive.deadline is not None
+        wait_for(lambda: api.get(f"/api/jobs/{job.job_id}")["state"] == "cancelled", 5, "the grace period to end")
+        attempt = api.get(f"/api/attempts/{job.attempt_id}")
         assert attempt["state"] == "cancelled" and "grace" in attempt["reason"]
-        again = api.operator_post(f"/api/jobs/{job['job_id']}/cancel", {"grace_seconds": 0})
+        again = api.operator_post(f"/api/jobs/{job.job_id}/cancel", {"grace_seconds": 0})
         assert again.status_code == 409 and again.json()["rule"] == "job-already-finished"
 
 
@@ -159,7 +153,7 @@ def test_cancelling_a_queued_job_is_immediate(api: Api) -> None:
     job = api.get(f"/api/experiments/{experiment['id']}/jobs")[0]
     response = api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 10})
     assert response.status_code == 201 and response.json()["state"] == "cancelled"
-    assert api.claim(api.agent("a")) is None
+    assert api.agent("a").claim() is None
 
 
 def test_half_formed_gang_is_requeued_after_the_formation_wait_without_using_a_retry(
@@ -170,33 +164,27 @@ def test_half_formed_gang_is_requeued_after_the_formation_wait_without_using_a_r
         api = Api(client, database_url)
         a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
         prepared_experiment(api, a)
-        for token, arm in ((a, "clean-single"), (b, "damaged-single")):
-            single = api.claim(token)
-            assert single is not None and single["arm"] == arm
-            assert api.finish(token, single, **train_result(arm)).status_code == 200
-        rank0 = api.claim(a)
-        assert rank0 is not None and rank0["arm"] == "clean-pair" and rank0["rank"] == 0
-        job_path = f"/api/jobs/{rank0['job_id']}"
+        for agent, arm in ((a, "clean-single"), (b, "damaged-single")):
+            single = agent.claim()
+            assert single is not None and single.arm == arm
+            agent.finish(single, result=train_result(arm))
+        rank0 = a.claim()
+        assert rank0 is not None and rank0.arm == "clean-pair" and rank0.rank == 0
+        job_path = f"/api/jobs/{rank0.job_id}"
         # a keeps its lease alive while it waits for rank 1, which nobody claims: the wait still ends.
-        directive: dict[str, Any] = {}
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            directive = api.heartbeat(a, rank0["attempt_id"])["directives"][0]
-            if directive["action"] == "stop":
-                break
-            time.sleep(0.1)
-        assert directive["action"] == "stop" and "did not form within" in directive["reason"]
+        directive = wait_for(lambda: _stop_directive(a, rank0), 5, "rank 0 to be told to stop")
+        assert directive.reason is not None and "did not form within" in directive.reason
         attempts = api.get(f"{job_path}/attempts")
         assert [(x["number"], x["rank"], x["state"]) for x in attempts] == [(1, 0, "cancelled")]
         assert "1 of 2 ranks were claimed" in attempts[0]["reason"]
         assert api.get(job_path)["state"] == "queued"
-        late = api.finish(a, rank0, **train_result("clean-pair"))
-        assert late.status_code == 409 and late.json()["rule"] == "attempt-already-ended"
+        late = rejection(a.finish, rank0, result=train_result("clean-pair"))
+        assert late.status_code == 409 and late.rule == "attempt-already-ended"
         # The next generation forms, and succeeds, though max_attempts counts only lost generations.
-        rank0, rank1 = api.claim(a), api.claim(b)
-        assert rank0 is not None and rank1 is not None and (rank0["number"], rank1["number"]) == (2, 2)
-        for token, job in ((a, rank0), (b, rank1)):
-            assert api.finish(token, job, **train_result("clean-pair")).status_code == 200
+        retry0, retry1 = a.claim(), b.claim()
+        assert retry0 is not None and retry1 is not None and (retry0.number, retry1.number) == (2, 2)
+        for agent, job in ((a, retry0), (b, retry1)):
+            agent.finish(job, result=train_result("clean-pair"))
         assert api.get(job_path)["state"] == "succeeded"
 
 
@@ -205,10 +193,9 @@ def test_failed_attempt_is_final_and_never_retried(make_settings: Callable[..., 
         api = Api(client, database_url)
         a = api.agent("a")
         api.create_experiment()
-        job = api.claim(a)
+        job = a.claim()
         assert job is not None
-        failed = api.finish(a, job, outcome="failed")
-        assert failed.status_code == 200 and failed.json()["state"] == "failed"
-        assert api.get(f"/api/jobs/{job['job_id']}")["state"] == "failed"
-        assert api.claim(a) is None  # no retry attempt: a non-zero exit would only fail again
-        assert len(api.get(f"/api/jobs/{job['job_id']}/attempts")) == 1
+        assert a.finish(job, outcome="failed").state == "failed"
+        assert api.get(f"/api/jobs/{job.job_id}")["state"] == "failed"
+        assert a.claim() is None  # no retry attempt: a non-zero exit would only fail again
+        assert len(api.get(f"/api/jobs/{job.job_id}/attempts")) == 1

@@ -7,49 +7,53 @@ from typing import Any
 
 import httpx
 
-from tests.integration.coordinator.support import Api, experiment_through_testing, sha
+from experiment import wire
+from tests.integration.coordinator.support import Api
 from tests.integration.coordinator.test_lifecycle import refused
+from tests.support.agent import FakeAgent
+from tests.support.scenarios import experiment_through_testing, sha
 
 
-def _serving(api: Api) -> tuple[str, dict[str, str]]:
+def _serving(api: Api) -> tuple[str, dict[str, FakeAgent]]:
     """A tested experiment with its serving commitment (a: the pair's rank 0, b: rank 1)."""
-    experiment_id, _ = experiment_through_testing(api)
+    agents = {"a": api.agent("a"), "b": api.agent("b")}
+    experiment_id = experiment_through_testing(api, agents["a"], agents["b"])
     served = api.operator_post(
         f"/api/experiments/{experiment_id}/serving", {"arm": "clean-pair", "model_identity": sha("clean-pair")}
     )
     assert served.status_code == 201, served.text
-    return experiment_id, {"a": api.agents["a"], "b": api.agents["b"]}
+    return experiment_id, agents
 
 
 def _queue(api: Api, experiment_id: str, kind: str, spec: dict[str, Any], arm: str = "clean-pair") -> httpx.Response:
     return api.operator_post(f"/api/experiments/{experiment_id}/jobs", {"kind": kind, "arm": arm, "spec": spec})
 
 
-def _claim_on(api: Api, tokens: dict[str, str], name: str, kind: str) -> dict[str, Any]:
-    other = next(token for n, token in tokens.items() if n != name)
-    assert api.claim(other) is None  # pinned to its host
-    job = api.claim(tokens[name])
-    assert job is not None and job["kind"] == kind, job
+def _claim_on(agents: dict[str, FakeAgent], name: str, kind: str) -> wire.Assignment:
+    other = next(agent for n, agent in agents.items() if n != name)
+    assert other.claim() is None  # pinned to its host
+    job = agents[name].claim()
+    assert job is not None and job.kind == kind, job
     return job
 
 
 def test_an_operator_starts_and_stops_a_replica_on_its_own_host(api: Api) -> None:
-    experiment_id, tokens = _serving(api)
+    experiment_id, agents = _serving(api)
     refused(_queue(api, experiment_id, "replica-stop", {"rank": 1}), "replica-not-running")
     assert _queue(api, experiment_id, "replica-start", {"rank": 1}).status_code == 201
     refused(_queue(api, experiment_id, "replica-start", {"rank": 1}), "replica-running")  # starting
-    start = _claim_on(api, tokens, "b", "replica-start")
-    assert start["spec"]["rank"] == 1
+    start = _claim_on(agents, "b", "replica-start")
+    assert start.spec["rank"] == 1
     refused(_queue(api, experiment_id, "replica-stop", {"rank": 1}), "replica-not-running")  # not up yet
     result = {"probe_url": "http://b:9000", "replica_url": "http://127.0.0.1:8000", "rank": 1}
-    assert api.finish(tokens["b"], start, **result, model_identity=sha("clean-pair")).status_code == 200
+    agents["b"].finish(start, result=result | {"model_identity": sha("clean-pair")})
     refused(_queue(api, experiment_id, "replica-start", {"rank": 1}), "replica-running")
 
     stop = _queue(api, experiment_id, "replica-stop", {"rank": 1})
     assert stop.status_code == 201 and stop.json()["spec"] == {"rank": 1}, stop.text
     refused(_queue(api, experiment_id, "replica-stop", {"rank": 1}), "replica-not-running")  # already asked
-    job = _claim_on(api, tokens, "b", "replica-stop")
-    assert api.finish(tokens["b"], job, stopped=True).status_code == 200
+    job = _claim_on(agents, "b", "replica-stop")
+    agents["b"].finish(job, result={"stopped": True})
     # Stopped: the benchmark that needs it is refused, and the rank may be started again.
     refused(_queue(api, experiment_id, "benchmark", {"phase": "pair"}), "benchmark-requires-replicas")
     assert _queue(api, experiment_id, "replica-start", {"rank": 1}).status_code == 201

@@ -7,13 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 from server.settings import Settings
-from tests.integration.coordinator.support import (
-    Api,
-    answer,
+from tests.integration.coordinator.support import Api, running
+from tests.support.agent import FakeAgent, answer, rejection
+from tests.support.database import record_report
+from tests.support.scenarios import (
     bearer,
     prepared_experiment,
-    record_report,
-    running,
     select_and_advance,
     sha,
     train_result,
@@ -43,51 +42,47 @@ def _sample(seconds: float) -> dict[str, Any]:
 def test_step_journal_and_resource_samples_are_listed_per_attempt_and_job(api: Api) -> None:
     a = api.agent("a")
     prepared_experiment(api, a)
-    job = api.claim(a)
-    assert job is not None and job["kind"] == "train"
-    reply = api.report(
-        a,
+    job = a.claim()
+    assert job is not None and job.kind == "train" and job.arm is not None
+    a.finish(
         job,
-        result=train_result(job["arm"]),
+        result=train_result(job.arm),
         journal=[_step(2), _step(1)],
         resource_samples=[_sample(0.0), _sample(1.0)],
     )
-    assert reply.status_code == 200, reply.text
-    steps = api.get(f"/api/attempts/{job['attempt_id']}/measurements?kind=step")
+    steps = api.get(f"/api/attempts/{job.attempt_id}/measurements?kind=step")
     assert [(m["kind"], m["position"], m["body"]["loss"]) for m in steps] == [("step", 1, 1.0), ("step", 2, 0.5)]
-    every = api.get(f"/api/jobs/{job['job_id']}/measurements")
+    every = api.get(f"/api/jobs/{job.job_id}/measurements")
     assert [(m["kind"], m["position"], m["rank"]) for m in every] == [
         ("resources", 0, 0),
         ("resources", 1, 0),
         ("step", 1, 0),
         ("step", 2, 0),
     ]
-    assert api.client.get(f"/api/jobs/{job['job_id']}/measurements?kind=weather").status_code == 400
+    assert api.client.get(f"/api/jobs/{job.job_id}/measurements?kind=weather").status_code == 400
 
 
 def test_failed_attempt_keeps_its_journal_but_may_not_publish_answers(api: Api) -> None:
     a = api.agent("a")
     prepared_experiment(api, a)
-    job = api.claim(a)
+    job = a.claim()
     assert job is not None
-    refused = api.report(a, job, outcome="failed", answers=[answer(0, True)])
-    assert refused.status_code == 400 and "succeeded result only" in refused.json()["detail"]
-    assert api.report(a, job, outcome="failed", journal=[_step(1)]).status_code == 200
-    assert [m["position"] for m in api.get(f"/api/attempts/{job['attempt_id']}/measurements")] == [1]
+    refused = rejection(a.finish, job, outcome="failed", answers=[answer(0, True)])
+    assert refused.status_code == 400 and "succeeded result only" in refused.detail
+    a.finish(job, outcome="failed", journal=[_step(1)])
+    assert [m["position"] for m in api.get(f"/api/attempts/{job.attempt_id}/measurements")] == [1]
 
 
-def _evaluated(api: Api) -> tuple[str, str]:
+def _evaluated(api: Api) -> tuple[str, FakeAgent]:
     """Test answers for all four arms: arm number k gets index i right when (i + k) % 3 != 0."""
     a, b = api.agent("a"), api.agent("b")
     experiment_id = trained_experiment(api, a, b)["id"]
     select_and_advance(api, experiment_id)
     families = ("lookup", "filter", "total", "sort")
     for k in range(4):
-        token, job = next((t, j) for t in (a, b) if (j := api.claim(t)) is not None)
-        assert job["kind"] == "evaluate"
-        answers = [answer(i, (i + k) % 3 != 0, families[i % 4], (i // 4) % 4) for i in range(12)]
-        reply = api.evaluated(token, job, answers)
-        assert reply.status_code == 200, reply.text
+        agent, job = next((agent, job) for agent in (a, b) if (job := agent.claim()) is not None)
+        assert job.kind == "evaluate"
+        agent.evaluated(job, [answer(i, (i + k) % 3 != 0, families[i % 4], (i // 4) % 4) for i in range(12)])
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
     return experiment_id, a
 
@@ -118,10 +113,10 @@ def test_answers_are_recorded_once_per_arm_and_role(api: Api) -> None:
         f"/api/experiments/{experiment_id}/jobs", {"kind": "evaluate", "arm": "seed", "role": "test"}
     )
     assert queued.status_code == 201, queued.text
-    job = api.claim(a)
+    job = a.claim()
     assert job is not None
-    again = api.evaluated(a, job)
-    assert again.status_code == 409 and again.json()["rule"] == "answers-recorded-once"
+    again = rejection(a.evaluated, job)
+    assert again.status_code == 409 and again.rule == "answers-recorded-once"
 
 
 def test_serving_results_and_the_report_are_stored_and_read_back(api: Api) -> None:
@@ -138,17 +133,17 @@ def test_serving_results_and_the_report_are_stored_and_read_back(api: Api) -> No
     assert api.operator_post(jobs, single).status_code == 409  # no replica runs yet
     rank0 = {"kind": "replica-start", "arm": "clean-pair", "spec": {"rank": 0}}
     assert api.operator_post(jobs, rank0).status_code == 201
-    replica = api.claim(a)  # a holds the pair's rank 0
-    assert replica is not None and replica["kind"] == "replica-start"
+    replica = a.claim()  # a holds the pair's rank 0
+    assert replica is not None and replica.kind == "replica-start"
     started = {"probe_url": "http://a:9000", "replica_url": "http://127.0.0.1:8000", "rank": 0}
-    assert api.finish(a, replica, **started, model_identity=sha("clean-pair")).status_code == 200
+    a.finish(replica, result=started | {"model_identity": sha("clean-pair")})
     assert api.operator_post(jobs, single).status_code == 201
-    job = api.claim(a)
-    assert job is not None and job["kind"] == "benchmark" and job["spec"]["endpoints"] == ["http://a:9000"]
-    assert len(job["spec"]["serving_token"]) == 64  # handed to the claiming agent only
-    assert "serving_token" not in api.get(f"/api/jobs/{job['job_id']}")["spec"]
+    job = a.claim()
+    assert job is not None and job.kind == "benchmark" and job.spec["endpoints"] == ["http://a:9000"]
+    assert len(job.spec["serving_token"]) == 64  # handed to the claiming agent only
+    assert "serving_token" not in api.get(f"/api/jobs/{job.job_id}")["spec"]
     phases = [{"phase": "single", "report": {"requests": 100}}, {"phase": "failure", "report": {"lost": 0}}]
-    assert api.report(a, job, serving=phases).status_code == 200
+    a.finish(job, serving=phases)
     listed = api.get(f"/api/experiments/{experiment_id}/serving-results")
     assert [(r["phase"], r["report"]) for r in listed] == [(p["phase"], p["report"]) for p in phases]
     report = {"primary": {"verdict": {"passed": True}}, "accuracy": {"seed": 0.25}}

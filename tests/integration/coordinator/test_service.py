@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,18 +17,13 @@ from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
-from tests import processes
-from tests.integration.coordinator.support import LOCAL_PLAN, bearer, empty_database, make_token, with_session
+from tests.support import processes
+from tests.support.database import empty_database, make_token, with_session
+from tests.support.scenarios import LOCAL_PLAN, bearer
+from tests.support.waiting import wait_for
 
 CLAIMERS = 32
 JOBS = 24
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def coop_server(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -63,18 +56,20 @@ def test_fresh_sqlite_server_answers_schema_and_commits_a_plan(tmp_path: Path) -
     assert token.startswith("coop_") and "shown once" in created.stderr
     duplicate = coop_server(env, "token", "create", "--role", "operator", "--name", "op")
     assert duplicate.returncode == 2 and "already exists" in duplicate.stderr
-    port = _free_port()
+    port = processes.free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--port", str(port)], env=env, stderr=subprocess.DEVNULL
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+
+        def answered() -> httpx.Response | None:
             try:
-                schema = httpx.get(f"{base}/schema/openapi.json", timeout=1)
-                break
+                return httpx.get(f"{base}/schema/openapi.json", timeout=1)
             except httpx.TransportError:
-                time.sleep(0.1)
+                return None
+
+        schema = wait_for(answered, 60, "the coordinator to answer")
         assert schema.status_code == 200 and "createExperiment" in schema.text
         response = httpx.post(
             f"{base}/api/experiments", json={"plan_toml": LOCAL_PLAN.read_text()}, headers=bearer(token), timeout=10
@@ -99,8 +94,9 @@ def test_tampered_ledger_is_detected_naming_the_seq(server_env: dict[str, str], 
         api = Api(client, database_url)
         a = api.agent("a")
         experiment = api.create_experiment()
-        job = api.claim(a)
-        assert job is not None and api.finish(a, job, prepared_identity="ab" * 32).status_code == 200
+        job = a.claim()
+        assert job is not None
+        a.finish(job, result={"prepared_identity": "ab" * 32})
     assert coop_server(server_env, "verify-ledger", experiment["id"]).returncode == 0
 
     async def tamper(session: AsyncSession) -> None:

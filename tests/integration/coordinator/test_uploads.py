@@ -8,24 +8,30 @@ from typing import Any
 
 from litestar.testing import AsyncTestClient
 
+from experiment import wire
 from server.app import create_app
 from server.settings import Settings
-from tests.integration.coordinator.support import Api, bearer, running
+from tests.integration.coordinator.support import Api, running
+from tests.support.agent import FakeAgent, rejection
+from tests.support.scenarios import bearer
 
 
-def _claimed(api: Api) -> tuple[str, dict[str, Any]]:
+def _claimed(api: Api) -> tuple[FakeAgent, wire.Assignment]:
     a = api.agent("a")
     api.create_experiment()
-    job = api.claim(a)
+    job = a.claim()
     assert job is not None
     return a, job
 
 
-def _events(api: Api, token: str, job: dict[str, Any], sequence: int, kinds: list[str], key: str | None = None) -> Any:
-    headers = bearer(token)
-    headers["Idempotency-Key"] = key if key is not None else f"{job['job_id']}:{job['attempt_id']}:{sequence}"
-    body = {"lease_token": job["lease_token"], "sequence": sequence, "events": [{"kind": k, "body": {}} for k in kinds]}
-    return api.client.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
+def _events(
+    api: Api, agent: FakeAgent, job: wire.Assignment, sequence: int, kinds: list[str], key: str | None = None
+) -> Any:
+    """An event batch sent raw, under ``key`` (by default the one that names it), whatever the answer."""
+    headers = bearer(agent.token)
+    headers["Idempotency-Key"] = key if key is not None else f"{job.job_id}:{job.attempt_id}:{sequence}"
+    body = {"lease_token": job.lease_token, "sequence": sequence, "events": [{"kind": k, "body": {}} for k in kinds]}
+    return api.client.post(f"/api/attempts/{job.attempt_id}/events", json=body, headers=headers)
 
 
 def test_event_batch_replay_returns_the_stored_reply_and_stores_once(api: Api) -> None:
@@ -34,7 +40,7 @@ def test_event_batch_replay_returns_the_stored_reply_and_stores_once(api: Api) -
     assert first.status_code == 201 and first.json()["accepted"] == 2
     replay = _events(api, a, job, 0, ["step", "step"])
     assert (replay.status_code, replay.content) == (first.status_code, first.content)
-    stored = api.get(f"/api/attempts/{job['attempt_id']}/events")
+    stored = api.get(f"/api/attempts/{job.attempt_id}/events")
     assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step", "step"]
 
 
@@ -48,30 +54,29 @@ def test_replay_with_a_different_payload_is_a_conflict(api: Api) -> None:
 def test_upload_needs_the_key_that_names_it(api: Api) -> None:
     a, job = _claimed(api)
     missing = api.client.post(
-        f"/api/attempts/{job['attempt_id']}/events",
-        json={"lease_token": job["lease_token"], "sequence": 0, "events": [{"kind": "step"}]},
-        headers=bearer(a),
+        f"/api/attempts/{job.attempt_id}/events",
+        json={"lease_token": job.lease_token, "sequence": 0, "events": [{"kind": "step"}]},
+        headers=bearer(a.token),
     )
     assert missing.status_code == 400 and "Idempotency-Key" in missing.json()["detail"]
-    wrong = _events(api, a, job, 1, ["step"], key=f"{job['job_id']}:{job['attempt_id']}:2")
+    wrong = _events(api, a, job, 1, ["step"], key=f"{job.job_id}:{job.attempt_id}:2")
     assert wrong.status_code == 400 and "does not name this upload" in wrong.json()["detail"]
 
 
 def test_result_replay_after_the_attempt_ended_returns_the_stored_reply(api: Api) -> None:
     a, job = _claimed(api)
-    first = api.finish(a, job, prepared_identity="ab" * 32)
-    assert first.status_code == 200 and first.json()["state"] == "succeeded"
-    replay = api.finish(a, job, prepared_identity="ab" * 32)
-    assert (replay.status_code, replay.content) == (200, first.content)
-    different = api.finish(a, job, prepared_identity="cd" * 32)
-    assert different.status_code == 409 and different.json()["rule"] == "idempotency-key-reused"
+    first = a.finish(job, result={"prepared_identity": "ab" * 32})
+    assert first.state == "succeeded"
+    assert a.finish(job, result={"prepared_identity": "ab" * 32}) == first
+    different = rejection(a.finish, job, result={"prepared_identity": "cd" * 32})
+    assert different.status_code == 409 and different.rule == "idempotency-key-reused"
 
 
 def test_malformed_result_is_refused_and_leaves_the_attempt_running(api: Api) -> None:
     a, job = _claimed(api)
-    response = api.finish(a, job, prepared_identity="not a digest")
-    assert response.status_code == 400 and "prepared_identity" in response.json()["detail"]
-    assert api.get(f"/api/attempts/{job['attempt_id']}")["state"] == "leased"
+    refused = rejection(a.finish, job, result={"prepared_identity": "not a digest"})
+    assert refused.status_code == 400 and "prepared_identity" in refused.detail
+    assert api.get(f"/api/attempts/{job.attempt_id}")["state"] == "leased"
 
 
 def test_bad_bodies_are_400_with_the_reason(api: Api) -> None:
@@ -117,16 +122,16 @@ def test_simultaneous_first_uploads_of_one_key_store_once_and_answer_alike(
     with running(settings) as client:
         api = Api(client, database_url)
         a, job = _claimed(api)
-    events_path = f"/api/attempts/{job['attempt_id']}/events"
-    key = {**bearer(a), "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:0"}
-    batch = {"lease_token": job["lease_token"], "sequence": 0, "events": [{"kind": "step", "body": {"step": 1}}]}
+    events_path = f"/api/attempts/{job.attempt_id}/events"
+    key = {**bearer(a.token), "Idempotency-Key": f"{job.job_id}:{job.attempt_id}:0"}
+    batch = {"lease_token": job.lease_token, "sequence": 0, "events": [{"kind": "step", "body": {"step": 1}}]}
     replies = _race(settings, [(events_path, batch, key)] * 8)
     assert {(r.status_code, r.content) for r in replies} == {(201, replies[0].content)}
     # Two payloads race for the result key: one wins, every copy of it gets the stored reply, the other is 409.
-    result_path = f"/api/attempts/{job['attempt_id']}/result"
-    result_key = {**bearer(a), "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:result"}
+    result_path = f"/api/attempts/{job.attempt_id}/result"
+    result_key = {**bearer(a.token), "Idempotency-Key": f"{job.job_id}:{job.attempt_id}:result"}
     bodies = [
-        {"lease_token": job["lease_token"], "outcome": "succeeded", "result": {"prepared_identity": digit * 64}}
+        {"lease_token": job.lease_token, "outcome": "succeeded", "result": {"prepared_identity": digit * 64}}
         for digit in "ab"
     ]
     replies = _race(settings, [(result_path, bodies[i % 2], result_key) for i in range(8)])
@@ -134,6 +139,6 @@ def test_simultaneous_first_uploads_of_one_key_store_once_and_answer_alike(
     statuses = sorted(next(iter(group))[0] for group in by_payload)
     assert all(len(group) == 1 for group in by_payload) and statuses == [200, 409], by_payload
     with running(settings) as client:
-        stored = client.get(f"/api/attempts/{job['attempt_id']}/events").json()
+        stored = client.get(f"/api/attempts/{job.attempt_id}/events").json()
         assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step"]
-        assert client.get(f"/api/attempts/{job['attempt_id']}").json()["state"] == "succeeded"
+        assert client.get(f"/api/attempts/{job.attempt_id}").json()["state"] == "succeeded"

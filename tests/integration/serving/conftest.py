@@ -14,7 +14,7 @@ from experiment import corpus, evaluation, seedmodel, training
 from experiment.plan import load_plan
 from tests.conftest import write_plan
 from tests.integration.serving.support import TINY, Fleet, Trained
-from tests.processes import coop_train
+from tests.support.processes import coop_train
 
 WORKLOAD = 16  # dev tasks in the test workload: enough for a replica to be stopped mid-phase
 STARTUP_SECONDS = 900  # a replica takes 45 s to minutes to become healthy on two busy cores

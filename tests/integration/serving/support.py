@@ -8,14 +8,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.processes import ROOT, free_port
+from tests.support import ROOT
+from tests.support.processes import free_port
+from tests.support.waiting import wait_for
 
 VLLM_VENV = ROOT / ".venv-vllm"
 TINY = ROOT / "seeds" / "tiny"
@@ -59,20 +60,18 @@ class EventProcess:
                 continue
             self.events.append(event)
 
-    def wait_for(self, name: str, timeout: float) -> dict[str, Any]:
+    def wait_for_event(self, name: str, seconds: float) -> dict[str, Any]:
         """The first event named ``name`` (seen before or after this call); fails on exit or timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def seen() -> dict[str, Any] | None:
             finished = not self._reader.is_alive()  # read before the events: no event can follow it
-            for event in list(self.events):
-                if event.get("event") == name:
-                    return event
-            if finished:
+            event = next((event for event in list(self.events) if event.get("event") == name), None)
+            if event is None and finished:
                 code = self.process.wait()
                 raise AssertionError(f"{self.args[0]} exited ({code}) before {name!r}: {self.events}; {self._log.name}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {name!r} event within {timeout:.0f} s from {self.args[0]}: {self.events}")
-            time.sleep(0.05)
+            return event
+
+        return wait_for(seen, seconds, lambda: f"a {name!r} event from {self.args[0]}: {self.events}")
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -135,7 +134,7 @@ class Served:
         args = ["probe", "--home", str(self.home), "--model-dir", str(TINY), "--replica", self.replica_url]
         args += ["--expect", str(self.trained.reference), "--port", str(port)]
         self.probe = EventProcess(args, self.token, self.logs / f"probe-{self.name}.log")
-        self.probe.wait_for("listening", 180)
+        self.probe.wait_for_event("listening", 180)
 
     def ready(self) -> bool:
         return self.replica is not None and self.replica.alive() and self.probe is not None and self.probe.alive()
@@ -146,11 +145,9 @@ class Served:
                 process.terminate()
 
 
-# The serving tests run wherever `.venv-vllm` exists, and always in CI (where its absence is a failure).
-needs_vllm = pytest.mark.skipif(
-    not VLLM_VENV.is_dir() and not os.environ.get("CI"),
-    reason=".venv-vllm is missing: run `make vllm-venv` (CI always runs these tests)",
-)
+# The serving tests need vLLM's venv: its absence is a failure that names the command that builds it
+# (tests/conftest.py's vllm_venv fixture).
+needs_vllm = pytest.mark.usefixtures("vllm_venv")
 
 
 class Fleet:
@@ -168,7 +165,7 @@ class Fleet:
             s.start_replica()
         for s in needed:
             assert s.replica is not None
-            s.replica.wait_for("healthy", startup_seconds)
+            s.replica.wait_for_event("healthy", startup_seconds)
             s.start_probe()
         return self.served[:count]
 

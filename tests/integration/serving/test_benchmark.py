@@ -14,7 +14,7 @@ import pytest
 from experiment import evaluation
 from tests.integration.serving.conftest import WORKLOAD
 from tests.integration.serving.support import EventProcess, Fleet, Trained, needs_vllm, serving_env
-from tests.processes import ROOT
+from tests.support import ROOT
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
@@ -38,7 +38,7 @@ def test_single_and_pair_phases_answer_every_request_as_the_evaluation_did(
     for phase, endpoints in (("single", pair[:1]), ("pair", pair)):
         output = tmp_path / f"{phase}.json"
         run = _benchmark(serving_home, serving_token, output, phase, endpoints)
-        done = run.wait_for("benchmarked", 600)
+        done = run.wait_for_event("benchmarked", 600)
         assert run.wait(60) == 0
         results[phase] = json.loads(output.read_bytes())
         assert done["completed"] == WORKLOAD and done["failed"] == 0
@@ -66,12 +66,12 @@ def test_failure_phase_loses_no_request(
     output = tmp_path / "failure.json"
     stopped = fleet.served[1]
     run = _benchmark(serving_home, serving_token, output, "failure", pair, "--stop-after", "4")
-    signal_event = run.wait_for("stop-replica", 600)
+    signal_event = run.wait_for_event("stop-replica", 600)
     assert signal_event["completed"] == 4
     assert stopped.replica is not None
     assert stopped.replica.terminate() == 0  # as the agent cancels a replica job: SIGTERM, forwarded to vLLM
-    assert stopped.replica.wait_for("stopped", 5)["reason"] == "SIGTERM"
-    done = run.wait_for("benchmarked", 600)
+    assert stopped.replica.wait_for_event("stopped", 5)["reason"] == "SIGTERM"
+    done = run.wait_for_event("benchmarked", 600)
     assert run.wait(60) == 0
     result = json.loads(output.read_bytes())
     metrics = result["metrics"]

@@ -17,7 +17,7 @@ from experiment import corpus, evaluation, seedmodel
 from experiment.probe import IDENTITY_TASKS
 from tests.integration.serving.conftest import STARTUP_SECONDS
 from tests.integration.serving.support import TINY, EventProcess, Trained, needs_vllm
-from tests.processes import free_port
+from tests.support.processes import free_port
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
@@ -91,7 +91,7 @@ def test_a_probe_refuses_a_replica_of_a_checkpoint_vllm_misreads(
     args += ["--expect", str(trained.reference), "--port", str(probe_port)]
     probe = EventProcess(args, serving_token, tmp_path / "probe.log")
     try:
-        served.wait_for("healthy", STARTUP_SECONDS)
+        served.wait_for_event("healthy", STARTUP_SECONDS)
         assert probe.wait(300) == 2
     finally:
         probe.terminate()
@@ -109,7 +109,7 @@ def test_a_probe_still_checking_its_replica_stops_at_once(trained: Trained, serv
     args = ["probe", "--home", str(trained.home), "--model-dir", str(TINY), "--replica", nowhere]
     args += ["--expect", str(trained.reference), "--port", str(free_port())]
     probe = EventProcess(args, serving_token, tmp_path / "probe.log")
-    probe.wait_for("checking", 120)
+    probe.wait_for_event("checking", 120)
     began = time.monotonic()
     assert probe.terminate(timeout=30) == -signal.SIGTERM  # not killed after the grace period
     assert time.monotonic() - began < 10

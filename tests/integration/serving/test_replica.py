@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.serving.conftest import STARTUP_SECONDS
 from tests.integration.serving.support import TINY, EventProcess, needs_vllm
-from tests.processes import free_port
+from tests.support.processes import free_port
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 
@@ -36,7 +36,7 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
         "stream_options": {"include_usage": True},
     }
     try:
-        served.wait_for("healthy", STARTUP_SECONDS)
+        served.wait_for_event("healthy", STARTUP_SECONDS)
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as response:
             assert response.status_code == 200
             lines = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -51,6 +51,6 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
     # Answered in full, though the stop came in the middle: not cut short ("abort"), every token there.
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
     assert events[-1]["usage"]["completion_tokens"] == LONG
-    stopped = served.wait_for("stopped", 5)
+    stopped = served.wait_for_event("stopped", 5)
     # vLLM ended by itself after draining; a server killed after the grace period would say -9.
     assert (stopped["reason"], stopped["returncode"], codes) == ("SIGTERM", 0, [0]), stopped

@@ -1,0 +1,111 @@
+"""The records the science writes and the coordinator receives, defined once and bounded, so that a line of a
+journal or of answers.jsonl is the same Struct on every side: a training step, an evaluated answer, and an arm's
+selected candidate. Light (msgspec only): the agent and the coordinator import it without torch."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from experiment.tasks import Check, Family
+
+# Integers a 32-bit database column holds; every count in these records fits.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Step = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One update of a rank's step journal; ``positions`` are the global batch's document positions."""
+
+    step: Step
+    positions: list[Count]
+    local_positions: list[Count]
+    loss: float
+    learning_rate: float
+    gradient_norm: float
+    targets: Count
+    weighted_targets: Count
+    documents: Count
+    seconds: float
+
+
+class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One evaluated answer: a line of answers.jsonl."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    index: Count
+    family: Family
+    variant: Count
+    input_dependent: bool
+    prompt_ids: list[Count]
+    output_ids: list[Count]
+    text: str
+    seconds: float  # the batch's wall time shared equally among its answers
+    ended_with_eos: bool
+    hit_token_limit: bool
+    check: Check
+
+
+class Candidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An arm's selected model: for a trained arm its verified final checkpoint, for the untouched seed the
+    identity of its file snapshot (and nothing else)."""
+
+    arm: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    model_identity: Sha256  # the final parameter digest; for the seed, the identity of its file snapshot
+    path: Annotated[str, msgspec.Meta(max_length=500)] | None = None  # the model folder relative to the home
+    step: Step | None = None
+    binding: Sha256 | None = None
+    receipt_sha256: Sha256 | None = None
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """A trained arm's candidate names every part of its checkpoint."""
+        return None not in (self.path, self.step, self.binding, self.receipt_sha256)
+
+
+class SeedRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    revision: str
+    snapshot_identity: Sha256
+
+
+class FileRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    path: str
+    sha256: Sha256
+
+
+class RoleFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    file: str  # relative to the prepared folder
+    sha256: Sha256
+
+
+class TargetCounts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One training copy's documents and their supervised targets, in all and by kind (weighted by the plan)."""
+
+    documents: int
+    grounded_documents: int
+    replay_documents: int
+    damaged_documents: int
+    targets: int
+    grounded_targets: int
+    replay_targets: int
+    weighted_targets: int
+    grounded_weighted_targets: int
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The prepared inputs' manifest (prepared/manifest.json): its identity is the prepared identity, committed
+    before training. ``roles`` names each role file and its sha256; ``ids`` the task ids of each role in order."""
+
+    plan: str
+    plan_identity: Sha256
+    seed: SeedRecord
+    tokenizer_identity: Sha256
+    sources: dict[str, FileRecord]  # "replay", "retention": the files the plan names, as read
+    roles: dict[str, RoleFile]
+    ids: dict[str, list[str]]  # "train", "dev", "test", "retention"
+    damaged_ids: list[str]
+    target_counts: dict[str, TargetCounts]  # "clean", "damaged"
+    retention_targets: int

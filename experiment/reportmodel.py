@@ -1,0 +1,123 @@
+"""The report's shape: what `coop report` writes as report.json and what the coordinator records, as typed
+Structs, defined once. The HTML page, the figures, the CLI and the coordinator read its attributes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from experiment.agreement import Agreement
+from experiment.servingrecord import Metrics
+from experiment.stats import Cell, Paired, Retention, Verdict
+
+
+class Accuracy(msgspec.Struct, frozen=True):
+    overall: Cell
+    by_family: dict[str, Cell]
+    by_variant: dict[str, Cell]
+    input_dependent: Cell
+    valid_json_object: int
+    hit_token_limit: int
+
+
+class Primary(msgspec.Struct, frozen=True):
+    """The only pass/fail: the clean single arm against the untouched seed on the test items."""
+
+    comparison: str
+    baseline: str
+    arm: str
+    paired: Paired
+    retention: Retention
+    verdict: Verdict
+
+
+class Comparison(msgspec.Struct, frozen=True):
+    """A descriptive paired comparison: wins are items ``arm`` answers right and ``baseline`` wrong."""
+
+    baseline: str
+    arm: str
+    paired: Paired
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm} vs {self.baseline}"
+
+
+class Margin(msgspec.Struct, frozen=True):
+    """Descriptive: the pair arm's accuracy is no more than ``margin`` below the single clean arm's."""
+
+    arm: str
+    baseline: str
+    margin: float
+    within: bool
+
+
+class Descriptive(msgspec.Struct, frozen=True):
+    comparisons: list[Comparison]
+    pair_margin: Margin
+    retention: dict[str, Retention]  # per trained arm, against the seed
+
+
+class ArmTraining(msgspec.Struct, frozen=True):
+    """One trained arm's runs, as their result files record them (per-rank lists in rank order)."""
+
+    ranks: int
+    parameter_digest: str
+    loop_seconds: list[float]
+    median_update_seconds: float
+    update_seconds: list[float]
+    losses: list[float]
+    network_bytes_sent: list[int]
+    network_scope: str
+    peak_memory_bytes: list[int]
+    peak_memory_kind: str
+    numerical_profile: dict[str, Any]
+
+
+class ServingReference(msgspec.Struct, frozen=True):
+    evaluation: str  # the served checkpoint's dev evaluation folder
+    device: str
+    tasks: int
+    correct: int
+
+
+class ServingFailure(msgspec.Struct, frozen=True):
+    stopped_after_completions: int | None
+    stop_seen_at_seconds: float | None
+    requests_started_after_one_replica_left: int
+    first_attempt_failures: int
+    retries: int
+    lost: int
+
+
+class Serving(msgspec.Struct, frozen=True):
+    phases: dict[str, Metrics]  # in the benchmark's order
+    reference: ServingReference
+    agreement: dict[str, Agreement]
+    pair_over_single_request_throughput: float
+    failure: ServingFailure
+
+
+class Report(msgspec.Struct, frozen=True):
+    plan: str
+    plan_identity: str
+    prepared_identity: str
+    selection_identity: str
+    arms: list[str]  # every arm, in the plan's order, the baseline first
+    candidates: dict[str, str]  # arm -> the selected model identity
+    ledger_entries: int | None  # None: the bundle carries no ledger
+    primary: Primary
+    descriptive: Descriptive
+    accuracy: dict[str, Accuracy]
+    training: dict[str, ArmTraining]
+    pair_over_single_median_update: float
+    serving: Serving | None
+    checks: list[str]
+
+
+def read_report(data: bytes | dict[str, Any]) -> Report:
+    """A recorded report (its JSON bytes, or the decoded object the coordinator stores)."""
+    if isinstance(data, bytes):
+        return msgspec.json.decode(data, type=Report)
+    return msgspec.convert(data, type=Report)
