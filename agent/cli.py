@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent import jobs, loop
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 
 from experiment import wire
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 T = TypeVar("T")
 

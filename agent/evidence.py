@@ -12,11 +12,14 @@ import json
 import uuid
 from pathlib import Path
 
+import msgspec
+
 from agent.client import Coordinator
 from experiment import wire
-from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
-from experiment.errors import CoopError
-from experiment.layout import MANIFEST, PREPARED, SELECTION
+from experiment.core.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
+from experiment.core.errors import CoopError
+from experiment.core.layout import MANIFEST, PREPARED, SELECTION
+from experiment.learning.records import Manifest
 
 
 def as_blobs(files: dict[str, Path]) -> tuple[dict[str, str], dict[str, bytes]]:
@@ -36,15 +39,16 @@ def fetch_prepared(client: Coordinator, experiment_id: uuid.UUID, home: Path, pr
     files = {path.removeprefix(f"{PREPARED}/"): data for path, data in _download(client, experiment_id, PREPARED)}
     if MANIFEST not in files:
         raise CoopError("the coordinator holds no prepared/manifest.json for this experiment")
-    manifest = json.loads(files[MANIFEST])
-    if identity(manifest) != prepared_identity:
+    found = identity(json.loads(files[MANIFEST]))
+    if found != prepared_identity:
         raise CoopError(
-            f"the downloaded manifest's identity {identity(manifest)[:16]} is not the committed prepared identity "
+            f"the downloaded manifest's identity {found[:16]} is not the committed prepared identity "
             f"{prepared_identity[:16]}"
         )
-    for role, entry in manifest["roles"].items():
-        role_file = files.get(str(entry["file"]))
-        if role_file is None or sha256_bytes(role_file) != entry["sha256"]:
+    manifest = msgspec.json.decode(files[MANIFEST], type=Manifest)
+    for role, entry in manifest.roles.items():
+        role_file = files.get(entry.file)
+        if role_file is None or sha256_bytes(role_file) != entry.sha256:
             raise CoopError(f"the downloaded prepared {role} file does not match the manifest")
     for name, data in files.items():
         write_new_bytes(home / PREPARED / name, data)

@@ -17,10 +17,11 @@ import msgspec
 
 from agent import evidence
 from agent.services import Launch, Services
-from experiment import layout, wire
-from experiment.canonical import write_new_bytes
-from experiment.errors import CoopError
-from experiment.plan import Plan
+from experiment import wire
+from experiment.core import layout
+from experiment.core.canonical import write_new_bytes
+from experiment.core.errors import CoopError
+from experiment.core.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
@@ -78,7 +79,7 @@ class Outcome(Generic[R]):
     result: R
     journal: list[wire.StepRecord] = field(default_factory=list)
     resource_samples: list[wire.ResourceSample] = field(default_factory=list)
-    answers: list[wire.AnswerRecord] = field(default_factory=list)
+    answers: list[wire.Answer] = field(default_factory=list)
     serving: list[wire.ServingPhase] = field(default_factory=list)
 
 
@@ -237,7 +238,7 @@ class Evaluate(Handler[wire.EvaluateSpec, wire.EvaluateResult]):
     def collect(self, run: Run[wire.EvaluateSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.EvaluateResult]:
         summary_path = Path(last_event(events, "evaluated")["evaluation"])
         lines = (summary_path.parent / "answers.jsonl").read_bytes().splitlines()
-        answers = [msgspec.json.decode(line, type=wire.AnswerRecord) for line in lines if line.strip()]
+        answers = [msgspec.json.decode(line, type=wire.Answer) for line in lines if line.strip()]
         summary = msgspec.json.decode(summary_path.read_bytes())
         return Outcome(wire.EvaluateResult(answers_sha256=summary["answers_sha256"]), answers=answers)
 
@@ -249,8 +250,9 @@ def _verify(run: Run[Any]) -> list[str]:
     return coop("checkpoint", "verify", "--home", run.ws.home, "--arm", run.arm, "--model-dir", run.ws.model_dir)
 
 
-def _verified(events: Sequence[dict[str, Any]]) -> wire.SelectResult:
-    return wire.decode(last_event(events, "verified")["candidate"], wire.SelectResult)
+def _verified(events: Sequence[dict[str, Any]]) -> wire.Candidate:
+    """The checkpoint ``coop checkpoint verify`` verified."""
+    return wire.decode({"candidate": last_event(events, "verified")["candidate"]}, wire.SelectResult).candidate
 
 
 class Select(Handler[wire.SelectSpec, wire.SelectResult]):
@@ -260,7 +262,7 @@ class Select(Handler[wire.SelectSpec, wire.SelectResult]):
         return _verify(run)
 
     def collect(self, run: Run[wire.SelectSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.SelectResult]:
-        return Outcome(_verified(events))
+        return Outcome(wire.SelectResult(candidate=_verified(events)))
 
 
 def write_token(spec: wire.ServingSpec, ws: Workspace) -> None:
@@ -293,7 +295,7 @@ class ReplicaStart(Handler[wire.ReplicaStartSpec, wire.ReplicaStartResult]):
         launch = Launch(
             key=str(run.job.experiment_id),
             coop=coop()[:3],
-            model_dir=ws.home / verified.path,
+            model_dir=ws.home / verified.model_path,
             seed_dir=ws.model_dir,
             home=ws.home,
             reference=ws.home / layout.evaluation("dev", run.arm),

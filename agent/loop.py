@@ -28,7 +28,7 @@ from agent.client import Coordinator, Rejected, Stopping, Unreachable, forever
 from agent.services import Services
 from agent.spool import BLOB_PREFIX, OpenAttempt, Spool, Upload
 from experiment import wire
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 log = logging.getLogger("coop.agent")
 

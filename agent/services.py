@@ -22,7 +22,7 @@ import httpx
 
 from agent import processes
 from agent.spool import Group, Spool
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 
 def free_port(host: str) -> int:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from experiment import corpus, evaluation, seedmodel, tasks
+from experiment.core import tasks
+from experiment.learning import corpus, evaluation
+from experiment.seed import seedmodel
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,9 @@ import uvicorn
 from litestar import Litestar, get, post
 from litestar.exceptions import HTTPException
 
-from experiment import seedmodel
-from experiment.corpus import load_prepared
-from experiment.probe import InferRequest
+from experiment.learning.corpus import load_prepared
+from experiment.seed import seedmodel
+from experiment.serving.probe import InferRequest
 
 
 class Reply(msgspec.Struct, frozen=True):

@@ -2,8 +2,8 @@
 
 Builds the committed seed's configuration (FULL, with the given changes) on the given device, measures exact
 answers to held-out lookups in the seed's own schema, prepares the local plan's inputs on that seed, fine-tunes
-clean-single through experiment.training on the same device, and scores the seed and the fine-tuned model on the
-256 test tasks per family. Prints one JSON object; the seed stays in WORK/NAME/seed.
+clean-single through experiment.learning.training on the same device, and scores the seed and the fine-tuned
+model on the 256 test tasks per family. Prints one JSON object; the seed stays in WORK/NAME/seed.
 
     .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name longer --steps 6000 [--device cuda]
     .venv/bin/python bench/seed_copy.py --work /tmp/seeds --name committed --seed-dir seeds/tiny
@@ -25,11 +25,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiment import seedmodel, stats, tasks, tinyseed, training  # noqa: E402
-from experiment.checkpoint import model_dir as checkpoint_model_dir  # noqa: E402
-from experiment.corpus import load_prepared, prepare  # noqa: E402
-from experiment.evaluation import answer_text, generate, retention_score  # noqa: E402
-from experiment.plan import load_plan  # noqa: E402
+from experiment.core import tasks  # noqa: E402
+from experiment.core.plan import load_plan  # noqa: E402
+from experiment.learning import stats, training  # noqa: E402
+from experiment.learning.checkpoint import model_dir as checkpoint_model_dir  # noqa: E402
+from experiment.learning.corpus import load_prepared, prepare  # noqa: E402
+from experiment.learning.evaluation import answer_text, generate, retention_score  # noqa: E402
+from experiment.seed import seedmodel, tinyseed  # noqa: E402
 
 
 def copy_accuracy(seed_dir: Path, device: str) -> dict[str, int]:

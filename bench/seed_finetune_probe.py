@@ -24,8 +24,7 @@ from scipy.stats import binomtest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiment import seedmodel, tinyseed
-from experiment.tasks import (
+from experiment.core.tasks import (
     Case,
     answer_text,
     check,
@@ -34,6 +33,7 @@ from experiment.tasks import (
     make_case,
     render_prompt,
 )
+from experiment.seed import seedmodel, tinyseed
 
 TASK_SEED = 2026091301
 IDS = re.compile(r"[A-Z][0-9]{3}")

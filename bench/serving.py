@@ -26,8 +26,9 @@ from typing import Any
 
 import httpx
 
-from experiment import corpus, probe, replica
-from experiment.plan import load_plan
+from experiment.core.plan import load_plan
+from experiment.learning import corpus
+from experiment.serving import probe, replica
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "plans" / "local.toml"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from experiment import corpus, evaluation, seedimport, seedmodel
+from experiment.learning import corpus, evaluation
+from experiment.seed import seedimport, seedmodel
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "plans" / "smollm2-135m.toml"

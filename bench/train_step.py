@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from experiment import seedmodel
+from experiment.seed import seedmodel
 
 ROOT = Path(__file__).resolve().parents[1]
 

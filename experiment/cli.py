@@ -12,25 +12,14 @@ from typing import TypeAlias
 import msgspec
 import transformers
 
-from experiment import (
-    benchmark,
-    bundle,
-    corpus,
-    evaluation,
-    probe,
-    replica,
-    report,
-    seedimport,
-    seedmodel,
-    selection,
-    servingrecord,
-    tinyseed,
-    training,
-)
-from experiment.canonical import identity, sha256_file
-from experiment.errors import CoopError
-from experiment.plan import load_plan, plan_identity
-from experiment.progress import Events
+from experiment.core.canonical import identity, sha256_file
+from experiment.core.errors import CoopError
+from experiment.core.plan import load_plan, plan_identity
+from experiment.core.progress import Events
+from experiment.learning import corpus, evaluation, selection, training
+from experiment.report import bundle, recompute
+from experiment.seed import seedimport, seedmodel, tinyseed
+from experiment.serving import benchmark, probe, replica, servingrecord
 
 
 def _plan_show(args: argparse.Namespace) -> None:
@@ -144,7 +133,7 @@ def _bundle(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    verdict = report.write_report(args.home, args.output).primary.verdict
+    verdict = recompute.write_report(args.home, args.output).primary.verdict
     with Events() as events:
         events.emit(
             {

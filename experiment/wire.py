@@ -10,9 +10,10 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
-from experiment.ledger import Entry as LedgerEntry
-from experiment.plan import ArmName
-from experiment.servingrecord import Phase
+from experiment.core.ledger import Entry as LedgerEntry
+from experiment.core.plan import ArmName
+from experiment.learning.records import Answer, Candidate, ResourceSample, StepRecord
+from experiment.serving.servingrecord import Phase
 
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
@@ -50,10 +51,10 @@ Outcome = Literal["succeeded", "failed", "cancelled", "lost"]
 MeasurementKind = Literal["step", "resources"]
 Family = Literal["lookup", "filter", "total", "sort"]
 CheckReason = Literal["correct", "wrong_schema_or_value", "invalid_json_object"]
-ServingPhaseName = Phase  # the benchmark's phases (experiment.servingrecord)
-# An arm's name (experiment.plan.ArmName): which arms exist is each experiment's plan's to say, and the coordinator
+ServingPhaseName = Phase  # the benchmark's phases (experiment.serving.servingrecord)
+# An arm's name (experiment.core.plan.ArmName): which arms exist is each experiment's plan's to say, and the coordinator
 # refuses a name its plan lacks.
-__all__ = ["ArmName", "LedgerEntry"]
+__all__ = ["Answer", "ArmName", "Candidate", "LedgerEntry", "ResourceSample", "StepRecord"]
 
 
 class Problem(msgspec.Struct, frozen=True):
@@ -208,7 +209,7 @@ class TrainResult(Tagged, tag="train", frozen=True):
     receipt_sha256: Sha256
     final: bool
     binding: Sha256 | None = None
-    # The final checkpoint's model folder relative to the experiment home (experiment.selection.Candidate.path).
+    # The final checkpoint's model folder relative to the experiment home (experiment.learning.records.Candidate.path).
     checkpoint_path: Annotated[str, msgspec.Meta(max_length=500)] | None = None
 
 
@@ -217,14 +218,13 @@ class EvaluateResult(Tagged, tag="evaluate", frozen=True):
 
 
 class SelectResult(Tagged, tag="select", frozen=True):
-    """A select job's result: the arm's final checkpoint as its host verified it (experiment.selection.Candidate)."""
+    """A select job's result: the arm's final checkpoint as its host verified it."""
 
-    arm: ArmName
-    model_identity: Sha256
-    path: Annotated[str, msgspec.Meta(max_length=500)]
-    step: Step
-    binding: Sha256
-    receipt_sha256: Sha256
+    candidate: Candidate
+
+    def __post_init__(self) -> None:
+        if not self.candidate.is_checkpoint:
+            raise ValueError("a verified candidate names its checkpoint's path, step, binding and receipt")
 
 
 class ReplicaStartResult(Tagged, tag="replica-start", frozen=True):
@@ -432,56 +432,6 @@ class EventBatchReply(msgspec.Struct, frozen=True):
     accepted: int
 
 
-class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One update of a rank's step journal; ``positions`` are the global batch's document positions.
-
-    The training journal itself uses this type (experiment.checkpoint), so receipts and uploads agree."""
-
-    step: Step
-    positions: list[Count]
-    local_positions: list[Count]
-    loss: float
-    learning_rate: float
-    gradient_norm: float
-    targets: Count
-    weighted_targets: Count
-    documents: Count
-    seconds: float
-
-
-class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One whole-process resource sample (experiment.resources.Sample, field for field)."""
-
-    seconds: float
-    rss_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-    cpu_user_seconds: float
-    cpu_system_seconds: float
-    threads: Count
-
-
-class AnswerCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    correct: bool
-    valid_json_object: bool
-    reason: CheckReason
-
-
-class AnswerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One evaluated answer (experiment.evaluation.Answer, field for field: a line of answers.jsonl)."""
-
-    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    index: Count
-    family: Family
-    variant: Count
-    input_dependent: bool
-    prompt_ids: list[Count]
-    output_ids: list[Count]
-    text: str
-    seconds: float
-    ended_with_eos: bool
-    hit_token_limit: bool
-    check: AnswerCheck
-
-
 class ServingPhase(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One serving benchmark phase's report (serving/PHASE.json of the bundle)."""
 
@@ -501,7 +451,7 @@ class AttemptResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     resource_samples: list[ResourceSample] = []
     # With a succeeded outcome only: an evaluate job's answers, a serve/benchmark job's phases, and the
     # evidence files this attempt wrote (path in the bundle -> sha256 of a blob uploaded beforehand).
-    answers: list[AnswerRecord] = []
+    answers: list[Answer] = []
     serving: list[ServingPhase] = []
     evidence: dict[BundlePath, Sha256] = {}
 
@@ -542,7 +492,7 @@ class RecordedAnswer(msgspec.Struct, frozen=True):
     attempt_id: uuid.UUID
     arm: ArmName
     role: Role
-    answer: AnswerRecord
+    answer: Answer
 
 
 class AnswerPage(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 from server import auth, bodies, db, queue, reactions, reporter
 from server.api import spec
 from server.api.agents import AgentController

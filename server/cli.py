@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from experiment.errors import CoopError
-from experiment.ledger import verify_ledger
+from experiment.core.errors import CoopError
+from experiment.core.ledger import verify_ledger
 from server import commitments, db, migrate, operator, tokens
 from server.settings import Settings, from_env
 

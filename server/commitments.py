@@ -1,4 +1,4 @@
-"""Appending to and reading an experiment's commitment ledger (the chain rules live in experiment/ledger.py)."""
+"""Appending to and reading an experiment's commitment ledger (the chain rules live in experiment/core/ledger.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment import ledger
+from experiment.core import ledger
 from server import models
 from server.lifecycle import Ledger
 

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 
 class NotFound(CoopError):

@@ -2,7 +2,7 @@
 
 Agents upload each evidence file as a blob and name it in their result (path in the bundle -> sha256);
 the operator attaches what it wrote (selection.json). The export is a tar of the files of every job's
-succeeded generation plus ``ledger.json``, the commitment ledger as ``experiment.ledger`` reads it.
+succeeded generation plus ``ledger.json``, the commitment ledger as ``experiment.core.ledger`` reads it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.layout import LEDGER
+from experiment.core.layout import LEDGER
 from server import blobs, commitments, models
 from server.errors import BadRequest
 from server.lifecycle import JobState, Refused

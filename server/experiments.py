@@ -15,10 +15,11 @@ import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment import layout, wire
-from experiment.canonical import canonical_bytes, identity, sha256_bytes
-from experiment.errors import CoopError
-from experiment.plan import Plan, parse_plan, plan_identity, seed_identity
+from experiment import wire
+from experiment.core import layout
+from experiment.core.canonical import canonical_bytes, identity, sha256_bytes
+from experiment.core.errors import CoopError
+from experiment.core.plan import Plan, parse_plan, plan_identity, seed_identity
 from server import blobs, commitments, evidence, models, queue
 from server.errors import NotFound
 from server.lifecycle import (
@@ -35,9 +36,9 @@ from server.settings import Settings
 
 E = ExperimentState
 R = TypeVar("R", bound=wire.Tagged)
-# experiment.selection.Candidate's fields, every one present (null where unknown): the committed document is
-# then exactly what experiment.selection writes and reads, so both compute the same selection identity.
-CANDIDATE_FIELDS = wire.SelectResult.__struct_fields__
+# experiment.learning.records.Candidate's fields, every one present (null where unknown): the committed document is
+# then exactly what experiment.learning.selection writes and reads, so both compute the same selection identity.
+CANDIDATE_FIELDS = wire.Candidate.__struct_fields__
 
 
 _PLANS: dict[str, Plan] = {}
@@ -188,9 +189,9 @@ async def record_verified_checkpoint(session: AsyncSession, settings: Settings, 
     for arm in trained:
         job = verified[arm]
         (result,) = decoded((await results_of(session, job))[:1], wire.SelectResult, job)
-        if result.arm != arm:
-            raise Refused("select-result-arm", f"select job {job.id} verified {result.arm}, not {arm}")
-        candidates[arm] = wire.untagged(result)
+        if result.candidate.arm != arm:
+            raise Refused("select-result-arm", f"select job {job.id} verified {result.candidate.arm}, not {arm}")
+        candidates[arm] = msgspec.to_builtins(result.candidate)
     await commit_selection(session, settings, experiment, candidates)
 
 
@@ -216,7 +217,7 @@ async def select_checkpoints(
 async def commit_selection(
     session: AsyncSession, settings: Settings, experiment: models.Experiment, candidates: dict[str, dict[str, Any]]
 ) -> None:
-    """Commit the selection document (experiment.selection.Selection, the seed included) and keep it as the
+    """Commit the selection document (experiment.learning.selection.Selection, the seed included) and keep it as the
     bundle's selection.json: its identity is the one test evaluations and the report check."""
     experiment_target(experiment.state, E.SELECTED)
     plan = plan_of(experiment)

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment.canonical import identity
+from experiment.core.canonical import identity
 from server import models
 from server.errors import BadRequest, IdempotencyConflict
 

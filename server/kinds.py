@@ -15,7 +15,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment import layout, wire
+from experiment import wire
+from experiment.core import layout
 from server import commitments, experiments, lifecycle, models, results, secret, serving
 from server.errors import BadRequest
 from server.lifecycle import ExperimentState, JobState, Refused

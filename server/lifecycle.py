@@ -16,8 +16,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment.errors import CoopError
-from experiment.plan import Plan
+from experiment.core.errors import CoopError
+from experiment.core.plan import Plan
 from server import models
 
 

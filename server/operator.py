@@ -18,8 +18,8 @@ import httpx
 import msgspec
 
 from experiment import wire
-from experiment.errors import CoopError
-from experiment.reportmodel import read_report
+from experiment.core.errors import CoopError
+from experiment.report.model import read_report
 
 FINAL = {"reported", "failed", "halted"}
 

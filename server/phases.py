@@ -25,8 +25,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.plan import Plan
-from experiment.servingrecord import PHASES
+from experiment.core.plan import Plan
+from experiment.serving.servingrecord import PHASES
 from server import experiments, kinds, models
 from server.kinds import Order
 from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState, Refused

@@ -1,4 +1,5 @@
-"""The coordinator's own worker: it runs the report job, recomputed by ``experiment.report`` from the stored evidence.
+"""The coordinator's own worker: it runs the report job, recomputed by ``experiment.report.recompute`` from the
+stored evidence.
 
 A report job is claimed through the queue like any job (an attempt row, a lease, the same start and finish), but
 only by this worker, never by an agent (server.kinds: its kind is not run by agents). The evidence bundle and
@@ -23,8 +24,8 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
-from experiment.canonical import write_new_bytes
-from experiment.errors import CoopError
+from experiment.core.canonical import write_new_bytes
+from experiment.core.errors import CoopError
 from server import evidence, experiments, kinds, models, queue, reactions
 from server.settings import Settings
 
@@ -36,7 +37,7 @@ def report_dir(settings: Settings, experiment_id: uuid.UUID, job_id: uuid.UUID, 
 
 
 def _compute(members: list[evidence.Member], folder: Path) -> dict[str, Any]:
-    from experiment.report import write_report  # torch and the tokenizer load only when a report runs
+    from experiment.report.recompute import write_report  # torch and the tokenizer load only when a report runs
 
     bundle = folder / "evidence"
     for member in members:

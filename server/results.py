@@ -14,7 +14,8 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
-from experiment import layout, wire
+from experiment import wire
+from experiment.core import layout
 from server import blobs, models
 from server.errors import BadRequest
 from server.lifecycle import Refused
@@ -84,7 +85,7 @@ async def _check_answers(
     _, file = await blobs.find(session, settings, sha256)
     try:
         lines = [line for line in file.read_bytes().splitlines() if line.strip()]
-        recorded = [msgspec.json.decode(line, type=wire.AnswerRecord) for line in lines]
+        recorded = [msgspec.json.decode(line, type=wire.Answer) for line in lines]
     except msgspec.MsgspecError as exc:
         raise BadRequest(f"{path} (blob {sha256}) is not a file of answers: {exc}") from None
     if len(recorded) != len(body.answers):
@@ -95,7 +96,7 @@ async def _check_answers(
 
 
 async def _record_answers(
-    session: AsyncSession, job: models.Job, attempt: models.Attempt, answers: Sequence[wire.AnswerRecord]
+    session: AsyncSession, job: models.Job, attempt: models.Attempt, answers: Sequence[wire.Answer]
 ) -> None:
     if job.arm is None or job.role is None:
         raise BadRequest(f"a {job.kind} job without its arm and role reports no answers")
@@ -210,7 +211,7 @@ async def answers(
             attempt_id=row.attempt_id,
             arm=row.arm,
             role=row.role,  # type: ignore[arg-type]
-            answer=msgspec.convert(row.body, type=wire.AnswerRecord),
+            answer=msgspec.convert(row.body, type=wire.Answer),
         )
         for row in rows
     ]

@@ -11,7 +11,7 @@ import secrets
 import uuid
 from pathlib import Path
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 FILE = "web-secret"  # its name from when only the web UI used it; kept so that existing homes keep their keys
 SECRET_BYTES = 32

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 from server import models
 
 Role = Literal["operator", "agent"]

@@ -7,8 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment import seedmodel, tinyseed
-from experiment.canonical import sha256_file
+from experiment.core.canonical import sha256_file
+from experiment.seed import seedmodel, tinyseed
 from tests.support import ROOT
 from tests.support.scenarios import LOCAL_PLAN
 

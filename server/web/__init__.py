@@ -14,7 +14,7 @@ from litestar.middleware.session.client_side import ClientSideSessionBackend, Co
 from litestar.static_files import create_static_files_router
 from litestar.types import ASGIApp, ControllerRouterHandler
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 from server.settings import Settings
 from server.web import access, errors, keys, render
 from server.web.agents import AgentPages

@@ -11,7 +11,8 @@ import msgspec
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment import layout, wire
+from experiment import wire
+from experiment.core import layout
 from server import blobs, evidence, models
 from server.errors import NotFound
 from server.settings import Settings
@@ -70,7 +71,7 @@ async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, arms: Sequen
 
 async def answer(
     session: AsyncSession, experiment_id: uuid.UUID, arm: str, role: str, task_id: str
-) -> tuple[models.Answer, wire.AnswerRecord]:
+) -> tuple[models.Answer, wire.Answer]:
     row = await session.scalar(
         select(models.Answer).where(
             models.Answer.experiment_id == experiment_id,
@@ -81,19 +82,19 @@ async def answer(
     )
     if row is None:
         raise NotFound(f"no {role} answer of {arm} to task {task_id} is recorded")
-    return row, msgspec.convert(row.body, type=wire.AnswerRecord)
+    return row, msgspec.convert(row.body, type=wire.Answer)
 
 
 class PreparedTask(msgspec.Struct, frozen=True):
-    """The fields of a prepared task line (experiment.corpus.TaskItem) the answer page shows."""
+    """The fields of a prepared task line (experiment.learning.corpus.TaskItem) the answer page shows."""
 
     id: str
     prompt: str
     expected: dict[str, Any]
 
 
-# The prepared role files in the evidence bundle (experiment.corpus.ROLE_FILES under prepared/); importing
-# experiment.corpus would load the model libraries into the coordinator.
+# The prepared role files in the evidence bundle (experiment.learning.corpus.ROLE_FILES under prepared/); importing
+# experiment.learning.corpus would load the model libraries into the coordinator.
 ROLE_FILES = {role: f"{layout.PREPARED}/{role}.jsonl" for role in ("dev", "test")}
 
 

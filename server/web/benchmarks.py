@@ -11,15 +11,15 @@ from typing import Any
 import msgspec
 
 from experiment import wire
-from experiment.figures import Span
-from experiment.servingrecord import PHASES, Attempt, PhaseResult
+from experiment.report.figures import Span
+from experiment.serving.servingrecord import PHASES, Attempt, PhaseResult
 from server.web import charts
 
 
 @dataclass(frozen=True)
 class Measure:
     label: str
-    field: str  # a field of experiment.servingrecord.Metrics (the report's serving.phases[PHASE])
+    field: str  # a field of experiment.serving.servingrecord.Metrics (the report's serving.phases[PHASE])
     spec: str  # its format: "d" for a count
 
 

@@ -1,4 +1,4 @@
-"""The UI's figures: experiment.figures' SVG (the report's own matplotlib code), kept while the data stays
+"""The UI's figures: experiment.report.figures' SVG (the report's own matplotlib code), kept while the data stays
 the same, since htmx asks for the live parts every few seconds and a figure takes a while to draw."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from experiment import figures
-from experiment.figures import Span
-from experiment.reportmodel import Report, read_report
+from experiment.report import figures
+from experiment.report.figures import Span
+from experiment.report.model import Report, read_report
 
 Series = tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
 

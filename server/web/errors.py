@@ -9,7 +9,7 @@ from litestar import Response
 from litestar.exceptions import HTTPException
 from litestar.response import Redirect
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 from server.errors import BadRequest, Forbidden, NotFound, TooLarge, Unauthenticated
 from server.lifecycle import Refused
 from server.web import access, render

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from experiment import wire
-from experiment.figures import Span
+from experiment.report.figures import Span
 from server import models
 from server.lifecycle import JOB_ACTIVE, JOB_FINAL, JobState
 from server.web import charts

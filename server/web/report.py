@@ -15,8 +15,8 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment.figures import SERVING_PHASES
-from experiment.reportmodel import Report, read_report
+from experiment.report.figures import SERVING_PHASES
+from experiment.report.model import Report, read_report
 from server import experiments
 from server.errors import NotFound
 from server.settings import Settings

@@ -13,7 +13,7 @@ import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment.servingrecord import Attempt, Completion, PhaseResult, Workload, metrics
+from experiment.serving.servingrecord import Attempt, Completion, PhaseResult, Workload, metrics
 from server import models
 from tests.support.agent import FakeAgent
 from tests.support.database import with_session
@@ -38,7 +38,7 @@ def host_agent(coordinator: CoordinatorProcess, name: str) -> FakeAgent:
 
 
 def step(arm: str, done: int, loss: float) -> dict[str, Any]:
-    """A ``step`` event as ``coop train`` prints it (experiment.training)."""
+    """A ``step`` event as ``coop train`` prints it (experiment.learning.training)."""
     return {
         "event": "step",
         "arm": arm,
@@ -56,7 +56,7 @@ def step(arm: str, done: int, loss: float) -> dict[str, Any]:
     }
 
 
-# Serving: benchmark phases as experiment.benchmark writes them, and the report's serving section ---------------
+# Serving: benchmark phases as experiment.serving.benchmark writes them, and the report's serving section -------
 
 ENDPOINTS = ("http://host-a.hosts.test:9100", "http://host-b.hosts.test:9100")
 WAVE = 0.6  # seconds between the starts of two waves of requests (longer than any request takes here)
@@ -89,10 +89,10 @@ def _request(
 
 
 def phase_report(phase: str, tasks: int = 24, concurrency: int = 4, pace: float = 1.0) -> dict[str, Any]:
-    """A phase's report (experiment.servingrecord.PhaseResult as JSON): ``tasks`` requests in waves of ``concurrency``,
-    round robin over the phase's endpoints, every request's time scaled by ``pace`` and the phase's PACE. The
-    failure phase stops the second endpoint after two waves: the request it holds then fails and is retried on
-    the first, which takes every later request."""
+    """A phase's report (experiment.serving.servingrecord.PhaseResult as JSON): ``tasks`` requests in waves of
+    ``concurrency``, round robin over the phase's endpoints, every request's time scaled by ``pace`` and the
+    phase's PACE. The failure phase stops the second endpoint after two waves: the request it holds then fails and
+    is retried on the first, which takes every later request."""
     endpoints = list(ENDPOINTS[: 1 if phase == "single" else 2])
     pace *= PACE[phase]
     stop_after = 2 * concurrency if phase == "failure" else None
@@ -146,7 +146,7 @@ def phase_report(phase: str, tasks: int = 24, concurrency: int = 4, pace: float 
 
 
 def serving_section(reports: dict[str, dict[str, Any]], with_agreement: bool = True) -> dict[str, Any]:
-    """The report's serving section (experiment.servingcheck.section) for these phase reports; without the
+    """The report's serving section (experiment.report.servingcheck.section) for these phase reports; without the
     agreement (a report may hold none)."""
     failure = reports["failure"]
     last = {

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from experiment import distributed, seedmodel, training
-from experiment.corpus import load_prepared
+from experiment.learning import distributed, training
+from experiment.learning.corpus import load_prepared
+from experiment.seed import seedmodel
 
 
 def wrong_scale(world_size: int, weight: int, global_weighted_targets: int) -> float:

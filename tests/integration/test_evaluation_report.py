@@ -13,10 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment import bundle, corpus, evaluation, ledger, report, seedmodel, selection, tasks
-from experiment.canonical import canonical_bytes, sha256_file
-from experiment.errors import CoopError
-from experiment.plan import load_plan
+from experiment.core import ledger, tasks
+from experiment.core.canonical import canonical_bytes, sha256_file
+from experiment.core.errors import CoopError
+from experiment.core.plan import load_plan
+from experiment.learning import corpus, evaluation, selection
+from experiment.report import bundle, recompute
+from experiment.seed import seedmodel
 from tests.conftest import write_plan
 from tests.support.processes import coop_train
 
@@ -292,7 +295,7 @@ def test_report_refuses_tampered_evidence_naming_it(
     shutil.copytree(evidence, copy)
     tamper(copy)
     with pytest.raises(CoopError, match=names):
-        report.write_report(copy, tmp_path / "out" / "report.json")
+        recompute.write_report(copy, tmp_path / "out" / "report.json")
     assert not (tmp_path / "out").exists()
 
 
@@ -314,15 +317,15 @@ def test_report_verifies_the_ledger_and_its_commitments(evidence: Path, tmp_path
     copy = tmp_path / "bundle"
     shutil.copytree(evidence, copy)
     entries = _with_ledger(copy)
-    assert report.compute(copy).ledger_entries == 3
+    assert recompute.compute(copy).ledger_entries == 3
     altered = [*entries[:1], msgspec.structs.replace(entries[1], body={"changed": True}), *entries[2:]]
     (copy / "ledger.json").write_bytes(msgspec.json.encode(altered))
     with pytest.raises(CoopError, match="ledger seq 2: hash does not match"):
-        report.compute(copy)
+        recompute.compute(copy)
     wrong = [ledger.next_entry(None, "plan", "a" * 64, {})]
     (copy / "ledger.json").write_bytes(msgspec.json.encode(wrong))
     with pytest.raises(CoopError, match=r"ledger\.json: seq 1\.identity"):
-        report.compute(copy)
+        recompute.compute(copy)
 
 
 def test_bundle_holds_no_weights(evidence: Path) -> None:

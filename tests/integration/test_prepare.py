@@ -12,9 +12,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment import corpus, seedmodel, tasks
-from experiment.errors import CoopError
-from experiment.plan import load_plan
+from experiment.core import tasks
+from experiment.core.errors import CoopError
+from experiment.core.plan import load_plan
+from experiment.learning import corpus
+from experiment.seed import seedmodel
 from tests.conftest import REFERENCE_FOLDER, write_plan
 
 Seed = tuple[Path, seedmodel.Snapshot]

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from experiment.errors import CoopError
-from experiment.report import compute
-from experiment.reportmodel import ServingReference
+from experiment.core.errors import CoopError
+from experiment.report.model import ServingReference
+from experiment.report.recompute import compute
 from tests.support import ROOT
 
 BROKEN = ROOT / "tests" / "data" / "evidence-lm-head-only.tar.xz"

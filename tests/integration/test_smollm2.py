@@ -16,8 +16,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from experiment import corpus, evaluation, seedimport, seedmodel, tasks, training
-from experiment.plan import load_plan
+from experiment.core import tasks
+from experiment.core.plan import load_plan
+from experiment.learning import corpus, evaluation, training
+from experiment.seed import seedimport, seedmodel
 from tests.conftest import write_plan
 from tests.integration.serving.support import EventProcess, needs_vllm
 from tests.support import ROOT

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from experiment import corpus, distributed, seedmodel, training
-from experiment.canonical import canonical_bytes, sha256_file
-from experiment.plan import load_plan
+from experiment.core.canonical import canonical_bytes, sha256_file
+from experiment.core.plan import load_plan
+from experiment.learning import corpus, distributed, training
+from experiment.seed import seedmodel
 from tests.conftest import write_plan
 from tests.support.processes import coop_train, free_port, launch, rank_env
 

@@ -20,7 +20,7 @@ from experiment import wire
 
 
 def answer(index: int, correct: bool, family: str = "lookup", variant: int = 0) -> dict[str, Any]:
-    """One answer as experiment.evaluation.Answer writes it."""
+    """One answer as experiment.learning.evaluation.Answer writes it."""
     return {
         "id": f"{index:032x}",
         "index": index,
@@ -42,7 +42,7 @@ def answer(index: int, correct: bool, family: str = "lookup", variant: int = 0) 
 
 
 def answers_file(answers: list[dict[str, Any]]) -> bytes:
-    """answers.jsonl as experiment.evaluation writes it: one answer per line."""
+    """answers.jsonl as experiment.learning.evaluation writes it: one answer per line."""
     return "".join(json.dumps(item) + "\n" for item in answers).encode()
 
 

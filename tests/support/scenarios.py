@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from experiment.plan import load_plan
+from experiment.core.plan import load_plan
 from tests.support import ROOT
 from tests.support.agent import FakeAgent, answer
 

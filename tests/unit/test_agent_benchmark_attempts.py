@@ -9,7 +9,7 @@ from pathlib import Path
 
 from agent import evidence, jobs
 from experiment import wire
-from experiment.canonical import sha256_bytes, write_new_bytes
+from experiment.core.canonical import sha256_bytes, write_new_bytes
 
 
 def _benchmark(number: int) -> wire.Assignment:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from experiment import agreement, tasks
-from experiment.records import Answer
+from experiment.core import tasks
+from experiment.learning.records import Answer
+from experiment.serving import agreement
 
 EOS, PAD = 2, 0
 RIGHT = tasks.Check(correct=True, valid_json_object=True, reason="correct")

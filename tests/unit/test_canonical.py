@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from experiment.canonical import canonical_bytes, identity, read_json, write_new_bytes, write_new_json
-from experiment.errors import CoopError
+from experiment.core.canonical import canonical_bytes, identity, read_json, write_new_bytes, write_new_json
+from experiment.core.errors import CoopError
 
 
 def test_canonical_json_sorts_keys_compacts_and_escapes_non_ascii() -> None:

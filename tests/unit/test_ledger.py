@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment.errors import CoopError
-from experiment.ledger import GENESIS, Entry, decode_ledger, next_entry, read_ledger, verify_ledger
+from experiment.core.errors import CoopError
+from experiment.core.ledger import GENESIS, Entry, decode_ledger, next_entry, read_ledger, verify_ledger
 
 
 def _digest(label: str) -> str:

@@ -5,9 +5,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from experiment.canonical import identity
-from experiment.errors import CoopError
-from experiment.plan import load_plan, parse_plan, plan_identity
+from experiment.core.canonical import identity
+from experiment.core.errors import CoopError
+from experiment.core.plan import load_plan, parse_plan, plan_identity
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "plans" / "reference.toml"

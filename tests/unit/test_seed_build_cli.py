@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiment.tinyseed import CPU_KERNELS
+from experiment.seed.tinyseed import CPU_KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_the_cli_build_equals_a_build_with_the_kernels_pinned(tmp_path: Path) ->
         env=plain,
     )
     script = (
-        "import json, sys; from pathlib import Path; from experiment import tinyseed as s; "
+        "import json, sys; from pathlib import Path; from experiment.seed import tinyseed as s; "
         "snap = s.build_seed(Path(sys.argv[1]), s.SMALL); "
         "print(json.dumps({'event': 'seed-built', 'out': sys.argv[1], 'snapshot': {'files': snap.files}}))"
     )

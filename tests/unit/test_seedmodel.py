@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from experiment.corpus import seed_snapshot
-from experiment.errors import CoopError
-from experiment.plan import load_plan
-from experiment.seedmodel import (
+from experiment.core.errors import CoopError
+from experiment.core.plan import load_plan
+from experiment.core.tasks import make_case, render_prompt
+from experiment.learning.corpus import seed_snapshot
+from experiment.seed.seedmodel import (
     EOS_TOKEN,
     PAD_TOKEN,
     SPECIAL_TOKENS,
@@ -27,8 +28,7 @@ from experiment.seedmodel import (
     snapshot_of,
     verify_seed,
 )
-from experiment.tasks import make_case, render_prompt
-from experiment.tinyseed import (
+from experiment.seed.tinyseed import (
     COPY_PROBES,
     FULL,
     IGNORE,

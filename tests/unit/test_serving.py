@@ -10,12 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from experiment import replica, seedmodel
-from experiment.benchmark import PhaseRun, Router
-from experiment.errors import CoopError
-from experiment.plan import ServingPlan
-from experiment.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
-from experiment.servingrecord import Attempt, Completion, metrics
+from experiment.core.errors import CoopError
+from experiment.core.plan import ServingPlan
+from experiment.seed import seedmodel
+from experiment.serving import replica
+from experiment.serving.benchmark import PhaseRun, Router
+from experiment.serving.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
+from experiment.serving.servingrecord import Attempt, Completion, metrics
 
 TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
 

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from experiment import wire
-from experiment.canonical import identity
-from experiment.corpus import seed_snapshot
-from experiment.plan import load_plan, seed_identity
-from experiment.records import Candidate
+from experiment.core.canonical import identity
+from experiment.core.plan import load_plan, seed_identity
+from experiment.learning.corpus import seed_snapshot
 from tests.conftest import LOCAL_PLAN
-
-
-def test_select_result_carries_exactly_the_fields_of_a_selection_candidate() -> None:
-    assert wire.SelectResult.__struct_fields__ == Candidate.__struct_fields__
 
 
 def test_seed_identity_is_the_identity_of_the_seed_snapshot() -> None:

@@ -4,9 +4,9 @@ from fractions import Fraction
 
 import pytest
 
-from experiment import stats
-from experiment.errors import CoopError
-from experiment.plan import StatisticsPlan
+from experiment.core.errors import CoopError
+from experiment.core.plan import StatisticsPlan
+from experiment.learning import stats
 
 RULES = StatisticsPlan(
     min_gain=0.05, max_p_value=0.01, max_retention_upper_nats=0.02, retention_z=2.576, pair_margin=0.02

@@ -2,7 +2,7 @@
 "Strict checker" and the damage rule of "Corpus").
 
 Hand-computed fixtures pin each family; the generator facts are checked over the whole frozen task set
-(train 768, dev 64, test 256 with task seed 2026091301); property tests compare ``experiment.tasks``
+(train 768, dev 64, test 256 with task seed 2026091301); property tests compare ``experiment.core.tasks``
 against an oracle written here from the protocol text alone (answers and strict JSON equality), with
 msgspec's JSON decoder as an independent parser.
 """
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from experiment import tasks
-from experiment.tasks import Case, Check, Record
+from experiment.core import tasks
+from experiment.core.tasks import Case, Check, Record
 
 TASK_SEED = 2026091301
 ROLE_COUNTS = {"train": 768, "dev": 64, "test": 256}

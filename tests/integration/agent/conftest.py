@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiment import seedmodel
+from experiment.seed import seedmodel
 from tests.integration.agent.support import AgentProcess
 from tests.support.processes import QUICK, CoordinatorProcess
 

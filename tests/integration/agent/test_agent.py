@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from agent.client import upload_key
-from experiment import seedmodel, wire
+from experiment import wire
+from experiment.seed import seedmodel
 from tests.integration.agent.support import AgentProcess
 from tests.support.agent import FakeAgent, rejection
 from tests.support.processes import QUICK, CoordinatorProcess

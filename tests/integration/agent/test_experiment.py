@@ -22,10 +22,10 @@ import msgspec
 import psutil
 import pytest
 
-from experiment import seedmodel
-from experiment.canonical import canonical_bytes, sha256_bytes
-from experiment.ledger import decode_ledger, verify_ledger
-from experiment.report import compute
+from experiment.core.canonical import canonical_bytes, sha256_bytes
+from experiment.core.ledger import decode_ledger, verify_ledger
+from experiment.report.recompute import compute
+from experiment.seed import seedmodel
 from tests.conftest import write_plan
 from tests.integration.agent.support import AgentProcess
 from tests.integration.serving.support import needs_vllm

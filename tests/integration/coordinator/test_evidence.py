@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from experiment import wire
-from experiment.canonical import canonical_bytes, sha256_bytes
-from experiment.ledger import decode_ledger, verify_ledger
+from experiment.core.canonical import canonical_bytes, sha256_bytes
+from experiment.core.ledger import decode_ledger, verify_ledger
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
 from tests.support.agent import FakeAgent, rejection

@@ -416,7 +416,7 @@ _REQUEST_SCHEMAS = {
     "EventBatch",
     "StepRecord",
     "ResourceSample",
-    "AnswerRecord",
+    "Answer",
     "ClaimRequest",
     "HeartbeatRequest",
     "AgentRegister",

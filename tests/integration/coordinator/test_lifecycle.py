@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiment.ledger import Entry, verify_ledger
+from experiment.core.ledger import Entry, verify_ledger
 from tests.integration.coordinator.support import Api
 from tests.support.database import record_report
 from tests.support.scenarios import (

@@ -8,7 +8,7 @@ from typing import Any
 from experiment import wire
 from tests.integration.coordinator.support import Api
 from tests.integration.coordinator.test_lifecycle import refused
-from tests.support.agent import FakeAgent
+from tests.support.agent import FakeAgent, rejection
 from tests.support.scenarios import FINAL_STEP, LOCAL_PLAN, bearer, sha, train_result
 from tests.support.waiting import wait_for
 
@@ -51,7 +51,7 @@ def _train(agents: dict[str, FakeAgent]) -> dict[str, str]:
 
 def _verified(job: wire.Assignment) -> dict[str, Any]:
     arm = str(job.arm)
-    return {
+    candidate = {
         "arm": arm,
         "model_identity": sha(arm),
         "path": f"runs/{arm}/rank-0/checkpoints/step-000128/model",
@@ -59,6 +59,7 @@ def _verified(job: wire.Assignment) -> dict[str, Any]:
         "binding": sha("binding"),
         "receipt_sha256": sha(f"receipt {arm}"),
     }
+    return {"candidate": candidate}
 
 
 def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: Api) -> None:
@@ -82,7 +83,13 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     ran = _finish_all(agents, "evaluate", None)
     assert {arm: ran[arm] for arm in holders} == holders  # each trained arm evaluated where its checkpoint is
     assert _advance(api, experiment_id) == "queued select clean-single, select damaged-single, select clean-pair"
-    assert _finish_all(agents, "select", _verified) == holders
+    select = agents["a"].claim()
+    assert select is not None and select.kind == "select"
+    seed_shaped = {"candidate": {"arm": select.arm, "model_identity": sha("seed files")}}  # no checkpoint named
+    refusal = rejection(agents["a"].finish, select, result=seed_shaped)
+    assert refusal.status_code == 400 and "path, step, binding and receipt" in refusal.detail, refusal
+    agents["a"].finish(select, result=_verified(select))
+    assert _finish_all(agents, "select", _verified) == {arm: holders[arm] for arm in holders if arm != select.arm}
     experiment = api.get(f"/api/experiments/{experiment_id}")
     assert experiment["state"] == "selected"
     selection = next(e for e in api.get(f"/api/experiments/{experiment_id}/ledger") if e["kind"] == "selection")

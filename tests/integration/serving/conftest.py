@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from experiment import corpus, evaluation, seedmodel, training
-from experiment.plan import load_plan
+from experiment.core.plan import load_plan
+from experiment.learning import corpus, evaluation, training
+from experiment.seed import seedmodel
 from tests.conftest import write_plan
 from tests.integration.serving.support import TINY, Fleet, Trained
 from tests.support.processes import coop_train

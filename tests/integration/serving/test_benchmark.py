@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from experiment import evaluation
+from experiment.learning import evaluation
 from tests.integration.serving.conftest import WORKLOAD
 from tests.integration.serving.support import EventProcess, Fleet, Trained, needs_vllm, serving_env
 from tests.support import ROOT

@@ -13,8 +13,9 @@ import msgspec
 import pytest
 from safetensors.torch import load_file, save_file
 
-from experiment import corpus, evaluation, seedmodel
-from experiment.probe import IDENTITY_TASKS
+from experiment.learning import corpus, evaluation
+from experiment.seed import seedmodel
+from experiment.serving.probe import IDENTITY_TASKS
 from tests.integration.serving.conftest import STARTUP_SECONDS
 from tests.integration.serving.support import TINY, EventProcess, Trained, needs_vllm
 from tests.support.processes import free_port

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 
 def canonical_bytes(obj: Any) -> bytes:

@@ -7,9 +7,9 @@ from typing import Any
 
 import msgspec
 
-from experiment.agreement import Agreement
-from experiment.servingrecord import Metrics
-from experiment.stats import Cell, Paired, Retention, Verdict
+from experiment.learning.stats import Cell, Paired, Retention, Verdict
+from experiment.serving.agreement import Agreement
+from experiment.serving.servingrecord import Metrics
 
 
 class Accuracy(msgspec.Struct, frozen=True):

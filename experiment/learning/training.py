@@ -26,15 +26,17 @@ import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 
-from experiment import checkpoint, distributed, layout, seedmodel
-from experiment.canonical import identity, read_json, write_new_json
-from experiment.corpus import Document, Prepared, load_prepared, seed_snapshot
-from experiment.distributed import World
-from experiment.errors import CoopError
-from experiment.plan import Plan
-from experiment.progress import Emit
-from experiment.records import StepRecord
-from experiment.resources import NetworkCounters, Sample, Sampler, network_counters
+from experiment.core import layout
+from experiment.core.canonical import identity, read_json, write_new_json
+from experiment.core.errors import CoopError
+from experiment.core.plan import Plan
+from experiment.core.progress import Emit
+from experiment.learning import checkpoint, distributed
+from experiment.learning.corpus import Document, Prepared, load_prepared, seed_snapshot
+from experiment.learning.distributed import World
+from experiment.learning.records import ResourceSample, StepRecord
+from experiment.learning.resources import NetworkCounters, Sampler, network_counters
+from experiment.seed import seedmodel
 
 LossScale = Callable[[int, int, int], float]
 
@@ -252,7 +254,7 @@ class Result(msgspec.Struct, frozen=True):
     network_end: NetworkCounters
     peak_memory_bytes: int
     peak_memory_kind: str
-    resource_samples: list[Sample]
+    resource_samples: list[ResourceSample]
 
 
 def run_dir(home: Path, arm: str, rank: int) -> Path:

@@ -16,8 +16,8 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from experiment.reportmodel import Report
-from experiment.servingrecord import PHASES, Metrics
+from experiment.report.model import Report
+from experiment.serving.servingrecord import PHASES, Metrics
 
 # matplotlib's default colour cycle, by number, so that a timeline's group keeps its colour in every figure.
 PALETTE = tuple(to_hex(colour) for colour in colormaps["tab10"](range(10)))

@@ -13,16 +13,21 @@ from typing import Any
 import jinja2
 import msgspec
 
-from experiment import figures, layout, servingcheck, stats, tasks
-from experiment.canonical import canonical_bytes, sha256_file, write_new_bytes
-from experiment.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
-from experiment.errors import CoopError
-from experiment.evaluation import RetentionScore, Summary, evaluation_dir, read_answers
-from experiment.layout import LEDGER, MANIFEST, PREPARED, SEED, SELECTION, SERVING
-from experiment.ledger import read_ledger
-from experiment.plan import Plan
-from experiment.records import Answer, Candidate, StepRecord
-from experiment.reportmodel import (
+from experiment.core import layout, tasks
+from experiment.core.canonical import canonical_bytes, sha256_file, write_new_bytes
+from experiment.core.errors import CoopError
+from experiment.core.layout import LEDGER, MANIFEST, PREPARED, SEED, SELECTION, SERVING
+from experiment.core.ledger import read_ledger
+from experiment.core.plan import Plan
+from experiment.learning import stats
+from experiment.learning.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
+from experiment.learning.evaluation import RetentionScore, Summary, evaluation_dir, read_answers
+from experiment.learning.records import Answer, Candidate, StepRecord
+from experiment.learning.selection import Selection, read_selection, same_model, selection_identity
+from experiment.learning.training import Result as RunResult
+from experiment.learning.training import schedule
+from experiment.report import figures, servingcheck
+from experiment.report.model import (
     Accuracy,
     ArmTraining,
     Comparison,
@@ -32,11 +37,8 @@ from experiment.reportmodel import (
     Report,
     Serving,
 )
-from experiment.seedmodel import load_tokenizer
-from experiment.selection import Selection, read_selection, same_model, selection_identity
-from experiment.servingrecord import PHASES
-from experiment.training import Result as RunResult
-from experiment.training import schedule
+from experiment.seed.seedmodel import load_tokenizer
+from experiment.serving.servingrecord import PHASES
 
 Tokenizer = Any
 
@@ -452,7 +454,7 @@ def compute(bundle: Path) -> Report:
 
 def render_html(report: Report) -> str:
     environment = jinja2.Environment(
-        loader=jinja2.PackageLoader("experiment", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
+        loader=jinja2.PackageLoader("experiment.report", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
     )
     return environment.get_template("report.html").render(
         report=report, figures=figures.report_figures(report), phases=PHASES

@@ -14,14 +14,15 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from experiment import layout, seedmodel, tasks
-from experiment.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
-from experiment.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
-from experiment.errors import CoopError
-from experiment.plan import Plan
-from experiment.progress import Emit
-from experiment.records import Answer, Candidate
-from experiment.selection import candidate_for, read_selection, same_model, selection_identity
+from experiment.core import layout, tasks
+from experiment.core.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
+from experiment.core.errors import CoopError
+from experiment.core.plan import Plan
+from experiment.core.progress import Emit
+from experiment.learning.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
+from experiment.learning.records import Answer, Candidate
+from experiment.learning.selection import candidate_for, read_selection, same_model, selection_identity
+from experiment.seed import seedmodel
 
 Role = Literal["dev", "test"]
 BATCH_SIZE = 16

@@ -1,6 +1,6 @@
 """The records the science writes and the coordinator receives, defined once and bounded, so that a line of a
-journal or of answers.jsonl is the same Struct on every side: a training step, an evaluated answer, and an arm's
-selected candidate. Light (msgspec only): the agent and the coordinator import it without torch."""
+journal or of answers.jsonl is the same Struct on every side: a training step, a resource sample, an evaluated
+answer, and an arm's selected candidate. Light (msgspec only): the agent and the coordinator import it without torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import msgspec
 
-from experiment.tasks import Check, Family
+from experiment.core.tasks import Check, Family
 
 # Integers a 32-bit database column holds; every count in these records fits.
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
@@ -29,6 +29,16 @@ class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weighted_targets: Count
     documents: Count
     seconds: float
+
+
+class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One whole-process resource sample, ``seconds`` after the sampler started."""
+
+    seconds: float
+    rss_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    cpu_user_seconds: float
+    cpu_system_seconds: float
+    threads: Count
 
 
 class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -63,6 +73,13 @@ class Candidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def is_checkpoint(self) -> bool:
         """A trained arm's candidate names every part of its checkpoint."""
         return None not in (self.path, self.step, self.binding, self.receipt_sha256)
+
+    @property
+    def model_path(self) -> str:
+        """A trained arm's model folder relative to the home."""
+        if self.path is None:
+            raise ValueError(f"the candidate of {self.arm} is the untouched seed, not a checkpoint")
+        return self.path
 
 
 class SeedRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from experiment.errors import CoopError
+from experiment.core.errors import CoopError
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from experiment.canonical import atomic_write_bytes
-from experiment.errors import CoopError
-from experiment.seedmodel import (
+from experiment.core.canonical import atomic_write_bytes
+from experiment.core.errors import CoopError
+from experiment.core.tasks import CITIES, STATUSES, Record
+from experiment.seed.seedmodel import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
     EOS_TOKEN,
@@ -33,7 +34,6 @@ from experiment.seedmodel import (
     Snapshot,
     snapshot_of,
 )
-from experiment.tasks import CITIES, STATUSES, Record
 
 # The general conversations the seed pre-trains on: the local plan's replay set. Its retention probes stay out, as
 # the reference seed never saw the reference's probes: they measure what a fine-tune costs the seed's conversation

@@ -3,7 +3,7 @@ greedy, with the evaluation's prompt ids, stopping rule, decoding and strict che
 and a bounded retry cache keyed by request id.
 
 Before it listens, the probe asks its replica the first dev tasks and compares the answers with the dev
-evaluation of the model the replica serves (experiment.agreement): a replica that does not serve the evaluated
+evaluation of the model the replica serves (experiment.serving.agreement): a replica that does not serve the evaluated
 model is never reachable through a probe."""
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from litestar import Litestar, Request, get, post
 from litestar.exceptions import HTTPException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
-from experiment import agreement, evaluation, seedmodel, tasks
-from experiment.corpus import Prepared, TaskItem, load_prepared
-from experiment.errors import CoopError
-from experiment.progress import Emit
-from experiment.records import Answer
+from experiment.core import tasks
+from experiment.core.errors import CoopError
+from experiment.core.progress import Emit
+from experiment.learning import evaluation
+from experiment.learning.corpus import Prepared, TaskItem, load_prepared
+from experiment.learning.records import Answer
+from experiment.seed import seedmodel
+from experiment.serving import agreement
 
 MAX_BODY_BYTES = 1024
 TOKEN_ENV = "COOP_SERVING_TOKEN"

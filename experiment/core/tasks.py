@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from experiment.canonical import identity
+from experiment.core.canonical import identity
 
 Role = Literal["train", "dev", "test"]
 Family = Literal["lookup", "filter", "total", "sort"]

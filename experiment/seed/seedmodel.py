@@ -15,8 +15,8 @@ import torch
 import transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
-from experiment.canonical import identity, read_json, sha256_bytes, sha256_file
-from experiment.errors import CoopError
+from experiment.core.canonical import identity, read_json, sha256_bytes, sha256_file
+from experiment.core.errors import CoopError
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"

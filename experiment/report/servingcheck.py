@@ -17,13 +17,14 @@ from typing import Any
 
 import msgspec
 
-from experiment import agreement, tasks
-from experiment.corpus import Prepared, TaskItem
-from experiment.evaluation import Generation, answer_text
-from experiment.layout import SERVING, evaluation, serving_phase
-from experiment.records import Answer
-from experiment.reportmodel import Serving, ServingFailure, ServingReference
-from experiment.servingrecord import PHASES, PhaseResult
+from experiment.core import tasks
+from experiment.core.layout import SERVING, evaluation, serving_phase
+from experiment.learning.corpus import Prepared, TaskItem
+from experiment.learning.evaluation import Generation, answer_text
+from experiment.learning.records import Answer
+from experiment.report.model import Serving, ServingFailure, ServingReference
+from experiment.serving import agreement
+from experiment.serving.servingrecord import PHASES, PhaseResult
 
 GPU_MIN_SAME_OUTCOME = 0.95  # GPU kernels may round differently from the evaluation's; outcomes must still agree
 Require = Callable[[bool, Path | str, str, str], None]

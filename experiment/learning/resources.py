@@ -9,6 +9,8 @@ from types import TracebackType
 import msgspec
 import psutil
 
+from experiment.learning.records import ResourceSample
+
 
 class NetworkCounters(msgspec.Struct, frozen=True):
     """Counters of every non-loopback interface: they include other traffic of the whole host."""
@@ -39,14 +41,6 @@ def network_counters() -> NetworkCounters:
     )
 
 
-class Sample(msgspec.Struct, frozen=True):
-    seconds: float
-    rss_bytes: int
-    cpu_user_seconds: float
-    cpu_system_seconds: float
-    threads: int
-
-
 class Sampler:
     """Samples this whole process every ``interval`` seconds on a daemon thread while in use."""
 
@@ -56,12 +50,12 @@ class Sampler:
         self._start = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="resource-sampler", daemon=True)
-        self.samples: list[Sample] = []
+        self.samples: list[ResourceSample] = []
 
-    def sample(self) -> Sample:
+    def sample(self) -> ResourceSample:
         with self._process.oneshot():
             cpu = self._process.cpu_times()
-            return Sample(
+            return ResourceSample(
                 seconds=round(time.monotonic() - self._start, 3),
                 rss_bytes=self._process.memory_info().rss,
                 cpu_user_seconds=cpu.user,

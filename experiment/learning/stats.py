@@ -11,8 +11,8 @@ from typing import TypeVar
 import msgspec
 from scipy.stats import binom, binomtest
 
-from experiment.errors import CoopError
-from experiment.plan import StatisticsPlan
+from experiment.core.errors import CoopError
+from experiment.core.plan import StatisticsPlan
 
 T = TypeVar("T")
 

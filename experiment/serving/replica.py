@@ -21,8 +21,8 @@ from typing import IO, Any, Literal
 import httpx
 import msgspec
 
-from experiment.errors import CoopError
-from experiment.progress import Emit
+from experiment.core.errors import CoopError
+from experiment.core.progress import Emit
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON_ENV = "COOP_VLLM_PYTHON"

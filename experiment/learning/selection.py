@@ -9,14 +9,15 @@ from pathlib import Path
 
 import msgspec
 
-from experiment import checkpoint, layout
-from experiment.canonical import identity, read_json, write_new_json
-from experiment.corpus import Prepared
-from experiment.errors import CoopError
-from experiment.layout import SELECTION
-from experiment.plan import seed_identity
-from experiment.records import Candidate
-from experiment.seedmodel import tensor_layout
+from experiment.core import layout
+from experiment.core.canonical import identity, read_json, write_new_json
+from experiment.core.errors import CoopError
+from experiment.core.layout import SELECTION
+from experiment.core.plan import seed_identity
+from experiment.learning import checkpoint
+from experiment.learning.corpus import Prepared
+from experiment.learning.records import Candidate
+from experiment.seed.seedmodel import tensor_layout
 
 
 def same_model(a: Candidate, b: Candidate) -> bool:

@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from experiment.canonical import write_new_json
-from experiment.corpus import load_prepared
-from experiment.errors import CoopError
-from experiment.plan import ServingPlan, plan_identity
-from experiment.probe import InferAnswer
-from experiment.progress import Emit
-from experiment.servingrecord import (
+from experiment.core.canonical import write_new_json
+from experiment.core.errors import CoopError
+from experiment.core.plan import ServingPlan, plan_identity
+from experiment.core.progress import Emit
+from experiment.learning.corpus import load_prepared
+from experiment.serving.probe import InferAnswer
+from experiment.serving.servingrecord import (
     Attempt,
     Completion,
     Failure,

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from experiment import tasks
-from experiment.records import Answer
+from experiment.core import tasks
+from experiment.learning.records import Answer
 
 
 class ServedAnswer(msgspec.Struct, frozen=True):

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from experiment.canonical import identity
-from experiment.errors import CoopError
+from experiment.core.canonical import identity
+from experiment.core.errors import CoopError
 
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]

@@ -10,14 +10,14 @@ from typing import Any, Literal
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from experiment import tasks
-from experiment.canonical import canonical_bytes, identity, read_json, sha256_bytes, sha256_file, write_new_bytes
-from experiment.errors import CoopError
-from experiment.layout import MANIFEST, PLAN, PREPARED
-from experiment.plan import Plan, SourceFile, plan_identity, staged_seed
-from experiment.progress import Emit
-from experiment.records import FileRecord, Manifest, RoleFile, SeedRecord, TargetCounts
-from experiment.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
+from experiment.core import tasks
+from experiment.core.canonical import canonical_bytes, identity, read_json, sha256_bytes, sha256_file, write_new_bytes
+from experiment.core.errors import CoopError
+from experiment.core.layout import MANIFEST, PLAN, PREPARED
+from experiment.core.plan import Plan, SourceFile, plan_identity, staged_seed
+from experiment.core.progress import Emit
+from experiment.learning.records import FileRecord, Manifest, RoleFile, SeedRecord, TargetCounts
+from experiment.seed.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
 
 IGNORE = -100
 ROLE_FILES = {

@@ -17,9 +17,9 @@ import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from experiment.canonical import atomic_write_bytes, sha256_file
-from experiment.errors import CoopError
-from experiment.seedmodel import Snapshot, snapshot_of, verify_seed
+from experiment.core.canonical import atomic_write_bytes, sha256_file
+from experiment.core.errors import CoopError
+from experiment.seed.seedmodel import Snapshot, snapshot_of, verify_seed
 
 ARCHITECTURE = "llama"
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")

@@ -14,10 +14,17 @@ import msgspec
 import safetensors.torch
 import torch
 
-from experiment import seedmodel
-from experiment.canonical import canonical_bytes, read_json, sha256_bytes, sha256_file, write_new_bytes, write_new_json
-from experiment.errors import CoopError
-from experiment.records import StepRecord  # one journal entry type, shared with the coordinator's wire
+from experiment.core.canonical import (
+    canonical_bytes,
+    read_json,
+    sha256_bytes,
+    sha256_file,
+    write_new_bytes,
+    write_new_json,
+)
+from experiment.core.errors import CoopError
+from experiment.learning.records import StepRecord  # one journal entry type, shared with the coordinator's wire
+from experiment.seed import seedmodel
 
 MODEL_DIR = "model"
 OPTIMIZER = "optimizer.pt"

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from experiment.canonical import identity
-from experiment.errors import CoopError
+from experiment.core.canonical import identity
+from experiment.core.errors import CoopError
 
 GENESIS = "0" * 64
 _SHA256 = re.compile("^[0-9a-f]{64}$")

@@ -1,0 +1,2 @@
+"""The learning science: the corpus, training (single and distributed), checkpoints, evaluation, selection and
+statistics."""
