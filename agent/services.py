@@ -76,23 +76,24 @@ def _last_words(log: Path) -> str:
 
 
 def _wait_healthy(
-    service: Service, url: str, token: str, seconds: float, stopping: threading.Event, log: Path
+    watched: list[tuple[Service, Path]], url: str, token: str, seconds: float, stopping: threading.Event
 ) -> dict[str, Any]:
-    """The probe's ``/health`` body, once it answers 200."""
+    """The probe's ``/health`` body at ``url``, once it answers 200; fails as soon as a watched service (the
+    replica or the probe, each with its log) exits."""
     deadline = time.monotonic() + seconds
     headers = {"Authorization": f"Bearer {token}"}
     while time.monotonic() < deadline and not stopping.is_set():
-        if service.process.poll() is not None:
-            raise CoopError(
-                f"the {service.name} exited with {service.process.returncode} before it was healthy: {_last_words(log)}"
-            )
+        for service, log in watched:
+            if service.process.poll() is not None:
+                code, words = service.process.returncode, _last_words(log)
+                raise CoopError(f"the {service.name} exited with {code} before the probe was healthy: {words}")
         with contextlib.suppress(httpx.HTTPError, ValueError):
             reply = httpx.get(f"{url}/health", headers=headers, timeout=2.0)
             if reply.status_code == 200:
                 body: dict[str, Any] = reply.json()
                 return body
         stopping.wait(0.5)
-    raise CoopError(f"the {service.name} at {url} was not healthy within {seconds:g}s")
+    raise CoopError(f"the probe at {url} was not healthy within {seconds:g}s")
 
 
 class Services:
@@ -134,9 +135,8 @@ class Services:
         probe = self._spawn("probe", key, argv, launch.cwd, launch.env, logs / "probe.log")
         token = launch.token_file.read_text().strip()
         try:
-            health = _wait_healthy(
-                probe, f"http://127.0.0.1:{probe_port}", token, launch.startup_seconds, stopping, logs / "probe.log"
-            )
+            watched = [(replica, logs / "replica.log"), (probe, logs / "probe.log")]
+            health = _wait_healthy(watched, f"http://127.0.0.1:{probe_port}", token, launch.startup_seconds, stopping)
         except CoopError:
             for service in (probe, replica):
                 self._end(service)

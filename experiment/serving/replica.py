@@ -24,7 +24,7 @@ import msgspec
 from experiment.core.errors import CoopError
 from experiment.core.progress import Emit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON_ENV = "COOP_VLLM_PYTHON"
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ import psutil
 import pytest
 
 from agent import processes
+from agent.services import Launch, Services
 from agent.spool import Group, Spool
+from experiment.core.errors import CoopError
 from tests.support import ROOT
 from tests.support.waiting import wait_for
 
@@ -184,3 +187,38 @@ def test_a_spool_without_a_process_groups_table_opens_and_records_groups(tmp_pat
         assert spool.groups() == []
     finally:
         spool.close()
+
+
+def test_a_replica_that_exits_at_start_fails_the_start_at_once_with_its_refusal(tmp_path: Path) -> None:
+    """The replica is the real ``coop replica``, refusing for want of a vLLM interpreter; the probe beside it
+    stays up (a sleeping stand-in), so only watching the replica ends the wait, long before its start-up limit."""
+    commands = tmp_path / "commands.py"
+    commands.write_text(
+        "import runpy, sys, time\n"
+        "if sys.argv[1] == 'probe':\n"
+        "    time.sleep(600)\n"
+        "sys.argv = ['coop', *sys.argv[1:]]\n"
+        "runpy.run_module('experiment.cli', run_name='__main__')\n"
+    )
+    env = {**os.environ, "COOP_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")}
+    (tmp_path / "token").write_text("t" * 32 + "\n")
+    launch = Launch(
+        key="experiment",
+        coop=[sys.executable, str(commands)],
+        model_dir=tmp_path,
+        seed_dir=tmp_path,
+        home=tmp_path,
+        reference=tmp_path,
+        model_identity="a" * 64,
+        bind="127.0.0.1",
+        advertise="127.0.0.1",
+        token_file=tmp_path / "token",
+        env=env,
+        logs=tmp_path / "logs",
+        cwd=ROOT,
+        startup_seconds=60.0,
+    )
+    services = Services(grace=1.0, spool=Spool(tmp_path / "spool.sqlite3"))
+    with pytest.raises(CoopError, match=r"the replica exited with 2 before the probe was healthy: coop: no vLLM"):
+        services.start(launch, threading.Event())
+    assert services.spool.groups() == []  # the probe was ended with it

@@ -17,6 +17,7 @@ from experiment.serving import replica
 from experiment.serving.benchmark import PhaseRun, Router
 from experiment.serving.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
 from experiment.serving.servingrecord import Attempt, Completion, metrics
+from tests.support import ROOT
 
 TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
 
@@ -246,3 +247,7 @@ def test_probe_for_benchmarks_keeps_tokens_after_eos() -> None:
     service = _service(ignore_eos=True)
     forced = service._generation([7, service.eos_id, 9, 10])
     assert forced.output_ids == [7, service.eos_id, 9, 10] and forced.hit_token_limit
+
+
+def test_the_default_vllm_interpreter_is_the_repository_venv_that_make_builds() -> None:
+    assert Path(replica.DEFAULT_VLLM_PYTHON) == ROOT / ".venv-vllm" / "bin" / "python"
