@@ -1,7 +1,9 @@
-"""Coordinator throughput: claims per second and claim latency with concurrent agents, and events per second
-ingested in batches, against a real `coop-server serve` on SQLite and on Postgres. Prints one JSON object.
+"""Coordinator throughput against a real `coop-server serve` on SQLite and on Postgres: claims per second and
+claim latency with N concurrent agents draining a queue of jobs; a public read's latency while 64 claims wait on
+an empty queue (and idle); events per second ingested in batches. Prints one JSON object and writes it to
+``--output``.
 
-    .venv/bin/python bench/coordinator.py [--jobs 256] [--agents 32] [--backends sqlite,postgres]
+    .venv/bin/python bench/coordinator.py [--jobs 256] [--agents 8,32,128] [--backends sqlite,postgres]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from server.settings import sqlite_url  # noqa: E402
 from tests.integration.coordinator import support  # noqa: E402
 
 PLAN = (ROOT / "plans" / "local.toml").read_text()
+WAITING = 64  # claims long-polling an empty queue while public reads are timed
 
 
 def _free_port() -> int:
@@ -128,6 +131,7 @@ async def _measure(
         began = time.perf_counter()
         await asyncio.gather(*(upload(token, job) for token, job in uploaders))
         event_seconds = time.perf_counter() - began
+        reads = await _reads_while_claims_wait(client, tokens)
     events = len(uploaders) * batches * batch_size
     return {
         "agents": agents,
@@ -139,10 +143,43 @@ async def _measure(
         "events": events,
         "event_batch_size": batch_size,
         "events_per_second": round(events / event_seconds, 1),
+        **reads,
     }
 
 
-def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _read_latencies(client: httpx.AsyncClient, reads: int) -> list[float]:
+    latencies = []
+    for _ in range(reads):
+        started = time.perf_counter()
+        (await client.get("/api/experiments")).raise_for_status()
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+async def _reads_while_claims_wait(client: httpx.AsyncClient, tokens: list[str], reads: int = 50) -> dict[str, Any]:
+    """GET /api/experiments, idle and while WAITING claims long-poll the (drained) queue."""
+    idle = await _read_latencies(client, reads)
+    waiting = [
+        asyncio.create_task(
+            client.post("/api/agents/claim", json={"wait_seconds": 30}, headers=support.bearer(tokens[i % len(tokens)]))
+        )
+        for i in range(WAITING)
+    ]
+    await asyncio.sleep(1.0)
+    busy = await _read_latencies(client, reads)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    return {
+        "read_idle_p50_ms": round(1000 * statistics.median(idle), 2),
+        "read_idle_p99_ms": round(1000 * _percentile(idle, 0.99), 2),
+        "waiting_claims": WAITING,
+        "read_while_claims_wait_p50_ms": round(1000 * statistics.median(busy), 2),
+        "read_while_claims_wait_p99_ms": round(1000 * _percentile(busy, 0.99), 2),
+    }
+
+
+def run_backend(backend: str, agents: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
         home = Path(folder)
         admin = support.postgres_admin_url()
@@ -156,7 +193,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
         try:
             migrate.upgrade(url)
             operator = support.make_token(url, "operator", "bench-operator")
-            tokens = [support.make_token(url, "agent", f"bench-agent-{i:03d}") for i in range(args.agents)]
+            tokens = [support.make_token(url, "agent", f"bench-agent-{i:03d}") for i in range(agents)]
             with _server(url, home) as base:
                 return asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size))
         finally:
@@ -167,13 +204,19 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=256)
-    parser.add_argument("--agents", type=int, default=32)
+    parser.add_argument("--agents", default="8,32,128", help="concurrent claimers, one run each")
     parser.add_argument("--batches", type=int, default=10, help="event batches per uploading agent")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "coordinator-cpu.json")
     args = parser.parse_args()
-    results = {backend: run_backend(backend, args) for backend in args.backends.split(",")}
-    print(json.dumps({"benchmark": "coordinator", "results": results}, indent=2))
+    results = {
+        backend: [run_backend(backend, int(agents), args) for agents in args.agents.split(",")]
+        for backend in args.backends.split(",")
+    }
+    text = json.dumps({"bench": "coordinator", "cpus": os.cpu_count(), "results": results}, indent=2)
+    args.output.write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

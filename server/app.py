@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
 from experiment.core.errors import CoopError
-from server import auth, bodies, db, queue, reactions, reporter
+from server import auth, bodies, claims, db, queue, reactions, reporter
 from server.api import spec
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
@@ -74,16 +74,19 @@ async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]
 
 
 def _background(
-    settings: Settings, sessions: async_sessionmaker[AsyncSession]
+    settings: Settings, sessions: async_sessionmaker[AsyncSession], woken: claims.Claims
 ) -> Callable[[Litestar], contextlib.AbstractAsyncContextManager[None]]:
-    """The coordinator's own tasks while the app serves: the reaper and the report worker."""
+    """The coordinator's own tasks while the app serves: the reaper, the report worker and, on Postgres, the
+    listener that wakes claims for jobs other coordinator processes queue."""
 
     @contextlib.asynccontextmanager
     async def background(_: Litestar) -> AsyncIterator[None]:
         tasks = [
             asyncio.create_task(_reaper(settings, sessions)),
-            asyncio.create_task(reporter.loop(sessions, settings, settings.reap_seconds)),
+            asyncio.create_task(reporter.loop(sessions, settings, woken)),
         ]
+        if not db.is_sqlite(settings.database_url):
+            tasks.append(asyncio.create_task(claims.listen(settings.database_url, woken)))
         try:
             yield
         finally:
@@ -101,9 +104,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
     if db.is_sqlite(settings.database_url):
         settings.home.mkdir(parents=True, exist_ok=True)
     engine = db.create_engine(settings.database_url)
+    woken = claims.Claims(take_turns=db.is_sqlite(settings.database_url))
     config = SQLAlchemyAsyncConfig(
         engine_instance=engine,
-        session_config=AsyncSessionConfig(expire_on_commit=False),
+        session_config=AsyncSessionConfig(expire_on_commit=False, info={claims.CLAIMS: woken}),
         before_send_handler="autocommit",
     )
     sessions = config.create_session_maker()
@@ -130,7 +134,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         before_request=bodies.before_request,
         exception_handlers={CoopError: _problem},
         template_config=web_templates(),
-        lifespan=[_background(settings, sessions)],
+        lifespan=[_background(settings, sessions, woken)],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,
         # No browser guesses a type for what the coordinator serves (blobs are uploaded data).

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core import layout
-from server import commitments, experiments, lifecycle, models, results, secret, serving
+from server import claims, commitments, experiments, lifecycle, models, results, secret, serving
 from server.errors import BadRequest
 from server.lifecycle import ExperimentState, JobState, Refused
 from server.settings import Settings
@@ -322,6 +322,7 @@ async def enqueue(session: AsyncSession, settings: Settings, experiment: models.
     )
     session.add(job)
     await session.flush()
+    claims.claimable(session)
     if kind.queued is not None:
         kind.queued(session, experiment)
     return job

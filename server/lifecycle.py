@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan
-from server import models
+from server import claims, models
 
 
 class Refused(CoopError):
@@ -166,6 +166,8 @@ def move_experiment(session: AsyncSession, experiment: models.Experiment, target
 def move_job(session: AsyncSession, job: models.Job, target: JobState, reason: str) -> None:
     before = job.state
     job.state = job_target(before, target)
+    if target == JobState.QUEUED:
+        claims.claimable(session)
     _state_event(
         session,
         experiment_id=job.experiment_id,

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from experiment import wire
-from server import lifecycle, models
+from server import claims, lifecycle, models
 from server.errors import Forbidden, NotFound
 from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, JobState, Refused
 from server.settings import Settings
@@ -229,6 +229,8 @@ async def claim(
         job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
     if job.ranks_open == 0:
         job.formation_deadline = None
+    else:
+        claims.claimable(session)  # the gang's other ranks are open to other agents
     attempt = models.Attempt(
         job_id=job.id,
         number=job.attempts_made,

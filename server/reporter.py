@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from experiment import wire
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import CoopError
-from server import evidence, experiments, kinds, models, queue, reactions
+from server import claims, evidence, experiments, kinds, models, queue, reactions
 from server.settings import Settings
 
 log = logging.getLogger("coop.server.reporter")
@@ -91,11 +91,13 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
     return True
 
 
-async def loop(sessions: async_sessionmaker[AsyncSession], settings: Settings, every: float) -> None:
+async def loop(sessions: async_sessionmaker[AsyncSession], settings: Settings, woken: claims.Claims) -> None:
+    """Run report jobs as they are queued (woken like an agent's claim, server.claims)."""
     while True:
+        ticket = woken.ticket()
         try:
             if await run_once(sessions, settings):
                 continue
         except Exception:  # the loop must outlive one failed round (a dropped connection)
             log.exception("report round failed; retrying")
-        await asyncio.sleep(every)
+        await woken.wait(ticket, claims.RECHECK_SECONDS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import time
 
@@ -13,13 +12,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, kinds, models, queue, reactions, views
+from server import audit, claims, kinds, models, queue, reactions, views
 from server.api import spec
 from server.settings import Settings
 from server.tokens import Principal
-
-# How often a waiting claim looks for work again.
-POLL_SECONDS = 0.2
 
 
 class AgentController(Controller):
@@ -78,19 +74,22 @@ class AgentController(Controller):
         principal: NamedDependency[Principal],
         agent: NamedDependency[models.Agent],
     ) -> wire.ClaimReply:
-        """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued."""
+        """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.claims)."""
         deadline = time.monotonic() + min(data.wait_seconds, settings.max_claim_wait_seconds)
         # Agents run every kind but the coordinator's own (server.reporter), or those they ask for among them.
         wanted = [name for name in kinds.BY_AGENTS if data.kinds is None or name in data.kinds]
+        waiting = claims.of(db_session)
         while True:
-            assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
+            ticket = waiting.ticket()
+            async with waiting.turn():
+                assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
+                if assignment is not None:
+                    audit.record(
+                        db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
+                    )
+                await db_session.commit()  # within the turn; a claim that waits holds no transaction
             if assignment is not None:
-                audit.record(
-                    db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
-                )
                 return wire.ClaimReply(kinds.hand_out(settings, assignment), settings.heartbeat_seconds)
-            # End the empty transaction so that waiting holds no lock.
-            await db_session.commit()
             if time.monotonic() >= deadline:
                 return wire.ClaimReply(None, settings.heartbeat_seconds)
-            await asyncio.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            await waiting.wait(ticket, min(claims.RECHECK_SECONDS, deadline - time.monotonic()))
