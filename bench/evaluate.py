@@ -1,14 +1,20 @@
-"""Answers per second: greedy generation in left-padded batches vs one prompt at a time (the reference's
-method), on this CPU, with the equality of every output id sequence. Prints one JSON object.
+"""Answers per second on this CPU: the evaluation's batched greedy decoding (experiment.learning.evaluation.generate)
+against the reference's method, Hugging Face generate on one prompt at a time, on the same prompts, with the
+equality of every output id sequence, for each of --batch-sizes; the evaluation's own CPU batch size
+(evaluation.batch_size_for) heads the result. The prompts are the local plan's 256 test tasks, which the evaluation
+passes to generate in one chunk. Each round times both methods, alternately; a speedup compares each method's
+fastest round, as other work on the machine only slows a round down. Prints one JSON object and writes it to --out.
 
-Usage: python bench/evaluate.py [--model-dir seeds/tiny] [--prompts 64] [--batch-size 16]"""
+Usage: python bench/evaluate.py [--model-dir seeds/tiny] [--prompts 256] [--batch-sizes 32,64,128] [--rounds 3]"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,14 +25,42 @@ from experiment.seed import seedmodel
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@torch.no_grad()
+def one_at_a_time(model: Any, prompt: list[int], eos: int, pad: int, max_new_tokens: int) -> list[int]:
+    """The reference's method: transformers' generate on one unpadded prompt, cut after the first EOS."""
+    output = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        num_beams=1,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    row = [int(t) for t in output[0, len(prompt) :].tolist()]
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+def _timed(run: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    began = time.perf_counter()
+    ids = run()
+    return time.perf_counter() - began, ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-dir", type=Path, default=ROOT / "seeds" / "tiny")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=evaluation.BATCH_SIZE)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--batch-sizes", default="32,64,128")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="the plans' cpu_threads is 1")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "evaluate-cpu.json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     tokenizer = seedmodel.load_tokenizer(args.model_dir)
     model = seedmodel.load_model(args.model_dir).eval()
@@ -35,37 +69,61 @@ def main() -> None:
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i)))
         for i in range(args.prompts)
     ]
+    chosen = evaluation.batch_size_for("cpu")
+    batch_sizes = sorted({chosen, *(int(size) for size in args.batch_sizes.split(","))})
 
-    began = time.perf_counter()
-    alone = [evaluation.generate(model, [p], eos, pad, args.max_new_tokens)[0] for p in prompts]
-    alone_seconds = time.perf_counter() - began
+    def alone() -> list[list[int]]:
+        return [one_at_a_time(model, p, eos, pad, args.max_new_tokens) for p in prompts]
 
-    began = time.perf_counter()
-    batched = []
-    for start in range(0, len(prompts), args.batch_size):
-        batched += evaluation.generate(model, prompts[start : start + args.batch_size], eos, pad, args.max_new_tokens)
-    batched_seconds = time.perf_counter() - began
+    def batched(size: int) -> Callable[[], list[list[int]]]:
+        def run() -> list[list[int]]:
+            generations = evaluation.generate(model, prompts, eos, pad, args.max_new_tokens, batch_size=size)
+            return [g.output_ids for g in generations]
 
-    print(
-        json.dumps(
-            {
-                "bench": "evaluate",
-                "device": "cpu",
-                "threads": 1,
-                "model": str(args.model_dir),
-                "prompts": len(prompts),
-                "batch_size": args.batch_size,
-                "max_new_tokens": args.max_new_tokens,
-                "output_tokens": sum(len(g.output_ids) for g in alone),
-                "answers_per_second_one_at_a_time": round(len(prompts) / alone_seconds, 3),
-                "answers_per_second_batched": round(len(prompts) / batched_seconds, 3),
-                "speedup": round(alone_seconds / batched_seconds, 3),
-                "output_ids_equal": batched == alone,
-                "differing_answers": sum(a != b for a, b in zip(alone, batched, strict=True)),
-            },
-            indent=2,
-        )
-    )
+        return run
+
+    alone_seconds: list[float] = []
+    batched_seconds: dict[int, list[float]] = {size: [] for size in batch_sizes}
+    differing = dict.fromkeys(batch_sizes, 0)
+    for _ in range(args.rounds):
+        seconds, reference = _timed(alone)
+        alone_seconds.append(seconds)
+        for size in batch_sizes:
+            seconds, ids = _timed(batched(size))
+            batched_seconds[size].append(seconds)
+            differing[size] = max(differing[size], sum(a != b for a, b in zip(reference, ids, strict=True)))
+
+    best_alone = min(alone_seconds)
+    by_size = {
+        size: {
+            "answers_per_second_batched": round(len(prompts) / min(seconds), 3),
+            "speedup": round(best_alone / min(seconds), 3),
+            "output_ids_equal": differing[size] == 0,
+            "differing_answers": differing[size],
+            "round_seconds": [round(s, 3) for s in seconds],
+        }
+        for size, seconds in batched_seconds.items()
+    }
+    result = {
+        "bench": "evaluate",
+        "device": "cpu",
+        "threads": args.threads,
+        "model": str(args.model_dir.relative_to(ROOT) if args.model_dir.is_relative_to(ROOT) else args.model_dir),
+        "prompts": len(prompts),
+        "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+        "max_new_tokens": args.max_new_tokens,
+        "output_tokens": sum(len(ids) for ids in reference),
+        "rounds": args.rounds,
+        "answers_per_second_one_at_a_time": round(len(prompts) / best_alone, 3),
+        "one_at_a_time_round_seconds": [round(s, 3) for s in alone_seconds],
+        "batch_size": chosen,
+        **{k: v for k, v in by_size[chosen].items() if k != "round_seconds"},
+        "fastest_batch_size": max(batch_sizes, key=lambda size: by_size[size]["speedup"]),
+        "by_batch_size": {str(size): values for size, values in by_size.items()},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    args.out.write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

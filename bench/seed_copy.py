@@ -30,7 +30,7 @@ from experiment.core.plan import load_plan  # noqa: E402
 from experiment.learning import stats, training  # noqa: E402
 from experiment.learning.checkpoint import model_dir as checkpoint_model_dir  # noqa: E402
 from experiment.learning.corpus import load_prepared, prepare  # noqa: E402
-from experiment.learning.evaluation import answer_text, generate, retention_score  # noqa: E402
+from experiment.learning.evaluation import answer_text, batch_size_for, generate, retention_score  # noqa: E402
 from experiment.seed import seedmodel, tinyseed  # noqa: E402
 
 
@@ -56,7 +56,8 @@ def family_scores(
     scores: dict[str, dict[str, int]] = {}
     for start in range(0, len(items), 64):
         batch = items[start : start + 64]
-        gens = generate(model, [i.prompt_ids for i in batch], tokenizer.eos_token_id, tokenizer.pad_token_id, 96)
+        prompts = [i.prompt_ids for i in batch]
+        gens = generate(model, prompts, tokenizer.eos_token_id, tokenizer.pad_token_id, 96, batch_size_for(device))
         for item, gen in zip(batch, gens, strict=True):
             check = tasks.check(answer_text(tokenizer, gen), item.expected)
             score = scores.setdefault(item.family, {"n": 0, "correct": 0, "valid_json": 0})

