@@ -6,8 +6,8 @@ A job becomes claimable when it is queued (new, retried or requeued) or when a g
 ranks. The code that does so calls ``claimable(session)``. When that session commits, every claim waiting in this
 process wakes and tries once more. On Postgres the commit also sends ``NOTIFY coop_claimable``, and each
 coordinator process LISTENs on its own connection, so claims waiting in another ``serve`` process on the same
-database wake too. A claim that is never woken still looks again every ``RECHECK_SECONDS`` (a safety net for a
-lost listening connection).
+database wake too. A claim that is never woken still looks again every ``claim_recheck_seconds`` (a safety net
+for a lost listening connection).
 
 On SQLite the claims of a process take turns (an asyncio lock around each claim's transaction): a claim that
 found the write lock taken would otherwise sleep in SQLite's busy handler, in steps of up to 100 ms. Postgres
@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 log = logging.getLogger("coop.server.claims")
 
 CHANNEL = "coop_claimable"
-RECHECK_SECONDS = 5.0
+RECONNECT_SECONDS = 5.0  # between attempts to open the listening connection
 # session.info keys: the process's Claims (set by the session maker) and whether this transaction made work.
 CLAIMS = "coop.claims"
 _CLAIMABLE = "coop.claimable"
@@ -111,7 +111,7 @@ async def listen(database_url: str, claims: Claims) -> None:
             log.warning("the connection listening for claimable jobs closed; reconnecting")
         except (OSError, asyncpg.PostgresError) as exc:
             log.warning("cannot listen for claimable jobs (%s); retrying", exc)
-            await asyncio.sleep(RECHECK_SECONDS)
+            await asyncio.sleep(RECONNECT_SECONDS)
 
 
 async def _listen_once(dsn: str, claims: Claims) -> None:

@@ -100,4 +100,4 @@ async def loop(sessions: async_sessionmaker[AsyncSession], settings: Settings, w
                 continue
         except Exception:  # the loop must outlive one failed round (a dropped connection)
             log.exception("report round failed; retrying")
-        await woken.wait(ticket, claims.RECHECK_SECONDS)
+        await woken.wait(ticket, settings.claim_recheck_seconds)

@@ -51,6 +51,8 @@ class Settings:
     public_read: bool = True
     # The longest a claim may wait for work (long poll).
     max_claim_wait_seconds: float = 30.0
+    # A waiting claim is woken when work is queued (server.claims); unwoken, it looks again this often.
+    claim_recheck_seconds: float = 5.0
     # A job whose attempt was lost is retried as a new attempt until it has had this many.
     max_attempts: int = 3
     # Body limit for every request; larger bodies are refused with 413.
@@ -90,6 +92,7 @@ def from_env() -> Settings:
         reap_seconds=_number("COOP_REAP_SECONDS", 5.0, 0.05, 3_600.0),
         public_read=_flag("COOP_PUBLIC_READ", True),
         max_claim_wait_seconds=_number("COOP_MAX_CLAIM_WAIT_SECONDS", 30.0, 0.0, 600.0),
+        claim_recheck_seconds=_number("COOP_CLAIM_RECHECK_SECONDS", 5.0, 0.05, 3_600.0),
         max_attempts=int(_number("COOP_MAX_ATTEMPTS", 3, 1, 100)),
         max_body_bytes=int(_number("COOP_MAX_BODY_BYTES", 8 * 1024 * 1024, 1024, 1 << 32)),
         max_blob_bytes=int(_number("COOP_MAX_BLOB_BYTES", 1024 * 1024 * 1024, 1024, 1 << 40)),

@@ -92,4 +92,4 @@ class AgentController(Controller):
                 return wire.ClaimReply(kinds.hand_out(settings, assignment), settings.heartbeat_seconds)
             if time.monotonic() >= deadline:
                 return wire.ClaimReply(None, settings.heartbeat_seconds)
-            await waiting.wait(ticket, min(claims.RECHECK_SECONDS, deadline - time.monotonic()))
+            await waiting.wait(ticket, min(settings.claim_recheck_seconds, deadline - time.monotonic()))

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import claims, migrate, models
+from server import migrate, models
 from tests.support import database, processes
 from tests.support.database import empty_database, make_token, with_session
 from tests.support.scenarios import LOCAL_PLAN, bearer
@@ -158,33 +158,36 @@ def test_concurrent_claimers_never_double_claim(served: str, database_url: str) 
     assert set(with_session(database_url, attempts_per_job).values()) == {1}
 
 
+# A waiting claim that no wakeup reaches looks again only after ten minutes; the claim's client gives up after 30
+# seconds, so only a wakeup hands a waiting claim its job in time.
+UNWOKEN = {"COOP_CLAIM_RECHECK_SECONDS": "600", "COOP_MAX_CLAIM_WAIT_SECONDS": "600"}
+
+
 async def _claim_while_queued(claim_base: str, queue_base: str, agent: str, operator: str) -> dict[str, Any] | None:
-    """An agent's claim waiting on ``claim_base`` while the operator queues a job through ``queue_base``. The
-    claim waits less than a waiting claim's recheck (server.claims.RECHECK_SECONDS), so only a wakeup can hand it
-    the job: without one it ends empty."""
+    """An agent's claim waiting on ``claim_base`` while the operator queues a job through ``queue_base``."""
     async with httpx.AsyncClient(timeout=30) as client:
-        registered = await client.post(
-            f"{claim_base}/api/agents/register", json={"address": "h"}, headers=bearer(agent)
-        )
+        register = f"{claim_base}/api/agents/register"
+        registered = await client.post(register, json={"address": "h"}, headers=bearer(agent))
         assert registered.status_code == 201, registered.text
         claim = asyncio.create_task(
-            client.post(f"{claim_base}/api/agents/claim", json={"wait_seconds": 4}, headers=bearer(agent))
+            client.post(f"{claim_base}/api/agents/claim", json={"wait_seconds": 600}, headers=bearer(agent))
         )
         await asyncio.sleep(1.0)  # the claim is waiting
         assert not claim.done()
         plan = {"plan_toml": LOCAL_PLAN.read_text()}
         created = await client.post(f"{queue_base}/api/experiments", json=plan, headers=bearer(operator))
         assert created.status_code == 201, created.text  # an experiment's first job, prepare, is queued with it
-        reply = await claim
+        reply = await claim  # httpx.ReadTimeout unless a wakeup reached the claim
         assert reply.status_code == 200, reply.text
         assignment: dict[str, Any] | None = reply.json()["assignment"]
         return assignment
 
 
-def test_a_waiting_claim_is_woken_by_a_job_queued_while_it_waits(served: str, database_url: str) -> None:
-    assert claims.RECHECK_SECONDS > 4
+def test_a_waiting_claim_is_woken_by_a_job_queued_while_it_waits(database_url: str, tmp_path: Path) -> None:
+    empty_database(database_url)
     operator, agent = make_token(database_url, "operator", "operator"), make_token(database_url, "agent", "agent")
-    assignment = asyncio.run(_claim_while_queued(served, served, agent, operator))
+    with processes.served(database_url, tmp_path, **UNWOKEN) as served:
+        assignment = asyncio.run(_claim_while_queued(served, served, agent, operator))
     assert assignment is not None and assignment["kind"] == "prepare"
 
 
@@ -200,7 +203,10 @@ def test_a_claim_waiting_on_one_coordinator_process_is_woken_by_a_job_queued_thr
         operator, agent = make_token(url, "operator", "operator"), make_token(url, "agent", "agent")
         (tmp_path / "a").mkdir()
         (tmp_path / "b").mkdir()
-        with processes.served(url, tmp_path / "a") as first, processes.served(url, tmp_path / "b") as second:
+        with (
+            processes.served(url, tmp_path / "a", **UNWOKEN) as first,
+            processes.served(url, tmp_path / "b", **UNWOKEN) as second,
+        ):
             assignment = asyncio.run(_claim_while_queued(first, second, agent, operator))
         assert assignment is not None and assignment["kind"] == "prepare"
     finally:
