@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from server import migrate  # noqa: E402
 from server.settings import sqlite_url  # noqa: E402
-from tests.integration.coordinator import support  # noqa: E402
+from tests.support import database  # noqa: E402
+from tests.support.scenarios import bearer  # noqa: E402
 
 PLAN = (ROOT / "plans" / "local.toml").read_text()
 WAITING = 64  # claims long-polling an empty queue while public reads are timed
@@ -83,14 +84,12 @@ async def _measure(
 
         async def create() -> None:
             async with semaphore:
-                reply = await client.post(
-                    "/api/experiments", json={"plan_toml": PLAN}, headers=support.bearer(operator)
-                )
+                reply = await client.post("/api/experiments", json={"plan_toml": PLAN}, headers=bearer(operator))
                 reply.raise_for_status()
 
         await asyncio.gather(*(create() for _ in range(jobs)))  # one prepare job each
         for i, token in enumerate(tokens):
-            reply = await client.post("/api/agents/register", json={"address": f"h{i}"}, headers=support.bearer(token))
+            reply = await client.post("/api/agents/register", json={"address": f"h{i}"}, headers=bearer(token))
             reply.raise_for_status()
 
         latencies: list[float] = []
@@ -99,7 +98,7 @@ async def _measure(
         async def claimer(token: str) -> None:
             while True:
                 started = time.perf_counter()
-                reply = await client.post("/api/agents/claim", json={}, headers=support.bearer(token))
+                reply = await client.post("/api/agents/claim", json={}, headers=bearer(token))
                 latencies.append(time.perf_counter() - started)
                 reply.raise_for_status()
                 assignment = reply.json()["assignment"]
@@ -122,7 +121,7 @@ async def _measure(
                     "events": [{"kind": "step", "body": {"step": i, "loss": 1.0 / (i + 1)}} for i in range(batch_size)],
                 }
                 headers = {
-                    **support.bearer(token),
+                    **bearer(token),
                     "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:{sequence}",
                 }
                 reply = await client.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
@@ -131,7 +130,7 @@ async def _measure(
         began = time.perf_counter()
         await asyncio.gather(*(upload(token, job) for token, job in uploaders))
         event_seconds = time.perf_counter() - began
-        reads = await _reads_while_claims_wait(client, tokens)
+    reads = await _reads_while_claims_wait(base, tokens)
     events = len(uploaders) * batches * batch_size
     return {
         "agents": agents,
@@ -156,20 +155,23 @@ async def _read_latencies(client: httpx.AsyncClient, reads: int) -> list[float]:
     return latencies
 
 
-async def _reads_while_claims_wait(client: httpx.AsyncClient, tokens: list[str], reads: int = 50) -> dict[str, Any]:
-    """GET /api/experiments, idle and while WAITING claims long-poll the (drained) queue."""
-    idle = await _read_latencies(client, reads)
-    waiting = [
-        asyncio.create_task(
-            client.post("/api/agents/claim", json={"wait_seconds": 30}, headers=support.bearer(tokens[i % len(tokens)]))
-        )
-        for i in range(WAITING)
-    ]
-    await asyncio.sleep(1.0)
-    busy = await _read_latencies(client, reads)
-    for task in waiting:
-        task.cancel()
-    await asyncio.gather(*waiting, return_exceptions=True)
+async def _reads_while_claims_wait(base: str, tokens: list[str], reads: int = 50) -> dict[str, Any]:
+    """GET /api/experiments from a reader of its own, idle and while WAITING claims long-poll the drained queue."""
+    limits = httpx.Limits(max_connections=WAITING + 8)
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=60) as reader,
+        httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as claimers,
+    ):
+        idle = await _read_latencies(reader, reads)
+        waiting = [
+            asyncio.create_task(
+                claimers.post("/api/agents/claim", json={"wait_seconds": 10}, headers=bearer(tokens[i % len(tokens)]))
+            )
+            for i in range(WAITING)
+        ]
+        await asyncio.sleep(1.0)
+        busy = await _read_latencies(reader, reads)
+        await asyncio.gather(*waiting)  # each ends empty after its wait
     return {
         "read_idle_p50_ms": round(1000 * statistics.median(idle), 2),
         "read_idle_p99_ms": round(1000 * _percentile(idle, 0.99), 2),
@@ -182,23 +184,23 @@ async def _reads_while_claims_wait(client: httpx.AsyncClient, tokens: list[str],
 def run_backend(backend: str, agents: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
         home = Path(folder)
-        admin = support.postgres_admin_url()
+        admin = database.postgres_admin_url()
         if backend == "sqlite":
             url = sqlite_url(home / "bench.sqlite3")
         else:
-            created = support.create_postgres_database(admin)
+            created = database.create_postgres_database(admin)
             if created is None:
                 return {"skipped": f"no Postgres server answers at {admin}"}
             url = created
         try:
             migrate.upgrade(url)
-            operator = support.make_token(url, "operator", "bench-operator")
-            tokens = [support.make_token(url, "agent", f"bench-agent-{i:03d}") for i in range(agents)]
+            operator = database.make_token(url, "operator", "bench-operator")
+            tokens = [database.make_token(url, "agent", f"bench-agent-{i:03d}") for i in range(agents)]
             with _server(url, home) as base:
                 return asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size))
         finally:
             if backend == "postgres":
-                support.drop_postgres_database(admin, url)
+                database.drop_postgres_database(admin, url)
 
 
 def main() -> None:
