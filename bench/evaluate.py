@@ -11,37 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from experiment.core import tasks
-from experiment.learning import corpus, evaluation
-from experiment.seed import seedmodel
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-@torch.no_grad()
-def one_at_a_time(model: Any, prompt: list[int], eos: int, pad: int, max_new_tokens: int) -> list[int]:
-    """The reference's method: transformers' generate on one unpadded prompt, cut after the first EOS."""
-    output = model.generate(
-        input_ids=torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        num_beams=1,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    row = [int(t) for t in output[0, len(prompt) :].tolist()]
-    return row[: row.index(eos) + 1] if eos in row else row
+from experiment.core import tasks  # noqa: E402
+from experiment.learning import corpus, evaluation  # noqa: E402
+from experiment.seed import seedmodel  # noqa: E402
+from tests.support.greedy import hf_greedy as one_at_a_time  # noqa: E402  (the reference's method)
 
 
 def _timed(run: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
