@@ -32,7 +32,8 @@ from experiment.serving import probe, replica
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "plans" / "local.toml"
-Send = Callable[[httpx.AsyncClient, int, str], Awaitable[int]]  # (client, index, task id) -> output tokens
+# (client, index, task id) -> (output tokens, seconds the replica took as the probe measured it, or None)
+Send = Callable[[httpx.AsyncClient, int, str], Awaitable[tuple[int, float | None]]]
 
 
 def _free_port() -> int:
@@ -44,14 +45,19 @@ def _free_port() -> int:
 async def _load(send: Send, task_ids: list[str], concurrency: int) -> dict[str, Any]:
     latencies: list[float] = []
     tokens: list[int] = []
+    in_probe: list[float] = []  # per request, end-to-end minus the replica's time: what the probe's hop adds
     pending = list(enumerate(task_ids))
 
     async def worker(client: httpx.AsyncClient) -> None:
         while pending:
             index, task_id = pending.pop(0)
             began = time.perf_counter()
-            tokens.append(await send(client, index, task_id))
-            latencies.append((time.perf_counter() - began) * 1000)
+            count, replica_seconds = await send(client, index, task_id)
+            latency = (time.perf_counter() - began) * 1000
+            tokens.append(count)
+            latencies.append(latency)
+            if replica_seconds is not None:
+                in_probe.append(latency - replica_seconds * 1000)
 
     async with httpx.AsyncClient(timeout=600) as client:
         began = time.perf_counter()
@@ -66,6 +72,7 @@ async def _load(send: Send, task_ids: list[str], concurrency: int) -> dict[str, 
         "output_tokens": sorted(set(tokens)),
         "mean_e2el_ms": round(statistics.fmean(latencies), 1),
         "median_e2el_ms": round(statistics.median(latencies), 1),
+        "mean_outside_replica_ms": round(statistics.fmean(in_probe), 1) if in_probe else None,
     }
 
 
@@ -104,7 +111,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=ROOT / "seeds" / "tiny")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     plan = load_plan(PLAN)
@@ -141,14 +148,15 @@ def main() -> None:
             body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
             reply = await client.post(f"{spec.url}/v1/completions", json=body)
             reply.raise_for_status()
-            return len(reply.json()["choices"][0]["token_ids"])
+            return len(reply.json()["choices"][0]["token_ids"]), None
 
         def through(url: str) -> Send:
             async def send(client: httpx.AsyncClient, index: int, task_id: str) -> int:
                 body = {"request_id": f"{run_id}-{time.monotonic_ns()}-{index}", "task_id": task_id}
                 reply = await client.post(f"{url}/infer", json=body, headers=headers)
                 reply.raise_for_status()
-                return len(reply.json()["output_ids"])
+                answer = reply.json()
+                return len(answer["output_ids"]), answer.get("replica_seconds")
 
             return send
 
@@ -175,7 +183,10 @@ def main() -> None:
 
     summary = {
         str(c): {
-            name: {key: best(name, c)[key] for key in ("request_throughput", "output_throughput", "mean_e2el_ms")}
+            name: {
+                key: best(name, c)[key]
+                for key in ("request_throughput", "output_throughput", "mean_e2el_ms", "mean_outside_replica_ms")
+            }
             for name in sends
         }
         for c in args.concurrency

@@ -290,10 +290,18 @@ def guard_select(job: Proposal) -> None:
         raise Refused("select-requires-trained-arms", f"selection follows training; the experiment is {job.state}")
 
 
-def guard_serving_job(job: Proposal) -> None:
+def guard_replica_job(job: Proposal) -> None:
+    """A replica serves the served arm's selected final checkpoint: it may start once the selection is committed
+    (beside the test evaluations, which it does not read)."""
+    guard_serving_arm(job.plan, job.arm)
+    if job.state not in {E.SELECTED, E.TESTED, E.SERVING}:
+        raise Refused("replica-requires-committed-selection", "a replica serves a committed selection's checkpoint")
+
+
+def guard_benchmark(job: Proposal) -> None:
     guard_serving_arm(job.plan, job.arm)
     if job.state != E.SERVING:
-        raise Refused("serving-requires-serving-commitment", "serving jobs wait for the serving commitment")
+        raise Refused("serving-requires-serving-commitment", "benchmarks wait for the serving commitment")
 
 
 def guard_report(job: Proposal) -> None:

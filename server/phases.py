@@ -7,11 +7,13 @@ UI); with autopilot on, the coordinator does the same as soon as every job of a 
     prepared, training   train each trained arm of the plan (clean-single, damaged-single, clean-pair)
     trained              dev evaluations of every arm, then a select job per trained arm on the host
                          holding its checkpoint (their success commits the selection: state selected)
-    selected             the test evaluations of every arm
+    selected             the test evaluations of every arm, and a replica of the served arm's selected
+                         checkpoint on each host of the pair (it needs the selection only)
     tested               the serving commitment: the served arm's selected final checkpoint (no job)
-    serving              a replica on each host of the pair, the single, pair and failure benchmarks (the
-                         failure phase stops rank 1's replica midway: serving.py), both replicas stopped,
-                         then the report, run by the coordinator itself on the stored evidence
+    serving              a replica on each host of the pair where none was started, the single, pair and
+                         failure benchmarks (the failure phase stops rank 1's replica midway: serving.py),
+                         both replicas stopped, then the report, run by the coordinator itself on the stored
+                         evidence
 
 Autopilot stops where a job failed or was cancelled: a failed job is final and deterministic, so the
 operator reads its reason and advances again (which queues the missing jobs) once the cause is fixed.
@@ -42,6 +44,7 @@ def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
     trained, evaluated, served = plan.trained_arms(), plan.arm_names(), plan.served_arm()
     ranks = range(plan.world_size(served))
     training = [[Order(wire.TrainSpec(), arm) for arm in trained]]
+    replicas = [Order(wire.ReplicaStartSpec(rank=rank), served) for rank in ranks]
     table: dict[ExperimentState, list[list[Order]]] = {
         E.COMMITTED: [[Order(wire.PrepareSpec())]],
         E.PREPARED: training,
@@ -50,9 +53,10 @@ def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
             [Order(wire.EvaluateSpec(), arm, "dev") for arm in evaluated],
             [Order(wire.SelectSpec(), arm) for arm in trained],
         ],
-        E.SELECTED: [[Order(wire.EvaluateSpec(), arm, "test") for arm in evaluated]],
+        # The replicas start beside the test evaluations (queued after them, so a host evaluates first).
+        E.SELECTED: [[*(Order(wire.EvaluateSpec(), arm, "test") for arm in evaluated), *replicas]],
         E.SERVING: [
-            [Order(wire.ReplicaStartSpec(rank=rank), served) for rank in ranks],
+            replicas,
             *([Order(wire.BenchmarkSpec(phase=phase), served)] for phase in PHASES),
             [Order(wire.ReplicaStopSpec(rank=rank), served) for rank in ranks],
             [REPORT],
@@ -153,7 +157,7 @@ async def autopilot(session: AsyncSession, settings: Settings, experiment: model
     while experiment.autopilot and E(experiment.state) not in {E.DRAFT, *EXPERIMENT_FINAL}:
         state = E(experiment.state)
         jobs = await jobs_of(session, experiment.id)
-        if _busy(jobs):
+        if state != E.TESTED and _busy(jobs):  # the serving commitment needs no job: replicas may still start
             break
         if state != E.TESTED:
             missing = _next_stage(experiments.plan_of(experiment), state, jobs)

@@ -238,8 +238,7 @@ def test_an_operator_stops_a_running_replica_from_the_serving_page(page: Page, c
     a, b = host_agent(coordinator, "host-a"), host_agent(coordinator, "host-b")
     experiment = experiment_through_testing(coordinator, a, b)
     serving = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
-    operate(coordinator, f"/api/experiments/{experiment}/serving", serving)
-    operate(coordinator, f"/api/experiments/{experiment}/advance", {})  # a replica on each host of the pair
+    operate(coordinator, f"/api/experiments/{experiment}/serving", serving)  # its replicas queued at selection
     sign_in(page, coordinator)
     page.goto(f"/experiments/{experiment}/serving")
     expect(page.get_by_test_id("replica-1")).to_contain_text("starting")
@@ -274,9 +273,9 @@ def fact(facts: Locator, term: str) -> Locator:
 
 
 def serve(coordinator: CoordinatorProcess, experiment: str, a: FakeAgent, b: FakeAgent) -> None:
-    """The serving commitment, then a replica on each host of the pair (a holds rank 0, b rank 1)."""
+    """The serving commitment, and the replica on each host of the pair queued with the test evaluations (a holds
+    rank 0, b rank 1) started."""
     operate(coordinator, f"/api/experiments/{experiment}/serving", SERVED)
-    operate(coordinator, f"/api/experiments/{experiment}/advance", {})
     for agent, rank in ((a, 0), (b, 1)):
         job = agent.take("replica-start")
         result = {"probe_url": f"http://host-{rank}:9000", "replica_url": "http://127.0.0.1:8000", "rank": rank}

@@ -24,7 +24,7 @@ def _finish_all(agents: dict[str, FakeAgent], kind: str, result: Any) -> dict[st
     """Claim and finish every queued ``kind`` job with whichever agent may take it; arm -> agent name."""
     ran: dict[str, str] = {}
     while True:
-        claimed = next(((name, job) for name, agent in agents.items() if (job := agent.claim())), None)
+        claimed = next(((name, job) for name, agent in agents.items() if (job := agent.claim(kind))), None)
         if claimed is None:
             return ran
         name, job = claimed
@@ -97,7 +97,11 @@ def test_each_advance_queues_one_stage_and_trained_arms_stay_on_their_host(api: 
     assert set(selection["body"]["arms"]) == {"seed", "clean-single", "damaged-single", "clean-pair"}
     assert selection["body"]["arms"]["clean-pair"]["path"] == "runs/clean-pair/rank-0/checkpoints/step-000128/model"
 
-    assert _advance(api, experiment_id).startswith("queued evaluate test seed")
+    tests = _advance(api, experiment_id)
+    assert tests.startswith("queued evaluate test seed"), tests
+    assert tests.endswith("replica-start clean-pair rank 0, replica-start clean-pair rank 1"), tests
+    _start_replicas(agents)  # while the tests run: a replica needs the selection only
+    assert api.get(f"/api/experiments/{experiment_id}")["state"] == "selected"
     ran = _finish_all(agents, "evaluate", None)
     assert {arm: ran[arm] for arm in holders} == holders
     assert _advance(api, experiment_id).startswith("serving committed: the clean-pair final checkpoint")
@@ -171,16 +175,18 @@ def _claim_pinned(agents: dict[str, FakeAgent], name: str, kind: str) -> wire.As
     return job
 
 
-def _serve(api: Api, experiment_id: str, agents: dict[str, FakeAgent]) -> None:
-    """Replicas on both hosts of the pair (a: rank 0, b: rank 1), the three benchmark phases on a, the failure
-    phase's stop of b's replica on the benchmark's signal, then both replicas stopped."""
-    assert _advance(api, experiment_id) == ("queued replica-start clean-pair rank 0, replica-start clean-pair rank 1")
+def _start_replicas(agents: dict[str, FakeAgent]) -> None:
+    """The replica-start jobs queued with the test evaluations, each claimed by the host of its rank."""
     for name, rank in (("a", 0), ("b", 1)):
-        job = agents[name].claim()  # each host claims the replica of its own rank
-        assert job is not None and job.kind == "replica-start"
-        assert job.spec["rank"] == rank and len(job.spec["serving_token"]) == 64
+        job = agents[name].claim("replica-start")
+        assert job is not None and job.spec["rank"] == rank and len(job.spec["serving_token"]) == 64, job
         result = {"probe_url": f"http://{name}:9000", "replica_url": "http://127.0.0.1:8000", "rank": rank}
         agents[name].finish(job, result=result | {"model_identity": sha("clean-pair")})
+
+
+def _serve(api: Api, experiment_id: str, agents: dict[str, FakeAgent]) -> None:
+    """With both replicas running (a: rank 0, b: rank 1), the three benchmark phases on a, the failure phase's
+    stop of b's replica on the benchmark's signal, then both replicas stopped."""
     for phase, endpoints in (("single", ["http://a:9000"]), ("pair", ["http://a:9000", "http://b:9000"])):
         assert _advance(api, experiment_id) == f"queued benchmark clean-pair phase {phase}"
         job = _claim_pinned(agents, "a", "benchmark")

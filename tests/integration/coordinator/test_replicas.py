@@ -11,11 +11,12 @@ from experiment import wire
 from tests.integration.coordinator.support import Api
 from tests.integration.coordinator.test_lifecycle import refused
 from tests.support.agent import FakeAgent
-from tests.support.scenarios import experiment_through_testing, sha
+from tests.support.scenarios import experiment_through_testing, select_and_advance, sha, trained_experiment
 
 
 def _serving(api: Api) -> tuple[str, dict[str, FakeAgent]]:
-    """A tested experiment with its serving commitment (a: the pair's rank 0, b: rank 1)."""
+    """A tested experiment with its serving commitment (a: the pair's rank 0, b: rank 1); the replica starts
+    queued with its test evaluations still queued."""
     agents = {"a": api.agent("a"), "b": api.agent("b")}
     experiment_id = experiment_through_testing(api, agents["a"], agents["b"])
     served = api.operator_post(
@@ -37,10 +38,30 @@ def _claim_on(agents: dict[str, FakeAgent], name: str, kind: str) -> wire.Assign
     return job
 
 
-def test_an_operator_starts_and_stops_a_replica_on_its_own_host(api: Api) -> None:
+def test_replicas_start_with_the_test_evaluations_and_the_benchmark_waits_for_the_serving_commitment(
+    api: Api,
+) -> None:
+    a, b = api.agent("a"), api.agent("b")
+    experiment_id = str(trained_experiment(api, a, b)["id"])
+    refused(_queue(api, experiment_id, "replica-start", {"rank": 0}), "replica-requires-committed-selection")
+    select_and_advance(api, experiment_id)
+    queued = api.get(f"/api/experiments/{experiment_id}/jobs")
+    order = [(job["kind"], job["role"] or job["spec"].get("rank")) for job in queued if job["state"] == "queued"]
+    # The four test evaluations first, so a host evaluates before it starts its replica.
+    assert order == [("evaluate", "test")] * 4 + [("replica-start", 0), ("replica-start", 1)], order
+
+    start = b.take("replica-start")  # before the tests end: the replica reads the selection only
+    assert start.spec["rank"] == 1
+    result = {"probe_url": "http://b:9000", "replica_url": "http://127.0.0.1:8000", "rank": 1}
+    b.finish(start, result=result | {"model_identity": sha("clean-pair")})
+    assert api.get(f"/api/experiments/{experiment_id}")["state"] == "selected"
+    refused(_queue(api, experiment_id, "benchmark", {"phase": "single"}), "serving-requires-serving-commitment")
+
+
+def test_an_operator_stops_and_starts_a_replica_on_its_own_host(api: Api) -> None:
     experiment_id, agents = _serving(api)
-    refused(_queue(api, experiment_id, "replica-stop", {"rank": 1}), "replica-not-running")
-    assert _queue(api, experiment_id, "replica-start", {"rank": 1}).status_code == 201
+    assert agents["a"].take("replica-start").spec["rank"] == 0  # rank 0's, left starting
+    refused(_queue(api, experiment_id, "replica-stop", {"rank": 1}), "replica-not-running")  # starting
     refused(_queue(api, experiment_id, "replica-start", {"rank": 1}), "replica-running")  # starting
     start = _claim_on(agents, "b", "replica-start")
     assert start.spec["rank"] == 1

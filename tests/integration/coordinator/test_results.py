@@ -80,8 +80,7 @@ def _evaluated(api: Api) -> tuple[str, FakeAgent]:
     select_and_advance(api, experiment_id)
     families = ("lookup", "filter", "total", "sort")
     for k in range(4):
-        agent, job = next((agent, job) for agent in (a, b) if (job := agent.claim()) is not None)
-        assert job.kind == "evaluate"
+        agent, job = next((agent, job) for agent in (a, b) if (job := agent.claim("evaluate")) is not None)
         agent.evaluated(job, [answer(i, (i + k) % 3 != 0, families[i % 4], (i // 4) % 4) for i in range(12)])
     assert api.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
     return experiment_id, a
@@ -113,7 +112,7 @@ def test_answers_are_recorded_once_per_arm_and_role(api: Api) -> None:
         f"/api/experiments/{experiment_id}/jobs", {"kind": "evaluate", "arm": "seed", "role": "test"}
     )
     assert queued.status_code == 201, queued.text
-    job = a.claim()
+    job = a.claim("evaluate")
     assert job is not None
     again = rejection(a.evaluated, job)
     assert again.status_code == 409 and again.rule == "answers-recorded-once"
@@ -131,9 +130,7 @@ def test_serving_results_and_the_report_are_stored_and_read_back(api: Api) -> No
     jobs = f"/api/experiments/{experiment_id}/jobs"
     single = {"kind": "benchmark", "arm": "clean-pair", "spec": {"phase": "single"}}
     assert api.operator_post(jobs, single).status_code == 409  # no replica runs yet
-    rank0 = {"kind": "replica-start", "arm": "clean-pair", "spec": {"rank": 0}}
-    assert api.operator_post(jobs, rank0).status_code == 201
-    replica = a.claim()  # a holds the pair's rank 0
+    replica = a.claim()  # rank 0's replica, queued with the test evaluations: a holds the pair's rank 0
     assert replica is not None and replica.kind == "replica-start"
     started = {"probe_url": "http://a:9000", "replica_url": "http://127.0.0.1:8000", "rank": 0}
     a.finish(replica, result=started | {"model_identity": sha("clean-pair")})
