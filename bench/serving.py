@@ -2,7 +2,9 @@
 reference-style replica (bench/reference_replica.py: HF generate, one request at a time behind a lock), on the
 local plan's workload (the first 32 dev tasks) with every answer forced to the same length (EOS ignored,
 --tokens new tokens), at client concurrency 2 and 8, in interleaved rounds (best of each kept). vLLM's CPU
-engine and the reference each compute on one core. Prints one JSON object.
+engine and the reference each compute on one core. Through the probe, each request's time outside the replica
+(end to end minus the replica's time, as the probe measured it) is what the probe's hop adds. Prints one JSON
+object.
 
 Usage: python bench/serving.py [--model-dir seeds/tiny] [--tokens 96] [--output bench/results/serving-cpu.json]"""
 
