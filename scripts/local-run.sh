@@ -2,7 +2,8 @@
 # `make run`: the whole experiment of plans/local.toml through the coordinator and two local CPU agents.
 # A coordinator on SQLite under .coop/run-TIME/coordinator, agents host-a and host-b (gloo, one thread each),
 # the experiment created with autopilot on: prepare -> the singles in parallel -> the pair as a two-host
-# gang -> dev evaluations -> select -> four test evaluations -> serving commitment -> report.
+# gang -> dev evaluations -> select -> four test evaluations, then a replica per host -> serving commitment ->
+# benchmarks -> report.
 # Every run gets a fresh folder, so nothing recorded earlier is touched. COOP_EXIT_WHEN_DONE=1 exits once
 # the report is written; otherwise the coordinator stays up for the web UI until Ctrl-C.
 set -euo pipefail
