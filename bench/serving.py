@@ -145,7 +145,7 @@ def main() -> None:
         _wait(reference_url, processes[1], {}, 300)
         run_id = secrets.token_hex(4)
 
-        async def direct(client: httpx.AsyncClient, index: int, task_id: str) -> int:
+        async def direct(client: httpx.AsyncClient, index: int, task_id: str) -> tuple[int, float | None]:
             body = {"model": spec.served_model_name, "prompt": items[task_id].prompt_ids, "max_tokens": args.tokens}
             body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
             reply = await client.post(f"{spec.url}/v1/completions", json=body)
@@ -153,7 +153,7 @@ def main() -> None:
             return len(reply.json()["choices"][0]["token_ids"]), None
 
         def through(url: str) -> Send:
-            async def send(client: httpx.AsyncClient, index: int, task_id: str) -> int:
+            async def send(client: httpx.AsyncClient, index: int, task_id: str) -> tuple[int, float | None]:
                 body = {"request_id": f"{run_id}-{time.monotonic_ns()}-{index}", "task_id": task_id}
                 reply = await client.post(f"{url}/infer", json=body, headers=headers)
                 reply.raise_for_status()

@@ -103,7 +103,8 @@ def select_and_advance(coordinator: Operated, experiment_id: str) -> None:
 
 def experiment_through_testing(coordinator: Operated, a: FakeAgent, b: FakeAgent) -> str:
     """A tested experiment: trained (trained_experiment: a holds the pair's rank 0, b its rank 1), the selection
-    committed, and the four test evaluations recorded; its id."""
+    committed, and the four test evaluations recorded (the replica starts queued with them are left queued); its
+    id."""
     experiment_id = str(trained_experiment(coordinator, a, b)["id"])
     select_and_advance(coordinator, experiment_id)
     for _ in load_plan(LOCAL_PLAN).arm_names():

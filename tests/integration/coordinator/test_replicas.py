@@ -15,8 +15,8 @@ from tests.support.scenarios import experiment_through_testing, select_and_advan
 
 
 def _serving(api: Api) -> tuple[str, dict[str, FakeAgent]]:
-    """A tested experiment with its serving commitment (a: the pair's rank 0, b: rank 1); the replica starts
-    queued with its test evaluations still queued."""
+    """A tested experiment with its serving commitment (a: the pair's rank 0, b: rank 1); its replica starts, queued
+    with the test evaluations, are still queued."""
     agents = {"a": api.agent("a"), "b": api.agent("b")}
     experiment_id = experiment_through_testing(api, agents["a"], agents["b"])
     served = api.operator_post(
