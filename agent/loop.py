@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import threading
@@ -57,21 +58,32 @@ class Settings:
 
 
 def host_facts(name: str) -> dict[str, str]:
-    """The labels registered with the coordinator: CPU count, memory and, when CUDA is present, the GPUs."""
-    facts = {
+    """The labels registered with the coordinator: CPU count, memory and the GPUs ``gpu_facts`` finds."""
+    return {
         "name": name,
         "cpu_count": str(os.cpu_count() or 0),
         "memory_bytes": str(psutil.virtual_memory().total),
+        **gpu_facts(),
     }
-    import torch
 
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        facts["gpu_count"] = str(count)
-        for index in range(count):
-            props = torch.cuda.get_device_properties(index)
-            facts[f"gpu{index}_name"] = props.name
-            facts[f"gpu{index}_memory_bytes"] = str(props.total_memory)
+
+def gpu_facts() -> dict[str, str]:
+    """The GPUs nvidia-smi lists (none without it). Asked in nvidia-smi's own process: the agent never makes a
+    CUDA context, which would hold memory on the card for as long as it runs, under its jobs' training and vLLM."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    query = [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+    try:
+        listed = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
+        rows = [line.rsplit(",", 1) for line in listed.splitlines() if line.strip()]
+        facts = {"gpu_count": str(len(rows))}
+        for index, (gpu, mib) in enumerate(rows):
+            facts[f"gpu{index}_name"] = gpu.strip()
+            facts[f"gpu{index}_memory_bytes"] = str(int(mib) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        log.warning("nvidia-smi did not list the GPUs (%s); registering none", exc)
+        return {}
     return facts
 
 

@@ -1,5 +1,6 @@
 """Coordinator throughput against a real `coop-server serve` on SQLite and on Postgres: claims per second and
-claim latency with N concurrent agents draining a queue of jobs; a public read's latency while 64 claims wait on
+claim latency with N concurrent agents draining a queue of jobs, beside the rate of ``GET /health`` (a route that
+does no work) from the same client; a public read's latency while 64 claims wait on
 an empty queue (and idle); events per second ingested in batches. Prints one JSON object and writes it to
 ``--output``.
 
@@ -92,6 +93,7 @@ async def _measure(
             reply = await client.post("/api/agents/register", json={"address": f"h{i}"}, headers=bearer(token))
             reply.raise_for_status()
 
+        floor = await _health_rate(client, agents, jobs)
         latencies: list[float] = []
         assignments: list[tuple[str, dict[str, Any]]] = []
 
@@ -136,6 +138,7 @@ async def _measure(
         "agents": agents,
         "jobs": jobs,
         "claims_per_second": round(jobs / claim_seconds, 1),
+        "health_per_second": round(floor, 1),
         "claim_latency_p50_ms": round(1000 * statistics.median(latencies), 2),
         "claim_latency_p99_ms": round(1000 * _percentile(latencies, 0.99), 2),
         "claim_requests": len(latencies),
@@ -144,6 +147,20 @@ async def _measure(
         "events_per_second": round(events / event_seconds, 1),
         **reads,
     }
+
+
+async def _health_rate(client: httpx.AsyncClient, agents: int, requests: int) -> float:
+    """``GET /health`` per second from ``agents`` concurrent senders: what this client and server answer for a
+    route that does no work, the ceiling of any route's rate on this machine."""
+    left = iter(range(requests))
+
+    async def sender() -> None:
+        for _ in left:
+            (await client.get("/health")).raise_for_status()
+
+    began = time.perf_counter()
+    await asyncio.gather(*(sender() for _ in range(agents)))
+    return requests / (time.perf_counter() - began)
 
 
 async def _read_latencies(client: httpx.AsyncClient, reads: int) -> list[float]:

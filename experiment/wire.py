@@ -57,6 +57,12 @@ ServingPhaseName = Phase  # the benchmark's phases (experiment.serving.servingre
 __all__ = ["Answer", "ArmName", "Candidate", "LedgerEntry", "ResourceSample", "StepRecord"]
 
 
+class Health(msgspec.Struct, frozen=True):
+    """The coordinator answers: its process serves HTTP (it reads no database)."""
+
+    status: Literal["ok"] = "ok"
+
+
 class Problem(msgspec.Struct, frozen=True):
     """Every refusal: the HTTP status, a message a person can act on, and the rule broken (409s)."""
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from advanced_alchemy.extensions.litestar import AsyncSessionConfig, SQLAlchemyAsyncConfig, SQLAlchemyPlugin
-from litestar import Litestar, MediaType, Request, Response
+from litestar import Litestar, MediaType, Request, Response, get
 from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -58,6 +58,12 @@ def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire
     return Response(
         wire.Problem(status, str(exc), rule), status_code=status, media_type=MediaType.JSON, headers=headers
     )
+
+
+@get("/health", operation_id="health", tags=("health",), opt={"public": True}, security=[{}])
+async def health() -> wire.Health:
+    """Liveness, for a load balancer or an operator: always public, no token, no database."""
+    return wire.Health()
 
 
 async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]) -> None:
@@ -122,6 +128,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             ResultController,
             EvidenceController,
             BlobController,
+            health,
             *web_routes(settings),
         ],
         plugins=[SQLAlchemyPlugin(config=config)],

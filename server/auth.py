@@ -75,8 +75,8 @@ async def _check(
     ctx: Context,
     session: AsyncSession,
 ) -> None:
-    if handler.opt.get("web"):
-        return  # the web UI's pages and assets: server.web checks their session cookie, never a bearer token
+    if handler.opt.get("web") or handler.opt.get("public"):
+        return  # the web UI's pages and assets (server.web checks their session cookie) and /health
     role = handler.opt.get("role")
     if role is None and (ctx.settings.public_read or connection.url.path.startswith("/schema")):
         return

@@ -84,12 +84,20 @@ class TrainingPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pair_world_size: Annotated[int, msgspec.Meta(ge=2, le=64)]
 
 
-class RuntimePlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class RuntimePlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     device: Literal["cpu", "cuda"]
     backend: Literal["gloo", "nccl"]
     autocast: Literal["none", "bf16"]
     cpu_threads: Annotated[int, msgspec.Meta(ge=1, le=256)]
     memory_headroom_gib: Annotated[float, msgspec.Meta(ge=0.0, le=1024.0)]
+    # How long a rank waits in a collective for its peers. One rank may write, fsync and hash a checkpoint while
+    # its peer only confirms one it holds, so the wait must outlast that (Plan.__post_init__ checks it).
+    collective_timeout_seconds: Annotated[float, msgspec.Meta(ge=10.0, le=86_400.0)] = 600.0
+
+
+# A volume's sustained rate that a checkpoint's writing and reading back are sized by: a gp3 volume's baseline.
+CHECKPOINT_DISK_BYTES_PER_SECOND = 125_000_000
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # float32 weights and AdamW's two moments
 
 
 class EvaluationPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -187,6 +195,12 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             raise CoopError(f"arm {name} is the untouched seed; it is not trained")
         return "train-damaged" if role == "damaged" else "train-clean"
 
+    def checkpoint_skew_bound_seconds(self) -> float:
+        """The least collective timeout for this seed: twice a checkpoint's write and read back on a volume of
+        ``CHECKPOINT_DISK_BYTES_PER_SECOND``, the longest one rank can be kept from its peers by checkpointing."""
+        checkpoint_bytes = self.seed.parameters * CHECKPOINT_BYTES_PER_PARAMETER
+        return 2 * 2 * checkpoint_bytes / CHECKPOINT_DISK_BYTES_PER_SECOND
+
     def __post_init__(self) -> None:
         # Cross-field rules; msgspec reports these ValueErrors with the plan's path.
         training = self.training
@@ -206,6 +220,12 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             raise ValueError("runtime.backend must be gloo on cpu and nccl on cuda")
         if self.runtime.device == "cpu" and self.runtime.autocast != "none":
             raise ValueError("runtime.autocast must be none on cpu")
+        if self.runtime.collective_timeout_seconds < self.checkpoint_skew_bound_seconds():
+            raise ValueError(
+                "runtime.collective_timeout_seconds must be at least twice the time to write a checkpoint and read "
+                f"it back at {CHECKPOINT_DISK_BYTES_PER_SECOND / 1e6:g} MB/s: "
+                f"{self.checkpoint_skew_bound_seconds():.0f} s for this seed"
+            )
         if self.serving.workload_tasks > self.tasks.dev:
             raise ValueError("serving.workload_tasks must not exceed tasks.dev (the workload is dev tasks)")
         if (self.replay.source == "repository") != (self.replay.folder is not None):

@@ -96,7 +96,8 @@ def save(
     layout: seedmodel.TensorLayout,
 ) -> Pointer:
     """Write the checkpoint into a temporary folder, rename it into place, then write its pointer. The weights
-    take the seed's tensor ``layout``; its other files come from ``seed_dir``."""
+    take the seed's tensor ``layout``; its other files come from ``seed_dir``. Each file is hashed once, into the
+    receipt, and reaches the disk (fsync) before the rename: nothing needs to read it back."""
     final = run_dir / "checkpoints" / _name(step)
     if final.exists():
         raise CoopError(f"checkpoint {final} already exists; refusing to overwrite it")
@@ -108,6 +109,9 @@ def save(
     for source in sorted(seed_dir.iterdir()):
         if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name:
             shutil.copyfile(source, staging / MODEL_DIR / source.name)
+    problems = seedmodel.layout_differences(seedmodel.tensor_layout(staging / MODEL_DIR), layout)
+    if problems:
+        raise CoopError(f"the weights written to {staging} are not in the seed's tensor layout: {'; '.join(problems)}")
     torch.save(optimizer.state_dict(), staging / OPTIMIZER)
     rng: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -237,10 +241,11 @@ def verify(run_dir: Path, pointer: Pointer, binding: str, layout: seedmodel.Tens
     return receipt
 
 
-def load_state(run_dir: Path, pointer: Pointer, optimizer: torch.optim.Optimizer) -> None:
-    """Restore optimizer and RNG state (weights load from the checkpoint's model folder)."""
+def load_state(run_dir: Path, pointer: Pointer, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Restore optimizer and RNG state (weights load from the checkpoint's model folder). The optimizer's moments
+    load straight onto ``device``: whatever device saved them, no second copy passes through host memory."""
     folder = run_dir / "checkpoints" / pointer.checkpoint
-    optimizer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True))
+    optimizer.load_state_dict(torch.load(folder / OPTIMIZER, weights_only=True, map_location=device))
     rng = torch.load(folder / RNG, weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -15,7 +15,7 @@ import msgspec
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from experiment.core import layout, tasks
+from experiment.core import determinism, layout, tasks
 from experiment.core.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan
@@ -339,8 +339,7 @@ class _Answerer:
 def _answerer(home: Path, model_dir: Path, plan: Plan, candidate: Candidate, batch_size: int) -> _Answerer:
     """The candidate loaded on the plan's device, deterministic, after the seed it grew from is verified."""
     seedmodel.verify_seed(model_dir, seed_snapshot(plan))
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(plan.runtime.cpu_threads)
+    determinism.make_deterministic(plan.runtime.device, plan.runtime.cpu_threads)
     tokenizer = seedmodel.load_tokenizer(model_dir)
     model = seedmodel.load_model(model_dir if candidate.path is None else home / candidate.path)
     device = torch.device("cuda") if plan.runtime.device == "cuda" else torch.device("cpu")

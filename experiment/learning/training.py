@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -26,12 +27,12 @@ import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 
-from experiment.core import layout
+from experiment.core import determinism, layout
 from experiment.core.canonical import identity, read_json, write_new_json
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan
 from experiment.core.progress import Emit
-from experiment.learning import checkpoint, distributed
+from experiment.learning import checkpoint, distributed, preflight
 from experiment.learning.corpus import Document, Prepared, load_prepared, seed_snapshot
 from experiment.learning.distributed import World
 from experiment.learning.records import ResourceSample, StepRecord
@@ -92,33 +93,40 @@ def numerical_profile(plan: Plan, device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "threads": torch.get_num_threads(),
         "autocast": plan.runtime.autocast,
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        **determinism.profile(device.type),
         "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
     }
 
 
+def communication_profile(device: torch.device) -> dict[str, Any]:
+    """How a rank's collectives run: NCCL's version and every NCCL_* variable (on CUDA). Recorded beside the
+    numerical profile, not in the binding, since an interface's name may differ between hosts."""
+    if device.type != "cuda":
+        return {"nccl": None, "environment": {}}
+    nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+    return {
+        "nccl": ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl),
+        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("NCCL_")},
+    }
+
+
 def configure_runtime(plan: Plan, world: World) -> torch.device:
-    torch.use_deterministic_algorithms(True)
+    """The rank's device, deterministic, with the plan's threads (core.determinism)."""
+    if plan.runtime.device == "cuda" and not torch.cuda.is_available():
+        raise CoopError("the plan asks for cuda, and no CUDA device is visible")
+    determinism.make_deterministic(plan.runtime.device, plan.runtime.cpu_threads)
     if plan.runtime.device == "cuda":
-        if not torch.cuda.is_available():
-            raise CoopError("the plan asks for cuda, and no CUDA device is visible")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
         device = torch.device("cuda", world.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device
-    torch.set_num_threads(plan.runtime.cpu_threads)
     return torch.device("cpu")
 
 
-def memory_preflight(plan: Plan, device: torch.device) -> None:
-    """Free GPU memory must hold parameters x 16 bytes (weights, gradients, two AdamW moments) + headroom."""
-    if device.type != "cuda":
-        return
-    free, _total = torch.cuda.mem_get_info(device)
-    needed = plan.seed.parameters * 16 + int(plan.runtime.memory_headroom_gib * 2**30)
-    if free < needed:
-        raise CoopError(f"GPU {device} has {free / 2**30:.1f} GiB free; the plan needs {needed / 2**30:.1f} GiB")
+def _clock(device: torch.device) -> float:
+    """The time once the device has done what was queued on it (CUDA runs the optimizer's step asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic()
 
 
 def document_loss_sum(model: torch.nn.Module, document: Document, device: torch.device, autocast: str) -> torch.Tensor:
@@ -255,6 +263,7 @@ class Result(msgspec.Struct, frozen=True):
     peak_memory_bytes: int
     peak_memory_kind: str
     resource_samples: list[ResourceSample]
+    communication: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def run_dir(home: Path, arm: str, rank: int) -> Path:
@@ -309,7 +318,7 @@ def _peak_memory(device: torch.device, sampler: Sampler) -> tuple[int, str]:
 
 @contextlib.contextmanager
 def _process_group(world: World, plan: Plan) -> Iterator[None]:
-    distributed.start(world, plan.runtime.backend, timeout_seconds=600)
+    distributed.start(world, plan.runtime.backend, timeout_seconds=plan.runtime.collective_timeout_seconds)
     try:
         yield
     finally:
@@ -360,7 +369,7 @@ def _bind_run(home: Path, model_dir: Path, arm: str) -> _Run:
         raise CoopError(f"{directory} already holds a finished run; its result is {directory / 'result.json'}")
     seedmodel.verify_seed(model_dir, seed_snapshot(plan))
     device = configure_runtime(plan, world)
-    memory_preflight(plan, device)
+    preflight.check_memory(plan, world.size, device)
     documents = documents_for(prepared, arm)
     batches = schedule(plan)
     profile = numerical_profile(plan, device)
@@ -393,6 +402,7 @@ def _resume(run: _Run) -> _Progress:
     """The model to train from: the seed, or the last checkpoint every rank holds with a pointer, verified. A host
     killed while its peers saved a checkpoint is one checkpoint behind them, and they retrain to meet it."""
     held = checkpoint.held(run.directory)
+    preflight.check_disk(run.plan, run.directory, set(held.pointed) | set(held.unpointed))
     # Every checkpoint stores the seed's tensors, as the seed does.
     tensor_layout = seedmodel.tensor_layout(run.model_dir)
     common = distributed.minimum(run.world, max(held.pointed, default=0), run.device)
@@ -422,7 +432,7 @@ def _resume(run: _Run) -> _Progress:
 
 def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
     """One update of the schedule, as its journal records it."""
-    began = time.monotonic()
+    began = _clock(run.device)
     batch = run.batches[step - 1]
     update = trainer.accumulate(batch)
     rate, norm = trainer.step(step)
@@ -436,7 +446,7 @@ def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
         targets=update.targets,
         weighted_targets=update.weighted_targets,
         documents=update.documents,
-        seconds=time.monotonic() - began,
+        seconds=_clock(run.device) - began,
     )
 
 
@@ -457,7 +467,6 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
             run.model_dir,
             progress.tensor_layout,
         )
-        checkpoint.verify(run.directory, pointer, run.binding, progress.tensor_layout)
         written = "checkpoint"
     else:
         pointer, written = kept
@@ -523,6 +532,7 @@ def _result(
         binding=run.binding,
         prepared_identity=run.prepared.identity,
         numerical_profile=run.profile,
+        communication=communication_profile(run.device),
         parameter_digest=final_digest,
         candidate=pointer,
         journal=progress.journal,
@@ -563,7 +573,7 @@ def train(home: Path, model_dir: Path, arm: str, emit: Emit, stop_after: int | N
         progress = _resume(run)
         trainer = closing.enter_context(Trainer(run.plan, run.world, run.device, progress.model, run.documents))
         if progress.pointer is not None:
-            checkpoint.load_state(run.directory, progress.pointer, trainer.optimizer)
+            checkpoint.load_state(run.directory, progress.pointer, trainer.optimizer, run.device)
         emit(
             {
                 "event": "started",
@@ -577,12 +587,12 @@ def train(home: Path, model_dir: Path, arm: str, emit: Emit, stop_after: int | N
         )
         network_start = network_counters()
         with Sampler() as sampler:
-            loop_start = time.monotonic()
+            loop_start = _clock(run.device)
             if not _updates(run, progress, trainer, record, emit, stop_after):
                 return None
             final_digest = distributed.parameter_digest(progress.model)
             distributed.agree(run.world, "final parameter digest", final_digest, run.device)
-            loop_seconds = time.monotonic() - loop_start
+            loop_seconds = _clock(run.device) - loop_start
         result = _result(run, progress, final_digest, loop_seconds, network_start, sampler)
         _complete(run, result, emit)
         return result

@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from experiment.core import determinism
 from experiment.core.canonical import atomic_write_bytes
 from experiment.core.errors import CoopError
 from experiment.core.tasks import CITIES, STATUSES, Record
@@ -555,14 +556,10 @@ def build_seed(
         raise CoopError(f"seed output folder {out} is not empty; refusing to build into it")
     root = Path.cwd() if root is None else root
     conversations = read_conversations(config.conversation_files, root)
-    if config.device == "cuda":
-        if not torch.cuda.is_available():
-            raise CoopError("the seed configuration asks for cuda, and no CUDA device is visible")
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read at its start
-        torch.backends.cuda.matmul.allow_tf32 = False
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise CoopError("the seed configuration asks for cuda, and no CUDA device is visible")
+    determinism.make_deterministic(config.device, threads=1)
     torch.manual_seed(config.seed)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
 
     texts = [_render(synthetic_conversation(i, config)) for i in range(config.tokenizer_examples)]
     texts += [_render(c) for c in conversations]

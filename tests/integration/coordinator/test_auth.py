@@ -49,6 +49,9 @@ def test_reads_need_a_token_when_public_read_is_off(make_settings: Callable[...,
         assert client.get("/api/experiments", headers=bearer(api.operator)).status_code == 200
         assert client.get("/api/agents", headers=bearer(api.agent("a").token)).status_code == 200
         assert client.get("/schema/openapi.json").status_code == 200
+        # Liveness needs no token, even with reads closed, and says nothing but that the process answers.
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
 def test_every_state_change_leaves_an_audit_row_and_a_heartbeat_none(api: Api) -> None:

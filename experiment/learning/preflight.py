@@ -1,0 +1,64 @@
+"""What a rank needs before it trains, checked before its first update: GPU memory and disk.
+
+The protocol's memory rule (PROTOCOL.md): float32 weights, gradients and AdamW's two moments take
+16 bytes a parameter, plus the plan's headroom. A rank of a DDP group also holds DDP's gradient buckets, one more
+float32 copy of the gradients (4 bytes a parameter). A checkpoint holds the float32 weights and both moments,
+12 bytes a parameter, and a run keeps every checkpoint of the plan's ``checkpoint_steps``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from experiment.core.errors import CoopError
+from experiment.core.plan import CHECKPOINT_BYTES_PER_PARAMETER, Plan
+
+GIB = 2**30
+TRAINING_BYTES_PER_PARAMETER = 16  # weights, gradients, AdamW's exp_avg and exp_avg_sq, float32
+BUCKET_BYTES_PER_PARAMETER = 4  # DDP's gradient buckets, float32
+
+
+def memory_needed(plan: Plan, world_size: int) -> int:
+    """Bytes of GPU memory one rank of a run of ``world_size`` ranks needs."""
+    per_parameter = TRAINING_BYTES_PER_PARAMETER + (BUCKET_BYTES_PER_PARAMETER if world_size > 1 else 0)
+    return plan.seed.parameters * per_parameter + int(plan.runtime.memory_headroom_gib * GIB)
+
+
+def checkpoint_bytes(plan: Plan) -> int:
+    return plan.seed.parameters * CHECKPOINT_BYTES_PER_PARAMETER
+
+
+def disk_needed(plan: Plan, held_steps: set[int]) -> int:
+    """Bytes the checkpoints a run has still to write take: one for each checkpoint step it does not hold."""
+    missing = [step for step in plan.training.checkpoint_steps if step not in held_steps]
+    return len(missing) * checkpoint_bytes(plan)
+
+
+def check_memory(plan: Plan, world_size: int, device: torch.device) -> None:
+    """Refuse to train on a GPU whose free memory is less than ``memory_needed`` (no check on a CPU)."""
+    if device.type != "cuda":
+        return
+    free, _total = torch.cuda.mem_get_info(device)
+    needed = memory_needed(plan, world_size)
+    if free < needed:
+        raise CoopError(
+            f"GPU {device} has {free / GIB:.1f} GiB free; a rank of a {world_size}-rank run of this plan needs "
+            f"{needed / GIB:.1f} GiB (parameters x {TRAINING_BYTES_PER_PARAMETER} B"
+            f"{f' + {BUCKET_BYTES_PER_PARAMETER} B of DDP buckets' if world_size > 1 else ''}"
+            f" + {plan.runtime.memory_headroom_gib:g} GiB headroom)"
+        )
+
+
+def check_disk(plan: Plan, folder: Path, held_steps: set[int]) -> None:
+    """Refuse to train when the file system of ``folder`` cannot hold the checkpoints the run has still to write."""
+    needed = disk_needed(plan, held_steps)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise CoopError(
+            f"{folder} has {free / GIB:.1f} GiB free; the run's checkpoints still to write need {needed / GIB:.1f} "
+            f"GiB ({CHECKPOINT_BYTES_PER_PARAMETER} B a parameter each): put the agent's work folder on a larger "
+            "volume (the runbook puts it on the instance's NVMe)"
+        )

@@ -1,0 +1,146 @@
+"""What a rank runs with, checked without a GPU: deterministic CUDA's environment, threads from the plan, the
+preflights' arithmetic against the target's own figures, the collective timeout sized for its checkpoints, and
+checkpoints hashed once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from experiment.core.errors import CoopError
+from experiment.core.plan import load_plan, parse_plan
+from experiment.learning import checkpoint, preflight
+from experiment.seed import seedmodel
+from tests.support import ROOT
+
+REFERENCE = ROOT / "plans" / "reference.toml"
+LOCAL = ROOT / "plans" / "local.toml"
+TINY = ROOT / "seeds" / "tiny"
+GIB = 2**30
+
+# Made in a fresh interpreter: deterministic mode and torch's threads are global to a process.
+_DETERMINISTIC = """
+import json, os, sys, torch
+from experiment.core import determinism
+determinism.make_deterministic(sys.argv[1], threads=int(sys.argv[2]))
+print(json.dumps({
+    "variable": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    "threads": torch.get_num_threads(),
+    "tf32": torch.backends.cuda.matmul.allow_tf32,
+    "profile": determinism.profile(sys.argv[1]),
+}))
+"""
+
+
+def _deterministic(device: str, threads: int, **environment: str) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"} | environment
+    done = subprocess.run(
+        [sys.executable, "-c", _DETERMINISTIC, device, str(threads)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
+
+
+def test_deterministic_cuda_sets_cublas_workspace_before_any_cuda_work_and_records_it() -> None:
+    """Without CUBLAS_WORKSPACE_CONFIG, torch's deterministic mode raises at the first cuBLAS matmul."""
+    made = _deterministic("cuda", 2, OMP_NUM_THREADS="3")
+    assert made["variable"] == ":4096:8"
+    assert made["profile"] == {"deterministic": True, "cublas_workspace_config": ":4096:8"}
+    assert made["tf32"] is False
+    assert made["threads"] == 2  # the plan's, not OMP_NUM_THREADS
+
+
+def test_deterministic_cpu_leaves_cublas_alone_and_takes_the_plans_threads() -> None:
+    made = _deterministic("cpu", 1, OMP_NUM_THREADS="3")
+    assert made["variable"] is None
+    assert made["profile"] == {"deterministic": True, "cublas_workspace_config": None}
+    assert made["threads"] == 1
+
+
+def test_memory_preflight_is_the_protocols_rule_and_adds_ddps_buckets_for_a_pair() -> None:
+    """Against the target's figures: 16 B a parameter + 4 GiB (PROTOCOL.md); DDP's bucket for SmolLM2-1.7B is
+    6.85 GB, which puts a rank of the pair near 38 GB."""
+    plan = load_plan(REFERENCE)
+    single = preflight.memory_needed(plan, world_size=1)
+    pair = preflight.memory_needed(plan, world_size=2)
+    assert single == 1_711_376_384 * 16 + 4 * GIB
+    assert round((pair - single) / 1e9, 2) == 6.85
+    assert 38.0 < pair / 1e9 < 39.0
+
+
+def test_disk_preflight_counts_each_checkpoint_still_to_write(tmp_path: Path) -> None:
+    """About 41 GB per arm on a host for the reference plan's two checkpoints (20.5 GB each, float32 weights and
+    both AdamW moments); a run that holds one needs room for the other only."""
+    plan = load_plan(REFERENCE)
+    assert round(preflight.checkpoint_bytes(plan) / 1e9, 1) == 20.5
+    assert round(preflight.disk_needed(plan, set()) / 1e9) == 41
+    assert preflight.disk_needed(plan, {64}) == preflight.checkpoint_bytes(plan)
+    assert preflight.disk_needed(plan, {64, 128}) == 0
+    preflight.check_disk(plan, tmp_path, {64, 128})
+    runtime = msgspec.structs.replace(plan.runtime, collective_timeout_seconds=86_400.0)
+    huge = msgspec.structs.replace(plan, seed=msgspec.structs.replace(plan.seed, parameters=10**11), runtime=runtime)
+    with pytest.raises(CoopError, match=r"GiB free; the run's checkpoints still to write need 2235\.2 GiB"):
+        preflight.check_disk(huge, tmp_path, set())
+
+
+def test_memory_preflight_passes_on_a_cpu() -> None:
+    preflight.check_memory(load_plan(REFERENCE), 2, torch.device("cpu"))
+
+
+def test_the_collective_timeout_outlasts_a_checkpoint_written_and_read_back_twice() -> None:
+    """A 20.5 GB checkpoint at a gp3 volume's 125 MB/s: written and read back, twice over, is 657 s. The reference
+    plan's 600 s would be refused; its 1,800 s is accepted. The small local seed keeps the default."""
+    plan = load_plan(REFERENCE)
+    assert round(plan.checkpoint_skew_bound_seconds()) == 657
+    assert plan.runtime.collective_timeout_seconds == 1800.0
+    text = REFERENCE.read_text()
+    assert "collective_timeout_seconds = 1800.0" in text
+    with pytest.raises(CoopError, match=r"collective_timeout_seconds must be at least .* 657 s for this seed"):
+        parse_plan(
+            text.replace("collective_timeout_seconds = 1800.0", "collective_timeout_seconds = 600.0").encode(), "x"
+        )
+    assert load_plan(LOCAL).runtime.collective_timeout_seconds == 600.0
+
+
+def test_a_checkpoint_hashes_each_file_once_and_its_optimizer_loads_onto_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = seedmodel.load_model(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    hashed: list[Path] = []
+    real = checkpoint.sha256_file
+
+    def counting(path: Path) -> str:
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", counting)
+    layout = seedmodel.tensor_layout(TINY)
+    pointer = checkpoint.save(tmp_path, 2, model, optimizer, "binding", "digest", [], TINY, layout)
+    names = [p.name for p in hashed]
+    assert names and len(names) == len(set(names)), names  # one hash per file, none read back
+    monkeypatch.undo()
+    receipt = checkpoint.verify(tmp_path, pointer, "binding", layout)  # what a resume checks
+    assert receipt.parameter_digest == "digest"
+    fresh = torch.optim.AdamW(seedmodel.load_model(checkpoint.model_dir(tmp_path, pointer)).parameters(), lr=1e-3)
+    checkpoint.load_state(tmp_path, pointer, fresh, torch.device("cpu"))
+    saved, loaded = optimizer.state_dict()["state"], fresh.state_dict()["state"]
+    assert saved.keys() == loaded.keys()
+    for key in saved:
+        assert torch.equal(saved[key]["exp_avg"], loaded[key]["exp_avg"])
+        assert loaded[key]["exp_avg"].device.type == "cpu"
