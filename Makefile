@@ -59,8 +59,9 @@ typecheck: venvs
 services:
 	scripts/test-services.sh
 
+# Two processes, each given whole files (the serving tests' folder as one), slowest first (tests/conftest.py).
 unit: venvs services
-	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q
+	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q -n 2 --dist loadscope --no-loadscope-reorder
 
 test: lint typecheck unit
 

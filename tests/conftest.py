@@ -16,6 +16,43 @@ from tests.support.scenarios import LOCAL_PLAN
 
 REFERENCE_FOLDER = ROOT / "plans" / "local-reference"
 
+# `make test` runs the tests in two processes (pytest-xdist). A file's tests stay in one process, so that its module
+# fixtures are made once, and the serving tests, which share one trained checkpoint and its replicas, stay together.
+# The files that take minutes go first, so that neither process is left with one of them at the end.
+SLOW_FIRST = (
+    "tests/integration/agent/test_experiment.py",
+    "tests/integration/test_smollm2.py",
+    "tests/integration/serving/",
+    "tests/integration/test_training.py",
+    "tests/integration/coordinator/test_faults.py",
+)
+
+
+def _group(path: str) -> str:
+    """The unit of work of the test at ``path`` (relative to the project): its folder's for the serving tests,
+    else its file's."""
+    return SLOW_FIRST[2] if path.startswith(SLOW_FIRST[2]) else path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        group = _group(item.nodeid.split("::", 1)[0])
+        return next((i for i, slow in enumerate(SLOW_FIRST) if group.startswith(slow)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: within a rank, collection order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Schedule whole groups (``_group``) in collection order (run with --dist loadscope --no-loadscope-reorder)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0])
+
+    return ByGroup(config, log)
+
+
 # A small plan keeps every rule of plans/local.toml and shrinks the counts: 4 updates x 8 documents.
 SMALL_COUNTS = {
     "train": 24,
