@@ -36,6 +36,7 @@ from tests.support.scenarios import bearer  # noqa: E402
 
 PLAN = (ROOT / "plans" / "local.toml").read_text()
 WAITING = 64  # claims long-polling an empty queue while public reads are timed
+HEALTH_REQUESTS = 2048  # enough that opening the senders' connections weighs little in the rate
 
 
 def _free_port() -> int:
@@ -93,7 +94,6 @@ async def _measure(
             reply = await client.post("/api/agents/register", json={"address": f"h{i}"}, headers=bearer(token))
             reply.raise_for_status()
 
-        floor = await _health_rate(client, agents, jobs)
         latencies: list[float] = []
         assignments: list[tuple[str, dict[str, Any]]] = []
 
@@ -115,7 +115,7 @@ async def _measure(
 
         uploaders = assignments[:agents]
 
-        async def upload(token: str, job: dict[str, Any]) -> None:
+        async def upload(uploads: httpx.AsyncClient, token: str, job: dict[str, Any]) -> None:
             for sequence in range(batches):
                 body = {
                     "lease_token": job["lease_token"],
@@ -126,12 +126,15 @@ async def _measure(
                     **bearer(token),
                     "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:{sequence}",
                 }
-                reply = await client.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
+                reply = await uploads.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
                 reply.raise_for_status()
 
-        began = time.perf_counter()
-        await asyncio.gather(*(upload(token, job) for token, job in uploaders))
-        event_seconds = time.perf_counter() - began
+        # New connections: one a claimer left idle longer than the server's keep-alive (5 s) may be closing.
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as uploads:
+            began = time.perf_counter()
+            await asyncio.gather(*(upload(uploads, token, job) for token, job in uploaders))
+            event_seconds = time.perf_counter() - began
+    floor = await _health_rate(base, agents, HEALTH_REQUESTS)
     reads = await _reads_while_claims_wait(base, tokens)
     events = len(uploaders) * batches * batch_size
     return {
@@ -149,18 +152,20 @@ async def _measure(
     }
 
 
-async def _health_rate(client: httpx.AsyncClient, agents: int, requests: int) -> float:
+async def _health_rate(base: str, agents: int, requests: int) -> float:
     """``GET /health`` per second from ``agents`` concurrent senders: what this client and server answer for a
-    route that does no work, the ceiling of any route's rate on this machine."""
+    route that does no work, the ceiling of any route's rate on this machine. A client of its own, so that no
+    connection it leaves idle is reused by another phase after the server closed it (keep-alive, 5 s)."""
     left = iter(range(requests))
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=agents)) as client:
 
-    async def sender() -> None:
-        for _ in left:
-            (await client.get("/health")).raise_for_status()
+        async def sender() -> None:
+            for _ in left:
+                (await client.get("/health")).raise_for_status()
 
-    began = time.perf_counter()
-    await asyncio.gather(*(sender() for _ in range(agents)))
-    return requests / (time.perf_counter() - began)
+        began = time.perf_counter()
+        await asyncio.gather(*(sender() for _ in range(agents)))
+        return requests / (time.perf_counter() - began)
 
 
 async def _read_latencies(client: httpx.AsyncClient, reads: int) -> list[float]:
