@@ -109,9 +109,6 @@ def save(
     for source in sorted(seed_dir.iterdir()):
         if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name:
             shutil.copyfile(source, staging / MODEL_DIR / source.name)
-    problems = seedmodel.layout_differences(seedmodel.tensor_layout(staging / MODEL_DIR), layout)
-    if problems:
-        raise CoopError(f"the weights written to {staging} are not in the seed's tensor layout: {'; '.join(problems)}")
     torch.save(optimizer.state_dict(), staging / OPTIMIZER)
     rng: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
