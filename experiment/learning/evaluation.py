@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from experiment.core import determinism, layout, tasks
 from experiment.core.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
 from experiment.core.errors import CoopError
-from experiment.core.plan import Plan
+from experiment.core.plan import Numerics, Plan
 from experiment.core.progress import Emit
 from experiment.learning.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
 from experiment.learning.records import Answer, Candidate
@@ -30,6 +30,10 @@ CPU_BATCH_SIZE = 128
 CUDA_BATCH_SIZE = 16
 CHUNK_BATCHES = 4  # the evaluation's items go to generate CHUNK_BATCHES batches at a time, to sort by length
 PREFILL_ROWS = 16  # the prompts one prefill forward reads: on a CPU, more spill its caches (bench/evaluate.py)
+
+
+# The plan's evaluation numerics as the dtype the answering model's weights and activations are in.
+NUMERICS_DTYPE: dict[Numerics, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def batch_size_for(device: str) -> int:
@@ -59,6 +63,7 @@ class Summary(msgspec.Struct, frozen=True):
     candidate: Candidate
     selection_identity: str | None
     max_new_tokens: int
+    numerics: Numerics  # the dtype the model answered and scored retention in (plan.evaluation.numerics)
     batch_size: int
     answers: int
     correct: int
@@ -78,7 +83,8 @@ def generate(
 ) -> list[Generation]:
     """Greedy decoding of ``prompts`` in batches of at most ``batch_size`` prompts of similar length (sorted by
     length, then cut); the generations come back in the order of ``prompts``. On a CPU each one's ids are those
-    transformers' generate gives its prompt alone (tests/integration/test_evaluation_report.py)."""
+    transformers' generate gives its prompt alone (tests/integration/test_evaluation_report.py). The model answers
+    in its own dtype: ``answering_model`` puts it in the plan's numerics."""
     order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
     generations: dict[int, Generation] = {}
     for start in range(0, len(order), batch_size):
@@ -255,7 +261,8 @@ def answer_text(tokenizer: Any, generation: Generation) -> str:
 
 @torch.no_grad()
 def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
-    """Mean nats per answer token of one retention probe."""
+    """Mean nats per answer token of one retention probe: the logits in the model's dtype (the plan's numerics),
+    the cross-entropy over them in float32."""
     device = next(model.parameters()).device
     logits = model(input_ids=torch.tensor([probe.input_ids], device=device)).logits[0, :-1].float()
     labels = torch.tensor(probe.labels[1:], device=device)
@@ -326,6 +333,7 @@ class _Answerer:
     eos_id: int
     pad_id: int
     max_new_tokens: int
+    numerics: Numerics
     batch_size: int
 
     def answer(self, chunk: list[TaskItem]) -> list[Answer]:
@@ -342,16 +350,21 @@ def _answerer(home: Path, model_dir: Path, plan: Plan, candidate: Candidate, bat
     determinism.make_deterministic(plan.runtime.device, plan.runtime.cpu_threads)
     tokenizer = seedmodel.load_tokenizer(model_dir)
     model = seedmodel.load_model(model_dir if candidate.path is None else home / candidate.path)
-    device = torch.device("cuda") if plan.runtime.device == "cuda" else torch.device("cpu")
-    model.to(device).eval()
     return _Answerer(
-        model=model,
+        model=answering_model(model, plan.runtime.device, plan.evaluation.numerics),
         tokenizer=tokenizer,
         eos_id=int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)),
         pad_id=int(tokenizer.pad_token_id),
         max_new_tokens=plan.evaluation.max_new_tokens,
+        numerics=plan.evaluation.numerics,
         batch_size=batch_size,
     )
+
+
+def answering_model(model: torch.nn.Module, device: str, numerics: Numerics) -> torch.nn.Module:
+    """``model`` on ``device``, its weights (and so every activation) in the plan's numerics, for inference: the
+    numbers a replica of the same checkpoint serves in (replica.ReplicaSpec.dtype)."""
+    return model.to(device=torch.device(device), dtype=NUMERICS_DTYPE[numerics]).eval()
 
 
 def _keep(fresh: list[Answer], recorded: list[Answer], recorded_path: Path, answers: list[Answer]) -> None:
@@ -444,6 +457,7 @@ def evaluate(
         candidate=candidate,
         selection_identity=selection_identity,
         max_new_tokens=answerer.max_new_tokens,
+        numerics=answerer.numerics,
         batch_size=batch_size,
         answers=len(answers),
         correct=sum(a.check.correct for a in answers),

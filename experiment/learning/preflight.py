@@ -27,14 +27,10 @@ def memory_needed(plan: Plan, world_size: int) -> int:
     return plan.seed.parameters * per_parameter + int(plan.runtime.memory_headroom_gib * GIB)
 
 
-def checkpoint_bytes(plan: Plan) -> int:
-    return plan.seed.parameters * CHECKPOINT_BYTES_PER_PARAMETER
-
-
 def disk_needed(plan: Plan, held_steps: set[int]) -> int:
     """Bytes the checkpoints a run has still to write take: one for each checkpoint step it does not hold."""
     missing = [step for step in plan.training.checkpoint_steps if step not in held_steps]
-    return len(missing) * checkpoint_bytes(plan)
+    return len(missing) * plan.checkpoint_bytes()
 
 
 def check_memory(plan: Plan, world_size: int, device: torch.device) -> None:

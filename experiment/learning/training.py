@@ -146,6 +146,17 @@ class Update(msgspec.Struct, frozen=True):
     documents: int
 
 
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``model`` as a rank of a synchronous DDP gang (the process group must be started)."""
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=False,  # no buffer is trained; the rotary tables are equal by construction
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=1024,
+    )
+
+
 class Trainer:
     """One rank's model, optimizer and documents; ``accumulate`` then ``step`` is one update."""
 
@@ -164,15 +175,7 @@ class Trainer:
         self.model = model
         self.documents = documents
         self.scale = scale
-        self.network: torch.nn.Module = model
-        if world.distributed:
-            self.network = DistributedDataParallel(
-                model,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                forward_sync_buffers=False,  # no buffer is trained; the rotary tables are equal by construction
-                gradient_as_bucket_view=True,
-                bucket_cap_mb=1024,
-            )
+        self.network: torch.nn.Module = wrap_ddp(model, device) if world.distributed else model
         training = plan.training
         self.optimizer = torch.optim.AdamW(
             parameter_groups(model, training.weight_decay),

@@ -280,6 +280,7 @@ def _evaluation(
         "max_new_tokens",
         "differs from the plan",
     )
+    _require(summary.numerics == prepared.plan.evaluation.numerics, where, "numerics", "differs from the plan")
     max_new_tokens = prepared.plan.evaluation.max_new_tokens
     _check_answers(folder / "answers.jsonl", summary, answers, items, tokenizer, max_new_tokens)
     retention_ids = prepared.manifest.ids["retention"]

@@ -69,6 +69,8 @@ def _check_phase(
     path: Path, record: PhaseResult, prepared: Prepared, served_identity: str, workload: list[str], require: Require
 ) -> None:
     require(record.prepared_identity == prepared.identity, path, "prepared_identity", "differs")
+    numerics = prepared.plan.evaluation.numerics
+    require(record.workload.numerics == numerics, path, "workload.numerics", f"is not the plan's {numerics}")
     served_arm = prepared.plan.served_arm()
     require(record.models == [served_identity], path, "models", f"must be only the {served_arm} selection")
     metrics = record.metrics

@@ -345,6 +345,7 @@ def run_phase(
             concurrency=serving.concurrency,
             max_attempts=serving.max_attempts,
             max_new_tokens=serving.max_new_tokens,
+            numerics=prepared.plan.evaluation.numerics,
             task_ids=task_ids,
         ),
         stop_after=stop_after,

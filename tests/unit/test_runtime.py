@@ -85,9 +85,9 @@ def test_disk_preflight_counts_each_checkpoint_still_to_write(tmp_path: Path) ->
     """About 41 GB per arm on a host for the reference plan's two checkpoints (20.5 GB each, float32 weights and
     both AdamW moments); a run that holds one needs room for the other only."""
     plan = load_plan(REFERENCE)
-    assert round(preflight.checkpoint_bytes(plan) / 1e9, 1) == 20.5
+    assert round(plan.checkpoint_bytes() / 1e9, 1) == 20.5
     assert round(preflight.disk_needed(plan, set()) / 1e9) == 41
-    assert preflight.disk_needed(plan, {64}) == preflight.checkpoint_bytes(plan)
+    assert preflight.disk_needed(plan, {64}) == plan.checkpoint_bytes()
     assert preflight.disk_needed(plan, {64, 128}) == 0
     preflight.check_disk(plan, tmp_path, {64, 128})
     runtime = msgspec.structs.replace(plan.runtime, collective_timeout_seconds=86_400.0)

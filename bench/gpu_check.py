@@ -1,0 +1,411 @@
+"""The one prepared GPU check: the CUDA path of a reference run, on a random Llama shaped like SmolLM2-1.7B.
+
+Run by ``bench/gpu-check.sh`` on a lent GPU machine (at most 8 minutes on one H200, nothing downloaded). Each step
+is one question the CPU tests cannot answer, and its answer is a figure or a pass/fail in the JSON it prints:
+
+1. versions: torch, CUDA, NCCL and the GPU;
+2. deterministic mode fails a cuBLAS matmul without ``CUBLAS_WORKSPACE_CONFIG`` and passes with the project's;
+3. the model's parameter count is the reference seed's;
+4. the real training step (``Trainer`` on the reference plan, world of one) for 3 updates on 1,024-token
+   documents: seconds per update, peak memory against the preflight rule, and a replay's parameters bit-identical;
+5. the same step under DDP with a process group of one, so that ``no_sync`` and the buckets run: peak memory
+   against the rule for a rank of a pair;
+6. checkpoint save and verify: seconds, the host's peak RSS, and the stored tensor names the seed's;
+7. batched evaluation at 16 against one prompt at a time, in the plan's numerics: token agreement, no NaN row.
+
+The card is capped at an L40S's memory. ``--dry-run`` runs the same steps on a CPU with a small model of the
+same family (the full shape is only counted, on the meta device), so that the script itself is tested here; the
+CUDA-only step (2) says it was skipped. Progress goes to stderr as JSON lines; the result is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from experiment.core import determinism  # noqa: E402
+from experiment.core.plan import Plan, load_plan  # noqa: E402
+from experiment.learning import checkpoint, distributed, evaluation, preflight, training  # noqa: E402
+from experiment.learning.corpus import Document  # noqa: E402
+from experiment.seed import seedmodel  # noqa: E402
+
+REFERENCE_PLAN = ROOT / "plans" / "reference.toml"
+TINY_SEED = ROOT / "seeds" / "tiny"
+L40S_MEMORY_BYTES = 46_068 * 2**20  # what nvidia-smi reports an L40S has
+# SmolLM2-1.7B-Instruct's config.json, the fields that decide its shape and arithmetic.
+SMOLLM2_1_7B = {
+    "vocab_size": 49_152,
+    "hidden_size": 2_048,
+    "intermediate_size": 8_192,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": True,
+    "rope_theta": 130_000.0,
+    "max_position_embeddings": 8_192,
+    "rms_norm_eps": 1e-5,
+}
+# The same family, small enough for a CPU: what --dry-run trains, saves and evaluates.
+DRY_RUN_SHAPE = SMOLLM2_1_7B | {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+UPDATES = 3
+EVAL_PROMPTS = 32
+EVAL_BATCH = 16
+
+
+def emit(event: dict[str, Any]) -> None:
+    print(json.dumps(event), file=sys.stderr, flush=True)
+
+
+def llama_parameters(shape: dict[str, Any]) -> int:
+    """The parameter count of a Llama with tied embeddings, from its shape alone (no model is built)."""
+    hidden, inner, heads, kv_heads = (
+        shape["hidden_size"],
+        shape["intermediate_size"],
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+    )
+    head = hidden // heads
+    attention = 2 * hidden * hidden + 2 * hidden * kv_heads * head  # q and o; k and v
+    layer = attention + 3 * hidden * inner + 2 * hidden  # gate, up and down; two norms
+    return shape["vocab_size"] * hidden + shape["num_hidden_layers"] * layer + hidden
+
+
+def config(shape: dict[str, Any]) -> LlamaConfig:
+    return LlamaConfig(**shape, attn_implementation="sdpa", bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def build(shape: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised model, the same one for the same seed (the replay's start)."""
+    torch.manual_seed(seed)
+    with device:
+        return LlamaForCausalLM(config(shape))
+
+
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic()
+
+
+def peak_memory(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def host_peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# 1 ------------------------------------------------------------------------------------------------------------
+
+
+def versions(device: torch.device) -> dict[str, Any]:
+    import safetensors
+    import transformers
+
+    found: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        found |= {
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),  # type: ignore[no-untyped-call]
+            "gpu": properties.name,
+            "capability": f"{properties.major}.{properties.minor}",
+            "gpu_memory_bytes": properties.total_memory,
+        }
+    return found
+
+
+# 2 ------------------------------------------------------------------------------------------------------------
+
+_MATMUL = (
+    "import sys, torch; sys.path.insert(0, {root!r});\n"
+    "from experiment.core import determinism\n"
+    "{setup}\n"
+    "a = torch.randn(256, 256, device='cuda'); torch.cuda.synchronize(); print(float((a @ a).sum()))\n"
+)
+
+
+def deterministic_mode(device: torch.device) -> dict[str, Any]:
+    """A fresh process each way: cuBLAS reads the variable when the process makes its first handle."""
+    if device.type != "cuda":
+        return {"skipped": "needs a CUDA device"}
+    bare = {k: v for k, v in os.environ.items() if k != determinism.VARIABLE}
+    outcomes = {}
+    for name, setup in (
+        ("without_workspace", "torch.use_deterministic_algorithms(True)"),
+        ("with_project_setting", "determinism.make_deterministic('cuda', 1)"),
+    ):
+        code = _MATMUL.format(root=str(ROOT), setup=setup)
+        done = subprocess.run([sys.executable, "-c", code], env=bare, capture_output=True, text=True, timeout=120)
+        outcomes[name] = {"exit": done.returncode, "last_words": (done.stderr.strip().splitlines() or [""])[-1][:300]}
+    outcomes["ok"] = outcomes["without_workspace"]["exit"] != 0 and outcomes["with_project_setting"]["exit"] == 0
+    return outcomes
+
+
+# 3 ------------------------------------------------------------------------------------------------------------
+
+
+def shape_check(shape: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The reference shape counted on the meta device (no memory), against the plan and the shape's own formula."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config(SMOLLM2_1_7B))
+    counted = sum(p.numel() for p in model.parameters())  # a tied tensor is one parameter
+    small = llama_parameters(shape)
+    return {
+        "parameters": counted,
+        "plan_parameters": plan.seed.parameters,
+        "formula_parameters": llama_parameters(SMOLLM2_1_7B),
+        "ok": counted == plan.seed.parameters == llama_parameters(SMOLLM2_1_7B),
+        "run_shape_parameters": small,
+    }
+
+
+# 4, 5 ---------------------------------------------------------------------------------------------------------
+
+
+def documents(shape: dict[str, Any], count: int, tokens: int) -> list[Document]:
+    """Random documents of ``tokens`` tokens, the answer (the labelled part) their last eighth."""
+    rng = random.Random(20261203)
+    found = []
+    for position in range(count):
+        ids = [rng.randrange(3, shape["vocab_size"]) for _ in range(tokens)]
+        answer = tokens // 8
+        labels = [-100] * (tokens - answer) + ids[tokens - answer :]
+        found.append(Document(position, f"doc-{position}", "grounded", 8, False, answer, input_ids=ids, labels=labels))
+    return found
+
+
+def train(
+    plan: Plan, model: torch.nn.Module, docs: list[Document], device: torch.device, wrap: bool
+) -> tuple[list[float], str]:
+    """``UPDATES`` updates of the real Trainer on a world of one; ``wrap``: under DDP, as a rank of a gang is."""
+    world = distributed.World(rank=0, size=1, master_addr="127.0.0.1", master_port=0)
+    seconds = []
+    with training.Trainer(plan, world, device, model, docs) as trainer:
+        if wrap:
+            trainer.network = training.wrap_ddp(model, device)
+        batches = [list(range(u * 8, (u + 1) * 8)) for u in range(UPDATES)]
+        for step, batch in enumerate(batches, start=1):
+            began = clock(device)
+            trainer.accumulate(batch)  # under DDP: all but the last document in no_sync, as a rank's update
+            trainer.step(step)
+            seconds.append(clock(device) - began)
+        return seconds, distributed.parameter_digest(model)
+
+
+def training_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: int) -> dict[str, Any]:
+    docs = documents(shape, 8 * UPDATES, tokens)
+    reset_peak(device)
+    seconds, digest = train(plan, build(shape, device), docs, device, wrap=False)
+    peak = peak_memory(device)
+    _, replayed = train(plan, build(shape, device), docs, device, wrap=False)
+    rule = preflight.memory_needed(plan, 1)
+    return {
+        "document_tokens": tokens,
+        "seconds_per_update": seconds,
+        "median_seconds": sorted(seconds)[len(seconds) // 2],
+        "peak_memory_bytes": peak,
+        "preflight_bytes": rule,
+        "within_preflight": peak is None or peak <= rule,
+        "replay_bit_identical": digest == replayed,
+        "ok": digest == replayed and (peak is None or peak <= rule),
+    }
+
+
+def ddp_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: int) -> dict[str, Any]:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        reset_peak(device)
+        seconds, _ = train(plan, build(shape, device), documents(shape, 8 * UPDATES, tokens), device, wrap=True)
+        peak = peak_memory(device)
+    finally:
+        dist.destroy_process_group()
+    rule = preflight.memory_needed(plan, 2)
+    return {
+        "backend": backend,
+        "seconds_per_update": seconds,
+        "peak_memory_bytes": peak,
+        "preflight_bytes": rule,
+        "ok": peak is None or peak <= rule,
+    }
+
+
+# 6 ------------------------------------------------------------------------------------------------------------
+
+
+def seed_layout(model: torch.nn.Module) -> seedmodel.TensorLayout:
+    """The names the seed stores ``model``'s tensors by: the committed tiny seed's names (the SmolLM2 layout,
+    tied head stored once as the embedding) for this model's layers, with this model's shapes."""
+    tiny = seedmodel.tensor_layout(TINY_SEED)
+    per_layer = {name.split(".", 3)[3] for name in tiny if name.startswith("model.layers.")}
+    top = {name for name in tiny if not name.startswith("model.layers.")}
+    layers: Any = getattr(model, "config").num_hidden_layers  # noqa: B009
+    names = top | {f"model.layers.{i}.{rest}" for i in range(layers) for rest in per_layer}
+    state = model.state_dict()
+    return {name: tuple(state[name].shape) for name in sorted(names)}
+
+
+def checkpoint_step(plan: Plan, shape: dict[str, Any], device: torch.device, work: Path) -> dict[str, Any]:
+    model = build(shape, device)
+    docs = documents(shape, 8, 64)
+    world = distributed.World(rank=0, size=1, master_addr="127.0.0.1", master_port=0)
+    with training.Trainer(plan, world, device, model, docs) as trainer:
+        trainer.accumulate(list(range(8)))
+        trainer.step(1)  # AdamW's moments exist: the checkpoint is full size
+        layout = seed_layout(model)
+        configs = work / "configs"
+        configs.mkdir()
+        rss_before = host_peak_rss()
+        began = time.monotonic()
+        pointer = checkpoint.save(work / "run", 1, model, trainer.optimizer, "b" * 64, "d" * 64, [], configs, layout)
+        saved = time.monotonic()
+        checkpoint.verify(work / "run", pointer, "b" * 64, layout)
+        verified = time.monotonic()
+    folder = checkpoint.model_dir(work / "run", pointer)
+    stored = seedmodel.tensor_layout(folder)
+    size = sum(p.stat().st_size for p in (work / "run" / "checkpoints").rglob("*") if p.is_file())
+    return {
+        "save_seconds": saved - began,
+        "verify_seconds": verified - saved,
+        "bytes": size,
+        "plan_checkpoint_bytes": plan.checkpoint_bytes(),
+        "host_peak_rss_bytes_before": rss_before,
+        "host_peak_rss_bytes_after": host_peak_rss(),
+        "stored_names_are_the_seeds": stored == layout,
+        "ok": stored == layout,
+    }
+
+
+# 7 ------------------------------------------------------------------------------------------------------------
+
+
+def evaluation_step(plan: Plan, shape: dict[str, Any], device: torch.device, max_new_tokens: int) -> dict[str, Any]:
+    numerics = plan.evaluation.numerics
+    model = evaluation.answering_model(build(shape, device), device.type, numerics)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randrange(40, 400))] for _ in range(32)]
+    eos = pad = 2
+    began = clock(device)
+    batched = evaluation.generate(model, prompts, eos, pad, max_new_tokens, batch_size=EVAL_BATCH)
+    batched_seconds = clock(device) - began
+    began = clock(device)
+    alone = evaluation.generate(model, prompts, eos, pad, max_new_tokens, batch_size=1)
+    alone_seconds = clock(device) - began
+    rows = list(zip(batched, alone, strict=True))
+    pairs = [(a, b) for x, y in rows for a, b in zip(x.output_ids, y.output_ids, strict=False)]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    same_rows = sum(x.output_ids == y.output_ids for x, y in rows)
+    finite = finite_rows(model, prompts[:EVAL_BATCH], pad, device)
+    return {
+        "numerics": numerics,
+        "prompts": len(prompts),
+        "batch_size": EVAL_BATCH,
+        "batched_seconds": batched_seconds,
+        "one_at_a_time_seconds": alone_seconds,
+        "token_agreement": agreement,
+        "identical_rows": same_rows,
+        "rows_without_nan": finite,
+        "ok": finite == EVAL_BATCH,
+    }
+
+
+@torch.inference_mode()
+def finite_rows(model: torch.nn.Module, prompts: list[list[int]], pad: int, device: torch.device) -> int:
+    """Rows of one left-padded batch whose next-token logits are all finite."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    return int(torch.isfinite(logits).all(dim=-1).sum())
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="a CPU and a small model of the same family")
+    parser.add_argument("--work", type=Path, help="where the checkpoint is written (default: a temporary folder)")
+    args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device is visible; use --dry-run on a CPU", file=sys.stderr)
+        return 2
+    plan = load_plan(REFERENCE_PLAN)
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    shape = DRY_RUN_SHAPE if args.dry_run else SMOLLM2_1_7B
+    tokens = 128 if args.dry_run else plan.corpus.max_document_tokens
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, L40S_MEMORY_BYTES / torch.cuda.get_device_properties(device).total_memory), device
+        )
+    determinism.make_deterministic(device.type, plan.runtime.cpu_threads if device.type == "cuda" else 1)
+    result: dict[str, Any] = {"dry_run": args.dry_run, "plan": plan.name, "memory_cap_bytes": L40S_MEMORY_BYTES}
+    with tempfile.TemporaryDirectory(prefix="coop-gpu-check-", dir=args.work) as work:
+        steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            ("versions", lambda: versions(device)),
+            ("deterministic_mode", lambda: deterministic_mode(device)),
+            ("shape", lambda: shape_check(shape, plan)),
+            ("training_step", lambda: training_step(plan, shape, device, tokens)),
+            ("ddp_group_of_one", lambda: ddp_step(plan, shape, device, tokens)),
+            ("checkpoint", lambda: checkpoint_step(plan, shape, device, Path(work))),
+            ("evaluation", lambda: evaluation_step(plan, shape, device, 96 if device.type == "cuda" else 24)),
+        ]
+        for number, (name, step) in enumerate(steps, start=1):
+            emit({"event": "gpu-check", "step": name, "done": number - 1, "total": len(steps)})
+            began = time.monotonic()
+            try:
+                result[name] = step() | {"step_seconds": round(time.monotonic() - began, 3)}
+            except Exception as exc:  # every step reports: one failure hides no other
+                result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    failed = [name for name, value in result.items() if isinstance(value, dict) and value.get("ok") is False]
+    result["failed"] = failed
+    print(json.dumps(result, indent=2, default=lambda v: v if math.isfinite(v) else str(v)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
