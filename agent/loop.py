@@ -55,6 +55,8 @@ class Settings:
     # The grace period between TERM and KILL when the coordinator gives no deadline.
     grace_seconds: float = 30.0
     kinds: tuple[str, ...] = ()
+    # The host's private link: the interface a gang's collectives use, and its address, where the gang meets.
+    private: jobs.PrivateLink | None = None
 
 
 def host_facts(name: str) -> dict[str, str]:
@@ -153,7 +155,11 @@ class Agent:
         try:
             agent = forever(
                 lambda: self.client.register(
-                    wire.AgentRegister(address=self.settings.advertise_address, labels=host_facts(self.settings.name))
+                    wire.AgentRegister(
+                        address=self.settings.advertise_address,
+                        labels=host_facts(self.settings.name),
+                        private_address=None if self.settings.private is None else self.settings.private.address,
+                    )
                 ),
                 self.stopping,
             )
@@ -384,7 +390,7 @@ class Agent:
                 f"`coop {job.kind}` of attempt {job.attempt_id}",
                 argv,
                 cwd=jobs.ROOT,
-                env=jobs.environment(job, dict(os.environ)),
+                env=jobs.environment(job, dict(os.environ), self.settings.private),
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 attempt_id=job.attempt_id,
@@ -493,6 +499,8 @@ def _signal(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
 
 def run(settings: Settings) -> None:
     """Run the agent until SIGTERM or SIGINT."""
+    if settings.private is not None:
+        settings.private.check()
     client = Coordinator(settings.coordinator, settings.token)
     spool = Spool(settings.work_dir / "spool.sqlite3")
     agent = Agent(settings, client, spool)

@@ -51,8 +51,7 @@ class Launch:
     reference: Path  # the dev evaluation of the served arm, which the probe checks the replica's answers against
     model_identity: str  # the name the replica serves the checkpoint under
     numerics: str  # the plan's evaluation numerics: the reference evaluation answered in it, the replica serves in it
-    bind: str  # the address the probe listens on
-    advertise: str  # the address other hosts reach the probe at
+    address: str  # the host's address: the replica and the probe listen on it, and other hosts reach the probe there
     token_file: Path  # the probe's bearer token
     env: dict[str, str]
     logs: Path  # a folder for the replica's and the probe's logs
@@ -67,6 +66,10 @@ class Replica:
     probe_url: str
     services: tuple[Service, Service]
     identity: dict[str, Any]  # the probe's check of the replica's answers against the evaluation (its /health)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _last_words(log: Path) -> str:
@@ -125,25 +128,26 @@ class Services:
         with self._lock:
             if key in self._replicas:
                 raise CoopError(f"a replica of experiment {key} already runs on this host")
-        replica_port, probe_port = free_port(launch.bind), free_port(launch.bind)
-        replica_url = f"http://127.0.0.1:{replica_port}"
+        replica_port, probe_port = free_port(launch.address), free_port(launch.address)
+        # Both listen on the host's address (never a wildcard): the probe is what other hosts reach.
+        replica_url = _url(launch.address, replica_port)
         argv = [*launch.coop, "replica", "--model-dir", str(launch.model_dir)]
         argv += ["--served-model-name", launch.model_identity, "--dtype", launch.numerics]
-        argv += ["--port", str(replica_port), "--grace", str(self.grace)]
+        argv += ["--host", launch.address, "--port", str(replica_port), "--grace", str(self.grace)]
         replica = self._spawn("replica", key, argv, launch.cwd, launch.env, logs / "replica.log")
         argv = [*launch.coop, "probe", "--home", str(launch.home), "--model-dir", str(launch.seed_dir)]
-        argv += ["--replica", replica_url, "--bind", launch.bind, "--port", str(probe_port)]
+        argv += ["--replica", replica_url, "--bind", launch.address, "--port", str(probe_port)]
         argv += ["--token-file", str(launch.token_file), "--expect", str(launch.reference)]
         probe = self._spawn("probe", key, argv, launch.cwd, launch.env, logs / "probe.log")
         token = launch.token_file.read_text().strip()
         try:
             watched = [(replica, logs / "replica.log"), (probe, logs / "probe.log")]
-            health = _wait_healthy(watched, f"http://127.0.0.1:{probe_port}", token, launch.startup_seconds, stopping)
+            health = _wait_healthy(watched, _url(launch.address, probe_port), token, launch.startup_seconds, stopping)
         except CoopError:
             for service in (probe, replica):
                 self._end(service)
             raise
-        probe_url = f"http://{launch.advertise}:{probe_port}"
+        probe_url = _url(launch.address, probe_port)
         identity = health.get("identity") or {}
         started = Replica(launch.model_identity, replica_url, probe_url, (replica, probe), identity)
         with self._lock:

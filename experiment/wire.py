@@ -4,6 +4,7 @@ exchange, as msgspec Structs so that both sides validate the same messages."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, get_args
@@ -350,16 +351,27 @@ LabelValue = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 class AgentRegister(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    # The address other hosts reach this agent at (rank 0's becomes MASTER_ADDR of a gang).
+    # The address other hosts reach this agent at: its probe's, and a gang's rendezvous without a private one.
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     # Host facts (agent.loop.host_facts): a few short pairs, published on every GET /api/agents.
     labels: Annotated[dict[LabelKey, LabelValue], msgspec.Meta(max_length=32)] = {}
+    # The IP address of the host's private interface, the one a gang's ranks talk over: rank 0's becomes the
+    # gang's MASTER_ADDR. None: the host has no private link, and its gangs meet at ``address``.
+    private_address: Annotated[str, msgspec.Meta(min_length=2, max_length=45)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.private_address is not None:
+            try:
+                ipaddress.ip_address(self.private_address)
+            except ValueError:
+                raise ValueError(f"private_address {self.private_address!r} is not an IP address") from None
 
 
 class Agent(msgspec.Struct, frozen=True):
     id: uuid.UUID
     name: str
     address: str
+    private_address: str | None
     labels: dict[str, str]
     last_seen_at: datetime.datetime
     created_at: datetime.datetime

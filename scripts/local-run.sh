@@ -6,13 +6,19 @@
 # benchmarks -> report.
 # Every run gets a fresh folder, so nothing recorded earlier is touched. COOP_EXIT_WHEN_DONE=1 exits once
 # the report is written; otherwise the coordinator stays up for the web UI until Ctrl-C.
+#
+# HOSTS=local (the default): everything on 127.0.0.1. HOSTS=namespaces (root): the coordinator, host-a and host-b
+# each in a network namespace of their own (scripts/namespaces.py), the agents on their own addresses, the pair's
+# collectives on the private link between the two hosts (shaped to COOP_PRIVATE_RATE, e.g. 1gbit, when set). This
+# script, as the operator, reaches the coordinator over the operator's link. The namespaces are removed on exit,
+# after a failure too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$PWD/.venv/bin
 seed=seeds/tiny
 plan=${COOP_PLAN:-plans/local.toml}
 port=${COOP_PORT:-8765}
-url=http://127.0.0.1:$port
+hosts=${HOSTS:-local}
 run=$PWD/.coop/run-$(date -u +%Y%m%dT%H%M%SZ)
 export COOP_HOME=$run/coordinator OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 COOP_REAP_SECONDS=1
 mkdir -p "$run"
@@ -20,12 +26,40 @@ started=$(date +%s)
 log() { echo "[$(($(date +%s) - started))s] $*"; }
 
 pids=()
+prefix=
 stop() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [ -n "$prefix" ]; then python3 scripts/namespaces.py down --prefix "$prefix" > /dev/null; fi
 }
 trap stop EXIT
 trap 'exit 130' INT TERM
+
+# $(on PLACE) COMMAND...: run COMMAND on the coordinator's or a host's machine: in its namespace, or here. (Unquoted,
+# so that its words prefix the command and a command put in the background is the one whose pid $! gives.)
+case $hosts in
+  local)
+    on() { :; }
+    coordinator_address=127.0.0.1
+    declare -A address=([host-a]=127.0.0.1 [host-b]=127.0.0.1) private=()
+    ;;
+  namespaces)
+    prefix=coop-$$
+    topology=$(python3 scripts/namespaces.py up --prefix "$prefix" ${COOP_PRIVATE_RATE:+--rate "$COOP_PRIVATE_RATE"})
+    echo "$topology" > "$run/topology.json"
+    field() { python3 -c 'import json,sys; t=json.load(sys.stdin); print(eval(sys.argv[1]))' "$1" <<< "$topology"; }
+    on() { echo "ip netns exec $prefix-$1"; }
+    coordinator_address=$(field 't["coordinator_address"]')
+    declare -A address private
+    for i in 0 1; do
+      name=$(field "t['hosts'][$i]['name']")
+      address[$name]=$(field "t['hosts'][$i]['public_address']")
+      private[$name]="--private-interface $(field "t['hosts'][$i]['private_interface']") --private-address $(field "t['hosts'][$i]['private_address']")"
+    done
+    ;;
+  *) echo "HOSTS must be local or namespaces, not $hosts" >&2; exit 2 ;;
+esac
+url=http://$coordinator_address:$port
 
 if [ ! -f "$seed/model.safetensors" ]; then
   log "building the local seed into $seed (about 23 CPU-minutes, once)"
@@ -34,7 +68,7 @@ fi
 
 "$bin/coop-server" migrate > /dev/null
 operator=$("$bin/coop-server" token create --role operator --name operator 2> /dev/null)
-"$bin/coop-server" serve --port "$port" > "$run/coordinator.log" 2>&1 &
+$(on coordinator) "$bin/coop-server" serve --host "$coordinator_address" --port "$port" > "$run/coordinator.log" 2>&1 &
 pids+=($!)
 "$bin/python" - "$url" <<'PY' || { echo "the coordinator did not start; see $run/coordinator.log" >&2; exit 1; }
 import sys, time, urllib.request
@@ -50,12 +84,14 @@ log "coordinator at $url (SQLite under $COOP_HOME)"
 
 for host in host-a host-b; do
   token=$("$bin/coop-server" token create --role agent --name "$host" 2> /dev/null)
-  "$bin/coop-agent" run --coordinator "$url" --token "$token" --name "$host" --advertise-address 127.0.0.1 \
+  # shellcheck disable=SC2086 # the private link's flags are words
+  $(on "$host") "$bin/coop-agent" run --coordinator "$url" --token "$token" --name "$host" \
+    --advertise-address "${address[$host]}" ${private[$host]:-} \
     --work-dir "$run/$host" --model-dir "$seed" --heartbeat-seconds 5 --claim-wait-seconds 5 --batch-seconds 0.5 \
     > "$run/$host.log" 2>&1 &
   pids+=($!)
 done
-log "agents host-a and host-b started (logs in $run)"
+log "agents host-a (${address[host-a]}) and host-b (${address[host-b]}) started (logs in $run)"
 
 export COOP_COORDINATOR=$url COOP_TOKEN=$operator
 experiment=$("$bin/coop-server" experiment create --plan "$plan" | "$bin/python" -c 'import json,sys; print(json.load(sys.stdin)["id"])')

@@ -80,6 +80,8 @@ class Agent(UUIDv7AuditBase):
     name: Mapped[str] = mapped_column(String(200))
     token_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tokens.id"), unique=True)
     address: Mapped[str] = mapped_column(String(255))
+    # The host's private interface's address, where its gangs meet (None: they meet at ``address``).
+    private_address: Mapped[str | None] = mapped_column(String(45), default=None)
     labels: Mapped[Json] = mapped_column(JsonB)
     last_seen_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
 

@@ -225,7 +225,8 @@ async def claim(
     rank = job.world_size - job.ranks_open - 1
     now = _now()
     if rank == 0 and job.world_size > 1 and agent is not None:
-        job.master_addr, job.master_port = agent.address, rendezvous_port(settings, job.id, job.attempts_made)
+        job.master_addr = agent.private_address or agent.address  # the gang meets on the private link
+        job.master_port = rendezvous_port(settings, job.id, job.attempts_made)
         job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
     if job.ranks_open == 0:
         job.formation_deadline = None

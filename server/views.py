@@ -76,6 +76,7 @@ def agent(row: models.Agent) -> wire.Agent:
         id=row.id,
         name=row.name,
         address=row.address,
+        private_address=row.private_address,
         labels={str(k): str(v) for k, v in labels.items()},
         last_seen_at=row.last_seen_at,
         created_at=row.created_at,

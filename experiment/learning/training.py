@@ -98,15 +98,24 @@ def numerical_profile(plan: Plan, device: torch.device) -> dict[str, Any]:
     }
 
 
-def communication_profile(device: torch.device) -> dict[str, Any]:
-    """How a rank's collectives run: NCCL's version and every NCCL_* variable (on CUDA). Recorded beside the
-    numerical profile, not in the binding, since an interface's name may differ between hosts."""
-    if device.type != "cuda":
-        return {"nccl": None, "environment": {}}
-    nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+# The variable that pins each backend's sockets to one interface (the agent sets both for a host's private link).
+SOCKET_INTERFACE = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+def communication_profile(device: torch.device, backend: str) -> dict[str, Any]:
+    """How a rank's collectives run: the interface they are pinned to (None: the backend chooses), NCCL's version
+    on CUDA, and every NCCL_* and GLOO_* variable. Recorded beside the numerical profile, not in the binding, since
+    an interface's name may differ between hosts."""
+    nccl = None
+    if device.type == "cuda":
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        nccl = ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
     return {
-        "nccl": ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl),
-        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("NCCL_")},
+        "interface": os.environ.get(SOCKET_INTERFACE[backend]),
+        "nccl": nccl,
+        "environment": {
+            name: value for name, value in sorted(os.environ.items()) if name.startswith(("NCCL_", "GLOO_"))
+        },
     }
 
 
@@ -146,14 +155,22 @@ class Update(msgspec.Struct, frozen=True):
     documents: int
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+# DDP's gradient buckets: one for the whole model (the 1.7B seed's 6.85 GB of gradients fit in 7). Its all-reduce
+# starts once the last document's backward is done; smaller buckets would start earlier (bench/private_link.py
+# measures what that overlap is worth).
+BUCKET_CAP_MB = 1024
+
+
+def wrap_ddp(
+    model: torch.nn.Module, device: torch.device, bucket_cap_mb: int = BUCKET_CAP_MB
+) -> DistributedDataParallel:
     """``model`` as a rank of a synchronous DDP gang (the process group must be started)."""
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         forward_sync_buffers=False,  # no buffer is trained; the rotary tables are equal by construction
         gradient_as_bucket_view=True,
-        bucket_cap_mb=1024,
+        bucket_cap_mb=bucket_cap_mb,
     )
 
 
@@ -535,7 +552,7 @@ def _result(
         binding=run.binding,
         prepared_identity=run.prepared.identity,
         numerical_profile=run.profile,
-        communication=communication_profile(run.device),
+        communication=communication_profile(run.device, run.plan.runtime.backend),
         parameter_digest=final_digest,
         candidate=pointer,
         journal=progress.journal,

@@ -73,6 +73,11 @@ class ArmTraining(msgspec.Struct, frozen=True):
     peak_memory_bytes: list[int]
     peak_memory_kind: str
     numerical_profile: dict[str, Any]
+    # A gang whose collectives were pinned to a private interface: the bytes each rank sent on it per update,
+    # apart from the whole-host counters, and the all-reduce's theory, 2 (N-1)/N x 4 B x parameters.
+    private_interface: str | None = None
+    private_bytes_per_update: list[float] | None = None
+    allreduce_bytes_per_update: float | None = None
 
 
 class ServingReference(msgspec.Struct, frozen=True):

@@ -197,6 +197,7 @@ def _check_runs(
         results = [_check_rank(run, prepared, selection.arms[arm], world, docs) for run in runs]
         first = results[0]
         update_seconds = [r.seconds for r in first.journal]
+        interface = first.communication.get("interface") if world > 1 else None
         summary[arm] = ArmTraining(
             ranks=len(results),
             parameter_digest=first.parameter_digest,
@@ -209,8 +210,23 @@ def _check_runs(
             peak_memory_bytes=[r.peak_memory_bytes for r in results],
             peak_memory_kind=first.peak_memory_kind,
             numerical_profile=first.numerical_profile,
+            private_interface=interface,
+            private_bytes_per_update=None
+            if interface is None
+            else [_private_per_update(run, result, interface, plan) for run, result in zip(runs, results, strict=True)],
+            allreduce_bytes_per_update=None
+            if interface is None
+            else 2 * (world - 1) / world * 4 * plan.seed.parameters,
         )
     return summary
+
+
+def _private_per_update(run: Path, result: RunResult, interface: str, plan: Plan) -> float:
+    """Bytes the rank sent on its private interface per update of its run (a resumed run made fewer)."""
+    start, end = result.network_start.interfaces.get(interface), result.network_end.interfaces.get(interface)
+    _require(start is not None and end is not None, run / "result.json", "network_end", f"has no {interface}")
+    assert start is not None and end is not None
+    return (end["bytes_sent"] - start["bytes_sent"]) / (plan.training.updates - result.resumed_from_step)
 
 
 def _check_answers(

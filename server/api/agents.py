@@ -34,7 +34,8 @@ class AgentController(Controller):
         db_session: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
     ) -> wire.Agent:
-        """One agent per agent token; registering again updates its address and labels."""
+        """One agent per agent token; registering again updates its addresses and labels (each registration is
+        an audit row)."""
         now = datetime.datetime.now(datetime.UTC)
         agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
         if agent is None:
@@ -42,13 +43,22 @@ class AgentController(Controller):
                 name=principal.name,
                 token_id=principal.token_id,
                 address=data.address,
+                private_address=data.private_address,
                 labels=data.labels,
                 last_seen_at=now,
             )
             db_session.add(agent)
         else:
-            agent.address, agent.labels, agent.last_seen_at = data.address, data.labels, now
-        audit.record(db_session, principal, "agent.register", f"agent:{principal.name}", address=data.address)
+            agent.address, agent.private_address = data.address, data.private_address
+            agent.labels, agent.last_seen_at = data.labels, now
+        audit.record(
+            db_session,
+            principal,
+            "agent.register",
+            f"agent:{principal.name}",
+            address=data.address,
+            private_address=data.private_address,
+        )
         await db_session.flush()
         await db_session.refresh(agent)
         return views.agent(agent)

@@ -67,8 +67,12 @@ class FakeAgent:
     def close(self) -> None:
         self.client.close()
 
-    def register(self, address: str, labels: dict[str, str] | None = None) -> wire.Agent:
-        return self.client.register(wire.AgentRegister(address=address, labels=labels or {}))
+    def register(
+        self, address: str, labels: dict[str, str] | None = None, private_address: str | None = None
+    ) -> wire.Agent:
+        return self.client.register(
+            wire.AgentRegister(address=address, labels=labels or {}, private_address=private_address)
+        )
 
     def claim(self, *kinds: wire.JobKind, wait: float = 0.0, key: str | None = None) -> wire.Assignment | None:
         """Lease one queued job of these kinds (any kind when none is named), if one is queued for this agent."""

@@ -97,6 +97,29 @@ def test_gang_leases_both_ranks_to_two_agents_with_one_rendezvous(api: Api) -> N
     assert len({x["agent_id"] for x in attempts}) == 2
 
 
+def test_a_gang_meets_at_rank_zeros_private_address_when_its_host_has_one(api: Api) -> None:
+    """Hosts with a private link register its address too; the gang's rendezvous is there, not on the public one."""
+    a, b = api.agent("a", "10.1.0.1"), api.agent("b", "10.1.0.2")
+    a.register("10.1.0.1", private_address="192.168.50.1")
+    b.register("10.1.0.2", private_address="192.168.50.2")
+    listed = {agent["name"]: agent for agent in api.get("/api/agents")}
+    assert (listed["a"]["address"], listed["a"]["private_address"]) == ("10.1.0.1", "192.168.50.1")
+    rank0, rank1 = _gang(api, a, b)
+    assert rank0.master_addr == rank1.master_addr == "192.168.50.1"
+
+
+def test_a_private_address_that_is_not_an_ip_address_is_refused(api: Api) -> None:
+    a = api.agent("a", "10.1.0.1")
+    refused = api.client.post(
+        "/api/agents/register",
+        json={"address": "10.1.0.9", "private_address": "priv0"},
+        headers={"Authorization": f"Bearer {a.token}"},
+    )
+    assert refused.status_code == 400 and "not an IP address" in refused.text
+    listed = {agent["name"]: agent for agent in api.get("/api/agents")}
+    assert (listed["a"]["address"], listed["a"]["private_address"]) == ("10.1.0.1", None)  # nothing changed
+
+
 def test_losing_one_rank_ends_both_attempts_and_retries_the_gang(
     make_settings: Callable[..., Settings], database_url: str
 ) -> None:
