@@ -1,0 +1,99 @@
+"""The two-host setup on one machine (scripts/namespaces.py): who reaches whom, the shaped private link, a cut link,
+and that nothing is left behind. They need root, as CI and `make test` have."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support import ROOT
+
+SCRIPT = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]
+
+# Connect from inside a namespace; prints "open" when something answered or refused (the address was reached),
+# "unreachable" when the connection timed out or had no route.
+_REACH = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=1.5).close()
+    print("open")
+except ConnectionRefusedError:
+    print("open")
+except OSError:
+    print("unreachable")
+"""
+
+
+def _namespaces(command: str, *args: str) -> str:
+    return subprocess.run([*SCRIPT, command, *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def topology() -> Iterator[dict[str, Any]]:
+    prefix = f"coop-test-{os.getpid()}"
+    made = json.loads(_namespaces("up", "--prefix", prefix, "--rate", "200mbit"))
+    try:
+        yield made
+    finally:
+        _namespaces("down", "--prefix", prefix)
+
+
+def _reaches(namespace: str, address: str) -> bool:
+    done = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", _REACH, address],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip() == "open"
+
+
+def test_each_host_reaches_the_coordinator_and_its_peer_privately_and_nothing_else(topology: dict[str, Any]) -> None:
+    a, b = topology["hosts"]
+    assert a["public_address"] != b["public_address"] and "127." not in a["public_address"] + b["public_address"]
+    assert _reaches(a["namespace"], topology["coordinator_address"])
+    assert _reaches(a["namespace"], b["public_address"])
+    assert _reaches(a["namespace"], b["private_address"])
+    assert _reaches(b["namespace"], a["private_address"])
+    assert _reaches(a["namespace"], topology["operator_address"])
+    # The coordinator is not on the private link, and no namespace routes out of its set.
+    assert not _reaches(topology["coordinator_namespace"], a["private_address"])
+    assert not _reaches(a["namespace"], "192.0.2.1")  # TEST-NET-1: would need a default route
+    shaped = subprocess.run(
+        ["ip", "netns", "exec", a["namespace"], "tc", "qdisc", "show", "dev", a["private_interface"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "tbf" in shaped and "rate 200Mbit" in shaped
+
+
+def test_a_cut_link_blocks_until_it_is_mended(topology: dict[str, Any]) -> None:
+    a, b = topology["hosts"]
+    prefix = topology["prefix"]
+    _namespaces("cut", "--prefix", prefix, "--host", "host-b", "--link", "private")
+    assert not _reaches(a["namespace"], b["private_address"])
+    assert _reaches(a["namespace"], b["public_address"])  # the public link is another link
+    _namespaces("mend", "--prefix", prefix, "--host", "host-b", "--link", "private")
+    assert _reaches(a["namespace"], b["private_address"])
+
+
+def test_down_removes_the_namespaces_their_processes_and_the_operators_link() -> None:
+    prefix = f"coop-test-down-{os.getpid()}"
+    made = json.loads(_namespaces("up", "--prefix", prefix))
+    sleeper = subprocess.Popen(["ip", "netns", "exec", made["hosts"][0]["namespace"], "sleep", "600"])
+    refused = subprocess.run([*SCRIPT, "up", "--prefix", prefix], capture_output=True, text=True)
+    assert refused.returncode == 2 and "exist already" in refused.stderr
+    removed = json.loads(_namespaces("down", "--prefix", prefix))["removed"]
+    assert sorted(removed) == sorted([made["coordinator_namespace"], *(h["namespace"] for h in made["hosts"])])
+    assert sleeper.wait(timeout=10) == -9  # killed, not left running in a namespace nobody can name
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert prefix not in listed
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout
+    assert made["operator_interface"] not in links
