@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ import msgspec
 
 from experiment.core.errors import CoopError
 from experiment.core.ledger import verify_ledger
-from server import commitments, db, migrate, operator, tokens
+from server import commitments, db, migrate, operator, tls, tokens
 from server.settings import Settings, from_env
 
 
@@ -64,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--migrate", action="store_true", help="upgrade the database first")
+    serve.add_argument("--certfile", type=Path, help="serve HTTPS with this PEM certificate (with --keyfile)")
+    serve.add_argument("--keyfile", type=Path, help="the PEM private key of --certfile, unencrypted")
     token = commands.add_parser("token", help="manage bearer tokens").add_subparsers(dest="action", required=True)
     create = token.add_parser("create", help="create a token and print it once")
     create.add_argument("--role", choices=tokens.ROLES, required=True)
@@ -128,6 +131,28 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    if (args.certfile is None) != (args.keyfile is None):
+        raise CoopError("TLS needs both --certfile and --keyfile")
+    # Checked before anything starts: a wrong file is one message and exit 2, not a traceback from uvicorn.
+    certificate = None if args.certfile is None else tls.check(args.certfile, args.keyfile)
+
+    import uvicorn
+
+    from server.app import create_app
+
+    if args.migrate:
+        migrate.upgrade(settings.database_url)
+    uvicorn.run(
+        create_app(dataclasses.replace(settings, tls=certificate is not None)),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        ssl_certfile=None if certificate is None else certificate.certfile,
+        ssl_keyfile=None if certificate is None else certificate.keyfile,
+    )
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "experiment":
@@ -138,13 +163,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         migrate.upgrade(settings.database_url)
         print(json.dumps({"migrated": True, "database": db.describe(settings.database_url)}))
     elif args.command == "serve":
-        import uvicorn
-
-        from server.app import create_app
-
-        if args.migrate:
-            migrate.upgrade(settings.database_url)
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+        _serve(args, settings)
     elif args.command == "token" and args.action == "create":
         secret = asyncio.run(_create_token(settings, args.role, args.name))
         print(secret)
