@@ -50,7 +50,7 @@ log "coordinator at $url (SQLite under $COOP_HOME)"
 
 for host in host-a host-b; do
   token=$("$bin/coop-server" token create --role agent --name "$host" 2> /dev/null)
-  "$bin/coop-agent" run --coordinator "$url" --token "$token" --name "$host" --advertise-address 127.0.0.1 \
+  COOP_AGENT_TOKEN="$token" "$bin/coop-agent" run --coordinator "$url" --name "$host" --advertise-address 127.0.0.1 \
     --work-dir "$run/$host" --model-dir "$seed" --heartbeat-seconds 5 --claim-wait-seconds 5 --batch-seconds 0.5 \
     > "$run/$host.log" 2>&1 &
   pids+=($!)
