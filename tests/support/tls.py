@@ -67,13 +67,20 @@ class Authority:
         return path
 
     def issue(
-        self, folder: Path, *, addresses: tuple[str, ...] = ("127.0.0.1",), names: tuple[str, ...] = ()
+        self,
+        folder: Path,
+        *,
+        addresses: tuple[str, ...] = ("127.0.0.1",),
+        names: tuple[str, ...] = (),
+        days: int = 7,
     ) -> ServerFiles:
-        """A server certificate for ``addresses`` (IP SANs) and ``names`` (DNS SANs), its key and this CA, written
-        into ``folder`` as coordinator.pem, coordinator.key (mode 0600) and ca.pem."""
+        """A server certificate for ``addresses`` (IP SANs) and ``names`` (DNS SANs), valid from yesterday for
+        ``days`` more days (0: it expired an hour ago), its key and this CA, written into ``folder`` as
+        coordinator.pem, coordinator.key (mode 0600) and ca.pem."""
         folder.mkdir(parents=True, exist_ok=True)
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
+        ends = now + days * DAY if days else now - datetime.timedelta(hours=1)
         alternatives: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
         alternatives += [x509.DNSName(name) for name in names]
         certificate = (
@@ -83,7 +90,7 @@ class Authority:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - DAY)
-            .not_valid_after(now + 7 * DAY)
+            .not_valid_after(ends)
             .add_extension(x509.SubjectAlternativeName(alternatives), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)

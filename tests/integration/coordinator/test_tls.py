@@ -106,6 +106,7 @@ def _serve(home: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
         ("key given as certificate", "holds no PEM certificate"),
         ("certificate given as key", "holds no PEM private key"),
         ("certificate without key", "needs both --certfile and --keyfile"),
+        ("expired certificate", "expired at"),
     ],
 )
 def test_serve_refuses_a_certificate_or_key_it_cannot_use_with_a_message_and_exit_2(
@@ -120,7 +121,11 @@ def test_serve_refuses_a_certificate_or_key_it_cannot_use_with_a_message_and_exi
         "key given as certificate": ["--certfile", key, "--keyfile", key],
         "certificate given as key": ["--certfile", cert, "--keyfile", cert],
         "certificate without key": ["--certfile", cert],
+        "expired certificate": [],
     }[case]
+    if case == "expired certificate":
+        expired = Authority("coop test CA").issue(tmp_path / "expired", days=0)
+        arguments = ["--certfile", str(expired.certfile), "--keyfile", str(expired.keyfile)]
     refused = _serve(tmp_path / "home", *arguments)
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.startswith("coop-server: ") and message in refused.stderr
