@@ -80,7 +80,7 @@ def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire
 
 
 def _count_refused_uploads(metrics: Metrics) -> Callable[[Exception, Scope], Awaitable[None]]:
-    """A hook on every exception a request raised: an agent upload (a route marked ``spec.UPLOAD``) answered with a
+    """A hook on every exception a request raised: an upload (a route marked ``spec.UPLOAD``) answered with a
     4xx is counted, under its protocol rule or its status's name. Litestar's own refusals (a body over the route's
     limit, a malformed path) are counted with ours."""
 

@@ -38,7 +38,7 @@ class Metrics:
         )
         self.uploads_refused = Counter(
             "coop_uploads_refused",
-            "Agent uploads (event batches, results, blobs) answered with a 4xx, by upload and reason",
+            "Uploads (event batches, results, blobs) answered with a 4xx, by upload and reason",
             ["upload", "reason"],
             registry=self.registry,
         )
