@@ -1,4 +1,7 @@
-"""The ``coop-agent`` command: ``coop-agent run --coordinator URL --token TOKEN --name NAME ...``."""
+"""The ``coop-agent`` command: ``coop-agent run --coordinator URL --token-file FILE --name NAME ...``.
+
+The agent token comes from a file or the environment, never from argv, which any user of the host can read
+(``ps``, /proc/PID/cmdline)."""
 
 from __future__ import annotations
 
@@ -12,13 +15,49 @@ from pathlib import Path
 from agent import jobs, loop
 from experiment.core.errors import CoopError
 
+TOKEN_VARIABLE = "COOP_AGENT_TOKEN"
+
+
+def read_token(token_file: Path | None) -> str:
+    """The agent token from ``token_file`` (which must be private to its owner) or else the environment. The variable
+    is removed from this process's environment, so that the commands the agent starts do not inherit it."""
+    from_environment = os.environ.pop(TOKEN_VARIABLE, "").strip()
+    if token_file is None:
+        if not from_environment:
+            raise CoopError(f"an agent token is needed: give --token-file FILE or set {TOKEN_VARIABLE}")
+        return from_environment
+    try:
+        if token_file.stat().st_mode & 0o077:
+            raise CoopError(
+                f"the token file {token_file} is readable by others; make it private: chmod 600 {token_file}"
+            )
+        token = token_file.read_text().strip()
+    except FileNotFoundError:
+        raise CoopError(f"the token file {token_file} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CoopError(f"cannot read the token file {token_file}: {exc}") from None
+    if not token:
+        raise CoopError(f"the token file {token_file} is empty")
+    return token
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coop-agent", description="The coop worker: runs coordinator jobs here.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="register, then claim and run jobs until stopped (TERM or Ctrl-C)")
-    run.add_argument("--coordinator", required=True, help="the coordinator's base URL, e.g. http://127.0.0.1:8000")
-    run.add_argument("--token", default=os.environ.get("COOP_AGENT_TOKEN"), help="agent token (or COOP_AGENT_TOKEN)")
+    run.add_argument(
+        "--coordinator",
+        required=True,
+        help="the coordinator's base URL: https://HOST:PORT, or http:// on loopback only (e.g. http://127.0.0.1:8000)",
+    )
+    run.add_argument(
+        "--ca-file", type=Path, help="the PEM CA that an https coordinator's certificate must verify against"
+    )
+    run.add_argument(
+        "--token-file", type=Path, help=f"a file holding the agent token, mode 0600 (else {TOKEN_VARIABLE})"
+    )
+    # Taken only to refuse it by name: unknown, it would be read as an abbreviation of --token-file.
+    run.add_argument("--token", help=argparse.SUPPRESS)
     run.add_argument("--name", required=True, help="this host's name, as shown by the coordinator")
     run.add_argument("--advertise-address", required=True, help="the address other hosts reach this one at")
     run.add_argument("--private-interface", help="the private link's interface, which a gang's collectives use")
@@ -52,15 +91,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coop-agent %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
-    if not args.token:
-        print("coop-agent: give --token or set COOP_AGENT_TOKEN", file=sys.stderr)
+    if args.token is not None:
+        print(
+            f"coop-agent: --token is refused (any user can read a command line); use --token-file or {TOKEN_VARIABLE}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    try:
+        token = read_token(args.token_file)
+    except CoopError as exc:
+        print(f"coop-agent: {exc}", file=sys.stderr)
         sys.exit(2)
     if (args.private_interface is None) != (args.private_address is None):
         print("coop-agent: give --private-interface and --private-address together, or neither", file=sys.stderr)
         sys.exit(2)
     settings = loop.Settings(
         coordinator=args.coordinator,
-        token=args.token,
+        token=token,
         name=args.name,
         advertise_address=args.advertise_address,
         work_dir=args.work_dir.resolve(),
@@ -72,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         grace_seconds=args.grace_seconds,
         kinds=tuple(args.kind),
         private=_private_link(args),
+        ca_file=args.ca_file,
     )
     try:
         loop.run(settings)

@@ -4,6 +4,7 @@ with exponential backoff, and sending the Idempotency-Key of every upload."""
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -24,6 +25,21 @@ log = logging.getLogger("coop.agent")
 
 class Unreachable(CoopError):
     """The coordinator did not answer (or answered 5xx) after every retry; the caller may try again later."""
+
+
+class Untrusted(CoopError):
+    """The coordinator's TLS certificate did not verify: the handshake failed, so no request (and no token) was
+    sent. Retrying will not help; the agent stops."""
+
+
+def _verification_failure(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate verification error at the root of a transport error, if that is what it was."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class Rejected(CoopError):
@@ -53,12 +69,15 @@ class Coordinator:
         backoff: float = 0.5,
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/"),
+            base_url=self.base_url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
             transport=transport,
+            verify=verify,
         )
         self.retries = retries
         self.backoff = backoff
@@ -93,6 +112,12 @@ class Coordinator:
                     timeout=timeout or self.timeout,
                 )
             except httpx.TransportError as exc:
+                failure = _verification_failure(exc)
+                if failure is not None:
+                    raise Untrusted(
+                        f"the coordinator {self.base_url} failed TLS verification "
+                        f"({failure.verify_message or failure.reason}); the agent token was not sent"
+                    ) from None
                 problem = f"{type(exc).__name__}: {exc}"
                 continue
             if response.status_code >= 500:

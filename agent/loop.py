@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 import psutil
 
-from agent import evidence, jobs, processes
-from agent.client import Coordinator, Rejected, Stopping, Unreachable, forever
+from agent import connection, evidence, jobs, processes
+from agent.client import Coordinator, Rejected, Stopping, Unreachable, Untrusted, forever
 from agent.services import Services
 from agent.spool import BLOB_PREFIX, OpenAttempt, Spool, Upload
 from experiment import wire
@@ -55,6 +55,8 @@ class Settings:
     # The grace period between TERM and KILL when the coordinator gives no deadline.
     grace_seconds: float = 30.0
     kinds: tuple[str, ...] = ()
+    # The CA that signed an https coordinator's certificate (None: the system's CAs).
+    ca_file: Path | None = None
     # The host's private link: the interface a gang's collectives use, and its address, where the gang meets.
     private: jobs.PrivateLink | None = None
 
@@ -143,6 +145,8 @@ class Agent:
         # that no heartbeat read before the claim reaches the coordinator after it.
         self._beating = threading.Lock()
         self.services = Services(settings.grace_seconds, spool)
+        # Set by whichever thread first finds that the coordinator's certificate does not verify; the agent stops.
+        self.untrusted: Untrusted | None = None
 
     # The threads ----------------------------------------------------------------------------------
 
@@ -163,14 +167,24 @@ class Agent:
                 ),
                 self.stopping,
             )
-        except Stopping:
-            agent = None
-        if agent is not None:
             log.info("registered as %s (%s)", agent.name, agent.id)
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             self._claim_loop()
+        except Stopping:
+            pass
+        except Untrusted as exc:
+            self._distrust(exc)
         self.services.stop_all()
+        if self.untrusted is not None:
+            raise self.untrusted  # nothing more can be sent: the spool keeps what is pending for the next run
         self.drain(timeout=10.0)
+
+    def _distrust(self, exc: Untrusted) -> None:
+        """Stop the agent: a coordinator whose certificate does not verify gets nothing from it."""
+        with self._lock:
+            if self.untrusted is None:
+                self.untrusted = exc
+        self.stopping.set()
 
     def _claim_loop(self) -> None:
         request = wire.ClaimRequest(
@@ -200,7 +214,10 @@ class Agent:
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.settings.heartbeat_seconds):
-            self.heartbeat_once()
+            try:
+                self.heartbeat_once()
+            except Untrusted as exc:
+                self._distrust(exc)
 
     def heartbeat_once(self) -> None:
         with self._beating:
@@ -227,7 +244,12 @@ class Agent:
         while True:
             self.spool.changed.wait(1.0)
             self.spool.changed.clear()
-            if not self.send_pending():
+            try:
+                sent = self.send_pending()
+            except Untrusted as exc:
+                self._distrust(exc)
+                return
+            if not sent:
                 time.sleep(1.0)
 
     def send_pending(self) -> bool:
@@ -498,10 +520,12 @@ def _signal(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
 
 
 def run(settings: Settings) -> None:
-    """Run the agent until SIGTERM or SIGINT."""
+    """Run the agent until SIGTERM or SIGINT; a CoopError when the coordinator may not, or did not, get its token,
+    or when the private link is not this host's."""
     if settings.private is not None:
         settings.private.check()
-    client = Coordinator(settings.coordinator, settings.token)
+    verify = connection.tls_context(settings.coordinator, settings.ca_file)
+    client = Coordinator(settings.coordinator, settings.token, verify=True if verify is None else verify)
     spool = Spool(settings.work_dir / "spool.sqlite3")
     agent = Agent(settings, client, spool)
 

@@ -37,11 +37,30 @@ trap 'exit 130' INT TERM
 
 # $(on PLACE) COMMAND...: run COMMAND on the coordinator's or a host's machine: in its namespace, or here. (Unquoted,
 # so that its words prefix the command and a command put in the background is the one whose pid $! gives.)
+# certificates DIR ADDRESS: a CA and the coordinator's certificate for ADDRESS, made as docs/operating.md says.
+certificates() {
+  local dir=$1 address=$2
+  mkdir -p "$dir" && (
+    cd "$dir" && umask 077
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 365 -subj "/CN=coop CA" \
+      -keyout ca.key -out ca.pem \
+      -addext "basicConstraints=critical,CA:TRUE,pathlen:0" -addext "keyUsage=critical,keyCertSign,cRLSign"
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=coop coordinator" \
+      -keyout coordinator.key -out coordinator.csr
+    printf '%s\n' "subjectAltName=IP:$address" "basicConstraints=critical,CA:FALSE" \
+      "keyUsage=critical,digitalSignature" "extendedKeyUsage=serverAuth" "subjectKeyIdentifier=hash" \
+      "authorityKeyIdentifier=keyid" > coordinator.ext
+    openssl x509 -req -in coordinator.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 90 \
+      -extfile coordinator.ext -out coordinator.pem
+  ) 2> "$dir/openssl.log"
+}
+
 case $hosts in
   local)
     on() { :; }
     coordinator_address=127.0.0.1
     declare -A address=([host-a]=127.0.0.1 [host-b]=127.0.0.1) private=()
+    scheme=http serve_tls= agent_tls=
     ;;
   namespaces)
     prefix=coop-$$
@@ -56,10 +75,16 @@ case $hosts in
       address[$name]=$(field "t['hosts'][$i]['public_address']")
       private[$name]="--private-interface $(field "t['hosts'][$i]['private_interface']") --private-address $(field "t['hosts'][$i]['private_address']")"
     done
+    # Off loopback the agents' tokens travel over TLS only: a CA, the coordinator's certificate for its address.
+    certificates "$run/tls" "$coordinator_address"
+    scheme=https
+    serve_tls="--certfile $run/tls/coordinator.pem --keyfile $run/tls/coordinator.key"
+    agent_tls="--ca-file $run/tls/ca.pem"
+    export COOP_CA_FILE=$run/tls/ca.pem  # the operator's commands (coop-server experiment ...)
     ;;
   *) echo "HOSTS must be local or namespaces, not $hosts" >&2; exit 2 ;;
 esac
-url=http://$coordinator_address:$port
+url=$scheme://$coordinator_address:$port
 
 if [ ! -f "$seed/model.safetensors" ]; then
   log "building the local seed into $seed (about 23 CPU-minutes, once)"
@@ -68,13 +93,16 @@ fi
 
 "$bin/coop-server" migrate > /dev/null
 operator=$("$bin/coop-server" token create --role operator --name operator 2> /dev/null)
-$(on coordinator) "$bin/coop-server" serve --host "$coordinator_address" --port "$port" > "$run/coordinator.log" 2>&1 &
+# shellcheck disable=SC2086 # the TLS flags are words
+$(on coordinator) "$bin/coop-server" serve --host "$coordinator_address" --port "$port" $serve_tls \
+  > "$run/coordinator.log" 2>&1 &
 pids+=($!)
-"$bin/python" - "$url" <<'PY' || { echo "the coordinator did not start; see $run/coordinator.log" >&2; exit 1; }
-import sys, time, urllib.request
+"$bin/python" - "$url" "${COOP_CA_FILE:-}" <<'PY' || { echo "the coordinator did not start; see $run/coordinator.log" >&2; exit 1; }
+import ssl, sys, time, urllib.request
+context = ssl.create_default_context(cafile=sys.argv[2] or None)
 for _ in range(300):
     try:
-        urllib.request.urlopen(sys.argv[1] + "/api/agents", timeout=2)
+        urllib.request.urlopen(sys.argv[1] + "/health", timeout=2, context=context)
         sys.exit(0)
     except OSError:
         time.sleep(0.2)
@@ -83,9 +111,10 @@ PY
 log "coordinator at $url (SQLite under $COOP_HOME)"
 
 for host in host-a host-b; do
-  token=$("$bin/coop-server" token create --role agent --name "$host" 2> /dev/null)
-  # shellcheck disable=SC2086 # the private link's flags are words
-  $(on "$host") "$bin/coop-agent" run --coordinator "$url" --token "$token" --name "$host" \
+  token_file=$run/$host.token
+  (umask 077 && "$bin/coop-server" token create --role agent --name "$host" > "$token_file" 2> /dev/null)
+  # shellcheck disable=SC2086 # the TLS and private link flags are words
+  $(on "$host") "$bin/coop-agent" run --coordinator "$url" --token-file "$token_file" $agent_tls --name "$host" \
     --advertise-address "${address[$host]}" ${private[$host]:-} \
     --work-dir "$run/$host" --model-dir "$seed" --heartbeat-seconds 5 --claim-wait-seconds 5 --batch-seconds 0.5 \
     > "$run/$host.log" 2>&1 &

@@ -6,13 +6,15 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from advanced_alchemy.extensions.litestar import AsyncSessionConfig, SQLAlchemyAsyncConfig, SQLAlchemyPlugin
 from litestar import Litestar, MediaType, Request, Response, get
 from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
+from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.types import Scope
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
@@ -25,9 +27,11 @@ from server.api.blobs import BlobController
 from server.api.evidence import EvidenceController
 from server.api.experiments import ExperimentController
 from server.api.jobs import JobController
+from server.api.metrics import scrape
 from server.api.results import ResultController
 from server.errors import BadRequest, Forbidden, IdempotencyConflict, NotFound, TooLarge, Unauthenticated
-from server.lifecycle import Refused
+from server.lifecycle import JobState, Refused
+from server.metrics import Metrics
 from server.settings import Settings, from_env
 from server.web import routes as web_routes
 from server.web import template_config as web_templates
@@ -46,19 +50,54 @@ _STATUS: dict[type[CoopError], int] = {
 }
 
 
+# The reason a refused upload is counted under (server.metrics) when no protocol rule names it.
+_REASONS = {
+    400: "bad-request",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not-found",
+    409: "conflict",
+    413: "too-large",
+}
+
+
+def _status(exc: Exception) -> int:
+    return next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 400)
+
+
+def _rule(exc: Exception) -> str | None:
+    if isinstance(exc, Refused):
+        return exc.rule
+    return "idempotency-key-reused" if isinstance(exc, IdempotencyConflict) else None
+
+
 def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire.Problem]:
-    status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), 400)
-    rule = (
-        exc.rule
-        if isinstance(exc, Refused)
-        else "idempotency-key-reused"
-        if isinstance(exc, IdempotencyConflict)
-        else None
-    )
+    status = _status(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return Response(
-        wire.Problem(status, str(exc), rule), status_code=status, media_type=MediaType.JSON, headers=headers
+        wire.Problem(status, str(exc), _rule(exc)), status_code=status, media_type=MediaType.JSON, headers=headers
     )
+
+
+def _count_refused_uploads(metrics: Metrics) -> Callable[[Exception, Scope], Awaitable[None]]:
+    """A hook on every exception a request raised: an upload (a route marked ``spec.UPLOAD``) answered with a
+    4xx is counted, under its protocol rule or its status's name. Litestar's own refusals (a body over the route's
+    limit, a malformed path) are counted with ours."""
+
+    async def count(exc: Exception, scope: Scope) -> None:
+        handler = scope.get("route_handler")
+        upload = handler.opt.get(spec.UPLOAD) if handler is not None else None
+        if upload is None:
+            return
+        if isinstance(exc, CoopError):
+            status, rule = _status(exc), _rule(exc)
+        elif isinstance(exc, HTTPException) and 400 <= exc.status_code < 500:
+            status, rule = exc.status_code, None
+        else:
+            return  # not a refusal: an error of the coordinator's own
+        metrics.uploads_refused.labels(upload, rule or _REASONS.get(status, f"http-{status}")).inc()
+
+    return count
 
 
 @get("/health", operation_id="health", tags=("health",), opt={"public": True}, security=[{}])
@@ -67,7 +106,7 @@ async def health() -> wire.Health:
     return wire.Health()
 
 
-async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]) -> None:
+async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession], metrics: Metrics) -> None:
     """Look for expired leases every ``reap_seconds``; an error is logged and the loop goes on."""
     async with sessions() as session, session.begin():
         await queue.renew_after_restart(session, settings)
@@ -75,13 +114,17 @@ async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]
         await asyncio.sleep(settings.reap_seconds)
         try:
             async with sessions() as session, session.begin():
-                await reactions.ended(session, settings, await queue.reap(session, settings))
+                ended = await queue.reap(session, settings)
+                await reactions.ended(session, settings, ended)
         except Exception:  # the reaper must outlive a failed round (a dropped connection, a lock timeout)
             log.exception("reaper round failed; retrying in %ss", settings.reap_seconds)
+            continue
+        # Counted once the round's transaction committed: a round rolled back expired nothing.
+        metrics.lease_expiries.inc(sum(1 for item in ended if item.attempt and item.attempt.state == JobState.LOST))
 
 
 def _background(
-    settings: Settings, sessions: async_sessionmaker[AsyncSession], woken: claims.Claims
+    settings: Settings, sessions: async_sessionmaker[AsyncSession], woken: claims.Claims, metrics: Metrics
 ) -> Callable[[Litestar], contextlib.AbstractAsyncContextManager[None]]:
     """The coordinator's own tasks while the app serves: the reaper, the report worker and, on Postgres, the
     listener that wakes claims for jobs other coordinator processes queue."""
@@ -95,7 +138,7 @@ def _background(
         gc.collect()
         gc.freeze()
         tasks = [
-            asyncio.create_task(_reaper(settings, sessions)),
+            asyncio.create_task(_reaper(settings, sessions, metrics)),
             asyncio.create_task(reporter.loop(sessions, settings, woken)),
         ]
         if not db.is_sqlite(settings.database_url):
@@ -127,6 +170,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     sessions = config.create_session_maker()
     assert isinstance(sessions, async_sessionmaker)
     context = auth.Context(settings, sessions, config)
+    metrics = Metrics()
     return Litestar(
         route_handlers=[
             ExperimentController,
@@ -137,6 +181,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             EvidenceController,
             BlobController,
             health,
+            scrape,
             *web_routes(settings),
         ],
         plugins=[SQLAlchemyPlugin(config=config)],
@@ -144,12 +189,14 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "settings": Provide(lambda: settings, use_cache=True, sync_to_thread=False),
             "principal": Provide(auth.provide_principal, sync_to_thread=False),
             "agent": Provide(auth.provide_agent, sync_to_thread=False),
+            "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
         },
         guards=[auth.authorize],
         before_request=bodies.before_request,
         exception_handlers={CoopError: _problem},
+        after_exception=[_count_refused_uploads(metrics)],
         template_config=web_templates(),
-        lifespan=[_background(settings, sessions, woken)],
+        lifespan=[_background(settings, sessions, woken, metrics)],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,
         # No browser guesses a type for what the coordinator serves (blobs are uploaded data).

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
+import ssl
 import sys
 import uuid
 from collections.abc import Sequence
@@ -16,7 +18,7 @@ import msgspec
 
 from experiment.core.errors import CoopError
 from experiment.core.ledger import verify_ledger
-from server import commitments, db, migrate, operator, tokens
+from server import commitments, db, migrate, operator, tls, tokens
 from server.settings import Settings, from_env
 
 
@@ -64,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--migrate", action="store_true", help="upgrade the database first")
+    serve.add_argument("--certfile", type=Path, help="serve HTTPS with this PEM certificate (with --keyfile)")
+    serve.add_argument("--keyfile", type=Path, help="the PEM private key of --certfile, unencrypted")
     token = commands.add_parser("token", help="manage bearer tokens").add_subparsers(dest="action", required=True)
     create = token.add_parser("create", help="create a token and print it once")
     create.add_argument("--role", choices=tokens.ROLES, required=True)
@@ -85,6 +89,12 @@ def _experiment_parser(commands: Any) -> None:
     )
     experiment.add_argument("--coordinator", default=os.environ.get("COOP_COORDINATOR", "http://127.0.0.1:8000"))
     experiment.add_argument("--token-file", type=Path, help="a file holding the operator token (else COOP_TOKEN)")
+    experiment.add_argument(
+        "--ca-file",
+        type=Path,
+        default=os.environ.get("COOP_CA_FILE"),
+        help="the PEM CA an https coordinator's certificate must verify against (else COOP_CA_FILE, else the system's)",
+    )
     actions = experiment.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create and commit an experiment from a plan")
     create.add_argument("--plan", type=Path, required=True)
@@ -107,7 +117,13 @@ def _operator(args: argparse.Namespace) -> operator.Operator:
         token = os.environ.get("COOP_TOKEN", "")
     if not token:
         raise CoopError("an operator token is needed: set COOP_TOKEN or pass --token-file")
-    return operator.Operator(args.coordinator, token)
+    verify: ssl.SSLContext | bool = True
+    if args.ca_file is not None:
+        try:
+            verify = ssl.create_default_context(cafile=str(args.ca_file))
+        except (OSError, ssl.SSLError) as exc:
+            raise CoopError(f"cannot use the CA file {args.ca_file}: {exc}") from None
+    return operator.Operator(args.coordinator, token, verify)
 
 
 def _experiment(args: argparse.Namespace) -> int:
@@ -128,6 +144,28 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    if (args.certfile is None) != (args.keyfile is None):
+        raise CoopError("TLS needs both --certfile and --keyfile")
+    # Checked before anything starts: a wrong file is one message and exit 2, not a traceback from uvicorn.
+    certificate = None if args.certfile is None else tls.check(args.certfile, args.keyfile)
+
+    import uvicorn
+
+    from server.app import create_app
+
+    if args.migrate:
+        migrate.upgrade(settings.database_url)
+    uvicorn.run(
+        create_app(dataclasses.replace(settings, tls=certificate is not None)),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        ssl_certfile=None if certificate is None else certificate.certfile,
+        ssl_keyfile=None if certificate is None else certificate.keyfile,
+    )
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "experiment":
@@ -138,13 +176,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         migrate.upgrade(settings.database_url)
         print(json.dumps({"migrated": True, "database": db.describe(settings.database_url)}))
     elif args.command == "serve":
-        import uvicorn
-
-        from server.app import create_app
-
-        if args.migrate:
-            migrate.upgrade(settings.database_url)
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+        _serve(args, settings)
     elif args.command == "token" and args.action == "create":
         secret = asyncio.run(_create_token(settings, args.role, args.name))
         print(secret)

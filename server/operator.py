@@ -7,6 +7,7 @@ terminal, JSON-lines events otherwise, then the primary verdict with its three c
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 import time
 import uuid
@@ -25,8 +26,11 @@ FINAL = {"reported", "failed", "halted"}
 
 
 class Operator:
-    def __init__(self, base_url: str, token: str) -> None:
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"})
+    def __init__(self, base_url: str, token: str, verify: ssl.SSLContext | bool = True) -> None:
+        """``verify``: the context an https coordinator's certificate is checked with (True: the system's CAs)."""
+        self.http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, verify=verify
+        )
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         try:

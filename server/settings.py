@@ -65,6 +65,9 @@ class Settings:
     # Rendezvous ports for multi-rank jobs are chosen from [base, base + span).
     rendezvous_port_base: int = 29500
     rendezvous_port_span: int = 500
+    # The coordinator speaks TLS (coop-server serve --certfile/--keyfile): the web UI's cookies are then Secure, so
+    # that a browser never sends the session over plain HTTP. Set by serve, never from the environment.
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if self.heartbeat_seconds >= self.lease_seconds:

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import audit, claims, kinds, models, queue, reactions, views
 from server.api import spec
+from server.metrics import Metrics
 from server.settings import Settings
 from server.tokens import Principal
 
@@ -83,9 +84,11 @@ class AgentController(Controller):
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
         agent: NamedDependency[models.Agent],
+        metrics: NamedDependency[Metrics],
     ) -> wire.ClaimReply:
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.claims)."""
-        deadline = time.monotonic() + min(data.wait_seconds, settings.max_claim_wait_seconds)
+        arrived = time.monotonic()
+        deadline = arrived + min(data.wait_seconds, settings.max_claim_wait_seconds)
         # Agents run every kind but the coordinator's own (server.reporter), or those they ask for among them.
         wanted = [name for name in kinds.BY_AGENTS if data.kinds is None or name in data.kinds]
         waiting = claims.of(db_session)
@@ -99,7 +102,9 @@ class AgentController(Controller):
                     )
                 await db_session.commit()  # within the turn; a claim that waits holds no transaction
             if assignment is not None:
+                metrics.claim_seconds.labels("assigned").observe(time.monotonic() - arrived)
                 return wire.ClaimReply(kinds.hand_out(settings, assignment), settings.heartbeat_seconds)
             if time.monotonic() >= deadline:
+                metrics.claim_seconds.labels("empty").observe(time.monotonic() - arrived)
                 return wire.ClaimReply(None, settings.heartbeat_seconds)
             await waiting.wait(ticket, min(settings.claim_recheck_seconds, deadline - time.monotonic()))

@@ -70,7 +70,7 @@ class AttemptController(Controller):
     @post(
         "/{attempt_id:uuid}/events",
         operation_id="uploadEvents",
-        **spec.write("agent", body=None),
+        **spec.write("agent", body=None, upload="events"),
         status_code=201,
         response_description="wire.EventBatchReply; a replay returns the stored reply",
     )
@@ -92,7 +92,7 @@ class AttemptController(Controller):
     @post(
         "/{attempt_id:uuid}/result",
         operation_id="uploadResult",
-        **spec.write("agent", body=None),
+        **spec.write("agent", body=None, upload="result"),
         status_code=200,
         response_description="wire.Attempt; a replay returns the stored reply",
     )

@@ -54,7 +54,7 @@ class _BlobUpload(Operation):
         )
 
 
-_UPLOAD = spec.write(("agent", "operator"), streams=True)
+_UPLOAD = spec.write(("agent", "operator"), streams=True, upload="blob")
 _UPLOAD["responses"] |= {
     201: ResponseSpec(data_container=wire.Blob, description="Stored now", generate_examples=False),
 }

@@ -10,6 +10,9 @@ from litestar.openapi.spec import Components, SecurityScheme
 
 from experiment import wire
 
+# The handler option that names an agent upload (events, result, blob).
+UPLOAD = "upload"
+
 KIB = 1024
 # Body limits, sized to each route's real bodies: a control message, a small document (a selection, a job's spec,
 # a list of evidence files), a plan; event batches and results use the app-wide limit (settings.max_body_bytes).
@@ -49,15 +52,26 @@ def read(*, found: bool = True) -> dict[str, Any]:
     }
 
 
+def private_read(role: str) -> dict[str, Any]:
+    """A read that needs a ``role`` token whatever COOP_PUBLIC_READ says (the coordinator's own metrics)."""
+    return {"opt": {"role": role}, "responses": _responses(401, 403), "security": [{role: []}]}
+
+
 def write(
-    role: str | tuple[str, ...], *, body: int | None = CONTROL, streams: bool = False, found: bool = True
+    role: str | tuple[str, ...],
+    *,
+    body: int | None = CONTROL,
+    streams: bool = False,
+    found: bool = True,
+    upload: str | None = None,
 ) -> dict[str, Any]:
     """A write by ``role``. ``body`` is its body limit (None: the app-wide limit); a route that ``streams`` its
-    body enforces its own limit while it reads."""
+    body enforces its own limit while it reads. ``upload`` names an agent upload, whose refusals are counted
+    (server.metrics)."""
     roles = (role,) if isinstance(role, str) else role
     limit = {"request_max_body_size": None} if streams else {} if body is None else {"request_max_body_size": body}
     return {
-        "opt": {"role": role},
+        "opt": {"role": role, **({UPLOAD: upload} if upload else {})},
         "responses": _responses(400, 401, 403, 409, 413, *((404,) if found else ())),
         "security": [{name: []} for name in roles],
         **limit,

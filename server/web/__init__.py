@@ -33,18 +33,26 @@ OPT = {"web": True}
 SESSION_HOURS = 12
 
 
-def _sessions(app: ASGIApp, secret: bytes) -> ASGIApp:
+def _sessions(app: ASGIApp, secret: bytes, secure: bool) -> ASGIApp:
     """Litestar's encrypted cookie session, built when a route's middleware stack is: registering the router
     deep-copies it, and the backend's AES-GCM key object cannot be copied."""
     config = CookieBackendConfig(
-        secret=secret, key="coop_session", max_age=SESSION_HOURS * 3600, httponly=True, samesite="lax"
+        secret=secret, key="coop_session", max_age=SESSION_HOURS * 3600, httponly=True, samesite="lax", secure=secure
     )
     return SessionMiddleware(app=app, backend=ClientSideSessionBackend(config=config))
 
 
 def routes(settings: Settings) -> list[ControllerRouterHandler]:
     secrets = keys.load(settings.home)
-    csrf = CSRFConfig(secret=secrets.csrf, cookie_name="coop_csrf", cookie_httponly=True, cookie_samesite="strict")
+    # Both cookies are Secure when the coordinator speaks TLS (settings.tls); over plain HTTP a Secure cookie would
+    # never come back, and sign-in would fail.
+    csrf = CSRFConfig(
+        secret=secrets.csrf,
+        cookie_name="coop_csrf",
+        cookie_httponly=True,
+        cookie_samesite="strict",
+        cookie_secure=settings.tls,
+    )
     pages = Router(
         path="/",
         route_handlers=[
@@ -57,7 +65,10 @@ def routes(settings: Settings) -> list[ControllerRouterHandler]:
             ReportPages,
             SignInPages,
         ],
-        middleware=[DefineMiddleware(_sessions, secret=secrets.session), DefineMiddleware(CSRFMiddleware, config=csrf)],
+        middleware=[
+            DefineMiddleware(_sessions, secret=secrets.session, secure=settings.tls),
+            DefineMiddleware(CSRFMiddleware, config=csrf),
+        ],
         guards=[access.guard],
         exception_handlers={CoopError: errors.page, HTTPException: errors.page},
         opt=OPT,

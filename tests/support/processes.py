@@ -19,6 +19,7 @@ from server.settings import sqlite_url
 from tests.support import ROOT
 from tests.support.database import make_token
 from tests.support.scenarios import create_experiment
+from tests.support.tls import ServerFiles
 from tests.support.waiting import wait_for
 
 # A reaper every 0.2 s and claims held open at most 2 s: a test of agents sees a lost lease or an empty queue at once.
@@ -98,7 +99,7 @@ class CoordinatorProcess:
     """``coop-server serve`` on a loopback port fixed at construction, so that a restart is found at the same
     address, over ``database_url`` (a SQLite file in ``home`` unless given), with ``environment``'s COOP_*
     settings; its output goes to home/server.log. ``operator`` names the operator token made at the first start
-    (None: none)."""
+    (None: none). With ``certificate`` it serves HTTPS, and its client trusts that certificate's CA only."""
 
     def __init__(
         self,
@@ -107,21 +108,26 @@ class CoordinatorProcess:
         *,
         migrate: bool = True,
         operator: str | None = "operator",
+        certificate: ServerFiles | None = None,
         **environment: str,
     ) -> None:
         self.home = home
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.certificate = certificate
+        self.url = f"{'http' if certificate is None else 'https'}://127.0.0.1:{self.port}"
         self.database_url = database_url or sqlite_url(home / "coordinator.sqlite3")
         self.environment = {"COOP_HOME": str(home), "COOP_DATABASE_URL": self.database_url, **environment}
         self.migrate = migrate
         self.operator_name = operator
         self.operator = ""
         self.process: subprocess.Popen[bytes] | None = None
-        self.http = httpx.Client(base_url=self.url, timeout=10.0)
+        verify = True if certificate is None else certificate.client_context()
+        self.http = httpx.Client(base_url=self.url, timeout=10.0, verify=verify)
 
     def start(self) -> None:
         args = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.certificate is not None:
+            args += ["--certfile", str(self.certificate.certfile), "--keyfile", str(self.certificate.keyfile)]
         with (self.home / "server.log").open("ab") as log:
             self.process = subprocess.Popen(
                 [*args, *(["--migrate"] if self.migrate else [])],

@@ -10,26 +10,41 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 from tests.support import ROOT
 from tests.support.processes import CoordinatorProcess, stop_process
 
 
 class AgentProcess:
-    """``python -m agent run`` with fast heartbeats and short claims, as a test needs them."""
+    """``python -m agent run`` with fast heartbeats and short claims, as a test needs them. Its token is in
+    work_dir/agent-token (mode 0600), or in COOP_AGENT_TOKEN when ``token_from`` is "environment"; ``extra`` are more
+    arguments (e.g. --ca-file); ``url`` reaches the coordinator another way than its own URL."""
 
-    def __init__(self, coordinator: CoordinatorProcess, name: str, work_dir: Path, model_dir: Path, token: str) -> None:
+    def __init__(
+        self,
+        coordinator: CoordinatorProcess,
+        name: str,
+        work_dir: Path,
+        model_dir: Path,
+        token: str,
+        *extra: str,
+        token_from: Literal["file", "environment"] = "file",
+        url: str | None = None,
+    ) -> None:
         self.name = name
         self.work_dir = work_dir
+        self.token = token
+        self.token_file = work_dir / "agent-token"
+        self.token_from = token_from
         self.argv = [
             sys.executable,
             "-m",
             "agent",
             "run",
             "--coordinator",
-            coordinator.url,
-            "--token",
-            token,
+            url or coordinator.url,
+            *(["--token-file", str(self.token_file)] if token_from == "file" else []),
             "--name",
             name,
             "--advertise-address",
@@ -46,14 +61,20 @@ class AgentProcess:
             "0.2",
             "--grace-seconds",
             "5",
+            *extra,
         ]
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.work_dir / "agent.log").open("ab")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log, stderr=log)
+        if self.token_from == "file":
+            self.token_file.touch(mode=0o600)
+            self.token_file.write_text(self.token + "\n")
+        else:
+            env["COOP_AGENT_TOKEN"] = self.token
+        with (self.work_dir / "agent.log").open("ab") as log:
+            self.process = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log, stderr=log)
 
     def log(self) -> str:
         return (self.work_dir / "agent.log").read_text(errors="replace")
