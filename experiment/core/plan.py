@@ -109,9 +109,10 @@ Numerics = Literal["float32", "bfloat16"]
 DEVICE_NUMERICS: dict[str, Numerics] = {"cpu": "float32", "cuda": "bfloat16"}
 
 
-class EvaluationPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class EvaluationPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)]
-    numerics: Numerics
+    # Absent: float32, the numerics of every plan written before the field (their identities and evidence stand).
+    numerics: Numerics = "float32"
 
 
 class StatisticsPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -63,13 +63,15 @@ class Summary(msgspec.Struct, frozen=True):
     candidate: Candidate
     selection_identity: str | None
     max_new_tokens: int
-    numerics: Numerics  # the dtype the model answered and scored retention in (plan.evaluation.numerics)
     batch_size: int
     answers: int
     correct: int
     answers_sha256: str
     retention_sha256: str
     retention_mean_nats: float
+    # The dtype the model answered and scored retention in (plan.evaluation.numerics); absent in a summary written
+    # before the field, whose evaluation answered in float32.
+    numerics: Numerics = "float32"
 
 
 @torch.inference_mode()

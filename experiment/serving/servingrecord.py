@@ -70,8 +70,8 @@ class Workload(msgspec.Struct, frozen=True):
     concurrency: int
     max_attempts: int
     max_new_tokens: int
-    numerics: str  # the plan's evaluation numerics, which the replicas served in
     task_ids: list[str]
+    numerics: str = "float32"  # the plan's evaluation numerics, which the replicas served in (absent: float32)
 
 
 class PhaseResult(msgspec.Struct, frozen=True):

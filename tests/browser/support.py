@@ -133,7 +133,7 @@ def phase_report(phase: str, tasks: int = 24, concurrency: int = 4, pace: float 
         models=[sha("clean-pair")],
         plan_identity=sha("plan"),
         prepared_identity=sha("prepared"),
-        workload=Workload(tasks, concurrency, 3, 48, "float32", [c.task_id for c in completions]),
+        workload=Workload(tasks, concurrency, 3, 48, [c.task_id for c in completions]),
         stop_after=stop_after,
         stop_seen=stop_seen,
         metrics=metrics(tasks, attempts, completions, duration),

@@ -78,8 +78,8 @@ def test_plan_identity_ignores_comments_and_layout() -> None:
         ("checkpoint_steps = [64, 128]", "checkpoint_steps = [64, 100]", "checkpoint_steps must end"),
         ('backend = "gloo"', 'backend = "nccl"', "runtime.backend must be gloo on cpu"),
         ("workload_tasks = 32", "workload_tasks = 65", "serving.workload_tasks"),
-        ('numerics = "float32"', 'numerics = "bfloat16"', "evaluation.numerics must be float32 on cpu"),
-        ('numerics = "float32"', 'numerics = "float16"', "$.evaluation.numerics"),
+        ("max_new_tokens = 96\n", 'max_new_tokens = 96\nnumerics = "bfloat16"\n', "numerics must be float32 on cpu"),
+        ("max_new_tokens = 96\n", 'max_new_tokens = 96\nnumerics = "float16"\n', "$.evaluation.numerics"),
     ],
 )
 def test_invalid_plan_is_refused_naming_the_field(old: str, new: str, field: str) -> None:
