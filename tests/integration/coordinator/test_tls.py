@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.cli import GRACEFUL_SHUTDOWN_SECONDS
 from tests.support import ROOT
 from tests.support.processes import CoordinatorProcess, free_port
 from tests.support.tls import Authority, ServerFiles, other_key
@@ -79,6 +81,20 @@ def test_a_tls_coordinator_serves_https_and_its_session_and_csrf_cookies_are_sec
     # Plain HTTP to the TLS port gets no answer from the app.
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5).raise_for_status()
+
+
+def test_a_tls_coordinator_stops_on_term_with_a_clients_idle_connection_open(
+    start_coordinator: Callable[[ServerFiles | None], CoordinatorProcess], certificate: ServerFiles
+) -> None:
+    """An agent's keep-alive connection is idle between its calls. uvicorn's graceful shutdown waited for it to
+    close, which over TLS it never does: the coordinator hung on TERM until it was killed."""
+    server = start_coordinator(certificate)
+    assert server.get("/health") == {"status": "ok"}  # the client now holds an idle keep-alive connection
+    assert server.process is not None
+    server.process.send_signal(signal.SIGTERM)
+    # It ends by itself once the grace period is over (uvicorn then ends by the signal it was sent).
+    assert server.process.wait(timeout=GRACEFUL_SHUTDOWN_SECONDS + 10) in {0, -signal.SIGTERM}
+    assert "Shutting down" in server.log()
 
 
 def test_a_plain_coordinators_cookies_are_not_secure(

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from tests.support import ROOT
+from tests.support.hosts import hosts, namespaces
 
-SCRIPT = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]
+SCRIPT = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]  # run directly where a refusal is the point
 
 # Connect from inside a namespace; prints "open" when something answered or refused (the address was reached),
 # "unreachable" when the connection timed out or had no route.
@@ -30,18 +31,10 @@ except OSError:
 """
 
 
-def _namespaces(command: str, *args: str) -> str:
-    return subprocess.run([*SCRIPT, command, *args], check=True, capture_output=True, text=True).stdout
-
-
 @pytest.fixture
 def topology() -> Iterator[dict[str, Any]]:
-    prefix = f"coop-test-{os.getpid()}"
-    made = json.loads(_namespaces("up", "--prefix", prefix, "--rate", "200mbit"))
-    try:
+    with hosts("test", rate="200mbit") as made:
         yield made
-    finally:
-        _namespaces("down", "--prefix", prefix)
 
 
 def _reaches(namespace: str, address: str) -> bool:
@@ -77,20 +70,20 @@ def test_each_host_reaches_the_coordinator_and_its_peer_privately_and_nothing_el
 def test_a_cut_link_blocks_until_it_is_mended(topology: dict[str, Any]) -> None:
     a, b = topology["hosts"]
     prefix = topology["prefix"]
-    _namespaces("cut", "--prefix", prefix, "--host", "host-b", "--link", "private")
+    namespaces("cut", "--prefix", prefix, "--host", "host-b", "--link", "private")
     assert not _reaches(a["namespace"], b["private_address"])
     assert _reaches(a["namespace"], b["public_address"])  # the public link is another link
-    _namespaces("mend", "--prefix", prefix, "--host", "host-b", "--link", "private")
+    namespaces("mend", "--prefix", prefix, "--host", "host-b", "--link", "private")
     assert _reaches(a["namespace"], b["private_address"])
 
 
 def test_down_removes_the_namespaces_their_processes_and_the_operators_link() -> None:
     prefix = f"coop-test-down-{os.getpid()}"
-    made = json.loads(_namespaces("up", "--prefix", prefix))
+    made = json.loads(namespaces("up", "--prefix", prefix))
     sleeper = subprocess.Popen(["ip", "netns", "exec", made["hosts"][0]["namespace"], "sleep", "600"])
     refused = subprocess.run([*SCRIPT, "up", "--prefix", prefix], capture_output=True, text=True)
     assert refused.returncode == 2 and "exist already" in refused.stderr
-    removed = json.loads(_namespaces("down", "--prefix", prefix))["removed"]
+    removed = json.loads(namespaces("down", "--prefix", prefix))["removed"]
     assert sorted(removed) == sorted([made["coordinator_namespace"], *(h["namespace"] for h in made["hosts"])])
     assert sleeper.wait(timeout=10) == -9  # killed, not left running in a namespace nobody can name
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,31 @@
+"""Two hosts and a coordinator in network namespaces of their own (scripts/namespaces.py), for the tests that run
+the system across real links: made by ``hosts()``, removed when it exits, after a failure too."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from tests.support import ROOT
+
+SCRIPT = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]
+
+
+def namespaces(command: str, *args: str) -> str:
+    return subprocess.run([*SCRIPT, command, *args], check=True, capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def hosts(name: str, rate: str | None = None) -> Iterator[dict[str, Any]]:
+    """The topology (scripts/namespaces.py's JSON) of a fresh set named after ``name`` and this process."""
+    prefix = f"coop-{name}-{os.getpid()}"
+    topology: dict[str, Any] = json.loads(namespaces("up", "--prefix", prefix, *(["--rate", rate] if rate else [])))
+    try:
+        yield topology
+    finally:
+        namespaces("down", "--prefix", prefix)
