@@ -192,6 +192,13 @@ def _remove_operator_link(interface: str) -> None:
 def down(prefix: str) -> list[str]:
     """Kill what runs inside the set's namespaces, then remove them; returns the names removed."""
     removed = []
+    coordinator = f"{prefix}-coordinator"
+    if coordinator in _namespaces(prefix):
+        # The operator's link would go with the namespace, but only once the kernel frees it, which can lag.
+        bridge = json.loads(_run("ip", "-j", "-4", "addr", "show", "dev", "public", namespace=coordinator) or "[]")
+        for entry in bridge:
+            for address in entry.get("addr_info", []):
+                _remove_operator_link(_operator_interface(int(address["local"].split(".")[2])))
     for namespace in _namespaces(prefix):
         pids = _run("ip", "netns", "pids", namespace).split()
         for pid in pids:

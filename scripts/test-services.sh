@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # What `make test` needs besides the venvs: Debian's PostgreSQL (started, with the tests' `coop` role) for the
-# coordinator's database tests and Debian's Chromium for the browser tests. Installs them when run as root; as
-# another user it starts nothing and says what is missing (outside CI those tests then skip; in CI they fail).
+# coordinator's database tests, Debian's Chromium for the browser tests, and iproute2 (ip, tc) for the tests that
+# run hosts in network namespaces. Installs them when run as root; as another user it starts nothing and says what
+# is missing (outside CI those tests then skip or fail; in CI they fail).
 set -euo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then
   command -v pg_ctlcluster >/dev/null 2>&1 || echo "test-services: no PostgreSQL here, and not root to install it" >&2
   [ -x /usr/bin/chromium ] || echo "test-services: no /usr/bin/chromium here, and not root to install it" >&2
+  echo "test-services: the network namespace tests need root" >&2
   exit 0
 fi
 
 missing=()
 command -v pg_ctlcluster >/dev/null 2>&1 || missing+=(postgresql)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
+command -v tc >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
