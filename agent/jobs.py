@@ -86,9 +86,9 @@ class Outcome(Generic[R]):
 
 
 class CommandEnded(CoopError):
-    """The job's command did not succeed: it exited non-zero, or it was stopped."""
+    """The job's command did not succeed: it exited non-zero (lost when its gang's link broke), or it was stopped."""
 
-    def __init__(self, outcome: Literal["failed", "cancelled"], exit_code: int | None, reason: str) -> None:
+    def __init__(self, outcome: Literal["failed", "lost", "cancelled"], exit_code: int | None, reason: str) -> None:
         super().__init__(reason)
         self.outcome, self.exit_code, self.reason = outcome, exit_code, reason[:4000]
 

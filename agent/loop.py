@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import psutil
@@ -29,7 +29,7 @@ from agent.client import Coordinator, Rejected, Stopping, Unreachable, Untrusted
 from agent.services import Services
 from agent.spool import BLOB_PREFIX, OpenAttempt, Spool, Upload
 from experiment import wire
-from experiment.core.errors import CoopError
+from experiment.core.errors import EXIT_LINK, CoopError
 
 log = logging.getLogger("coop.agent")
 
@@ -429,7 +429,9 @@ class Agent:
             raise jobs.CommandEnded("cancelled", code, stopped)
         if code != 0:
             tail = stderr_path.read_text(errors="replace")[-3000:]
-            raise jobs.CommandEnded("failed", code, f"`coop {job.kind}` exited with {code}: {tail}")
+            # A rank whose gang lost a peer or its link is lost, not failed: the coordinator retries the gang.
+            outcome: Literal["failed", "lost"] = "lost" if code == EXIT_LINK else "failed"
+            raise jobs.CommandEnded(outcome, code, f"`coop {job.kind}` exited with {code}: {tail}")
         return decoded
 
     def _forward(

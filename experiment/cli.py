@@ -13,7 +13,7 @@ import msgspec
 import transformers
 
 from experiment.core.canonical import identity, sha256_file
-from experiment.core.errors import CoopError
+from experiment.core.errors import EXIT_LINK, CoopError, LinkError
 from experiment.core.plan import load_plan, plan_identity
 from experiment.core.progress import Events
 from experiment.learning import corpus, evaluation, selection, training
@@ -322,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     transformers.logging.disable_progress_bar()  # our own events report progress
     try:
         args.handler(args)
+    except LinkError as exc:
+        print(f"coop: {exc}", file=sys.stderr)
+        return EXIT_LINK
     except CoopError as exc:
         print(f"coop: {exc}", file=sys.stderr)
         return 2

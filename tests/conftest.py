@@ -19,10 +19,12 @@ REFERENCE_FOLDER = ROOT / "plans" / "local-reference"
 # `make test` runs the tests in two processes (pytest-xdist). A file's tests stay in one process, so that its module
 # fixtures are made once, and the serving tests, which share one trained checkpoint and its replicas, stay together.
 # The files that take minutes go first, so that neither process is left with one of them at the end.
+SERVING_TESTS = "tests/integration/serving/"  # one unit: its tests share one trained checkpoint and its replicas
 SLOW_FIRST = (
     "tests/integration/agent/test_experiment.py",
     "tests/integration/test_smollm2.py",
-    "tests/integration/serving/",
+    SERVING_TESTS,
+    "tests/integration/agent/test_link_faults.py",
     "tests/integration/test_training.py",
     "tests/integration/coordinator/test_faults.py",
 )
@@ -31,7 +33,7 @@ SLOW_FIRST = (
 def _group(path: str) -> str:
     """The unit of work of the test at ``path`` (relative to the project): its folder's for the serving tests,
     else its file's."""
-    return SLOW_FIRST[2] if path.startswith(SLOW_FIRST[2]) else path
+    return SERVING_TESTS if path.startswith(SERVING_TESTS) else path
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -80,6 +82,8 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
     for key in ("updates", "warmup_updates", "checkpoint_steps", "peak_learning_rate", "schedule_seed"):
         plan["training"][key] = counts[key]
     plan["serving"]["workload_tasks"] = counts["workload_tasks"]
+    if "collective_timeout_seconds" in counts:
+        plan["runtime"]["collective_timeout_seconds"] = counts["collective_timeout_seconds"]
     plan["name"] = "small"
     plan["seed"]["files"] = dict(seed.files)
     plan["seed"]["tokenizer_identity"] = seed.tokenizer_identity

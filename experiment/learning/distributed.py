@@ -47,11 +47,37 @@ def world_from_env() -> World:
     return World(rank, size, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT", 29500))
 
 
+# How long rank 0's store waits for its peers to join. A gang's ranks are claimed one by one, and a peer's host may
+# finish another job first; the coordinator abandons a gang that does not form in time (it cancels the ranks), so
+# this wait is only a backstop, and never the collectives' timeout.
+RENDEZVOUS_SECONDS = 900.0
+
+
 def start(world: World, backend: str, timeout_seconds: float) -> None:
+    """The gang's process group: its rendezvous at MASTER_ADDR:MASTER_PORT (waiting RENDEZVOUS_SECONDS for the
+    peers), then collectives that give up after ``timeout_seconds`` without their peers."""
     if world.distributed:
-        dist.init_process_group(
-            backend=backend, rank=world.rank, world_size=world.size, timeout=datetime.timedelta(seconds=timeout_seconds)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            world.master_addr,
+            world.master_port,
+            world.size,
+            is_master=world.rank == 0,
+            timeout=datetime.timedelta(seconds=RENDEZVOUS_SECONDS),
         )
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.size,
+            timeout=datetime.timedelta(seconds=timeout_seconds),
+        )
+
+
+def is_link_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective or the rendezvous failing for want of a peer: torch's distributed errors
+    (store, network, backend), and gloo's transport errors (a timed-out receive, a connection closed or reset),
+    which reach Python as plain RuntimeErrors naming gloo's transport."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport" in str(error))
 
 
 def stop(world: World) -> None:

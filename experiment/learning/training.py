@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from experiment.core import determinism, layout
 from experiment.core.canonical import identity, read_json, write_new_json
-from experiment.core.errors import CoopError
+from experiment.core.errors import CoopError, LinkError
 from experiment.core.plan import Plan
 from experiment.core.progress import Emit
 from experiment.learning import checkpoint, distributed, preflight
@@ -587,6 +587,18 @@ def train(home: Path, model_dir: Path, arm: str, emit: Emit, stop_after: int | N
 
     ``stop_after`` ends the run after that update (tests use it to interrupt a run); it returns None then."""
     run = _bind_run(home, model_dir, arm)
+    try:
+        return _train(run, arm, emit, stop_after)
+    except Exception as exc:
+        if run.world.distributed and distributed.is_link_failure(exc):
+            raise LinkError(
+                f"rank {run.world.rank} of {arm}: the gang's communication broke ({str(exc)[:500]}); "
+                "a retry resumes from the last checkpoint every rank holds"
+            ) from exc
+        raise
+
+
+def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | None:
     # The trainer closes before the process group ends (the ExitStack exits first).
     with _process_group(run.world, run.plan), contextlib.ExitStack() as closing:
         record = _start(run)

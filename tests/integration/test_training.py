@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from experiment.core.canonical import canonical_bytes, sha256_file
+from experiment.core.errors import EXIT_LINK
 from experiment.core.plan import load_plan
 from experiment.learning import corpus, distributed, training
 from experiment.seed import seedmodel
@@ -230,6 +231,38 @@ def test_a_kept_checkpoint_that_retraining_does_not_reproduce_is_refused(
 def test_single_arm_refuses_a_world_of_two(home: Path, small_seed: Seed, tmp_path: Path) -> None:
     runs = coop_train(_fresh_home(home, tmp_path), small_seed[0], "clean-single", 2)
     assert all(done.returncode == 2 and "runs with WORLD_SIZE=1" in done.stderr for done in runs)
+
+
+def test_a_rank_whose_peer_vanishes_mid_training_exits_as_a_link_failure(home: Path, small_seed: Seed) -> None:
+    """Rank 1 is killed after its first updates: rank 0's collective breaks, and it exits EXIT_LINK with the reason,
+    which the agent reports as lost (retried), not as a failure of the run."""
+    port = free_port()
+    args = [sys.executable, "-m", "experiment.cli", "train", "--home", str(home), "--model-dir", str(small_seed[0])]
+    ranks = [
+        subprocess.Popen(
+            [*args, "--arm", "clean-pair"],
+            env=rank_env(rank, 2, port),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert ranks[1].stdout is not None
+        for line in ranks[1].stdout:
+            if json.loads(line).get("event") == "step":
+                break  # it trains: now its host vanishes
+        ranks[1].kill()
+        _out, err = ranks[0].communicate(timeout=120)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    assert ranks[0].returncode == EXIT_LINK, err[-2000:]
+    assert "rank 0 of clean-pair: the gang's communication broke" in err
 
 
 def test_ranks_with_different_bindings_both_abort(home: Path, small_seed: Seed, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import tarfile
@@ -30,117 +29,17 @@ from experiment.core.canonical import canonical_bytes, sha256_bytes
 from experiment.core.ledger import decode_ledger, verify_ledger
 from experiment.report.recompute import compute
 from experiment.seed import seedmodel
-from tests.conftest import write_plan
+from tests.integration.agent import system
 from tests.integration.agent.support import AgentProcess
+from tests.integration.agent.system import COUNTS, System
 from tests.integration.serving.support import needs_vllm
 from tests.support import ROOT
 from tests.support.hosts import hosts
-from tests.support.processes import QUICK, CoordinatorProcess, coop_train
-from tests.support.tls import Authority
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 TINY = ROOT / "seeds" / "tiny"  # vLLM serves it (the seconds-fast test seed is too small for its kernels)
-
-# Long enough (24 updates, a checkpoint every 4) for a kill to land between checkpoints of the pair.
-# A serving workload long enough (16 requests, the stop after 4) for the coordinator's stop to land midway.
-COUNTS: dict[str, Any] = {
-    "train": 184,
-    "replay": 8,
-    "updates": 24,
-    "checkpoint_steps": [4, 8, 12, 16, 20, 24],
-    "dev": 16,
-    "workload_tasks": 16,
-}
 ARMS = ("seed", "clean-single", "damaged-single", "clean-pair")
-
-
-@dataclass
-class Run:
-    server: CoordinatorProcess
-    agents: dict[str, AgentProcess]
-    experiment: dict[str, Any]
-    topology: dict[str, Any]
-
-
-def _start(tmp: Path, seed: tuple[Path, seedmodel.Snapshot], topology: dict[str, Any]) -> Run:
-    home = tmp / "coordinator"
-    home.mkdir(parents=True)
-    tls = Authority("coop test CA").issue(tmp / "tls", addresses=(topology["coordinator_address"],))
-    # A short lease, so that a vanished host is declared lost within seconds; not shorter, since two vLLM
-    # replicas, a benchmark and the coordinator on 2 busy cores have delayed heartbeats past a 4 s lease.
-    server = CoordinatorProcess(
-        home,
-        certificate=tls,
-        namespace=topology["coordinator_namespace"],
-        address=topology["coordinator_address"],
-        **QUICK,
-        COOP_LEASE_SECONDS="12",
-        COOP_HEARTBEAT_SECONDS="0.5",
-    )
-    server.start()
-    agents = {}
-    for host in topology["hosts"]:
-        name = host["name"]
-        private = ["--private-interface", host["private_interface"], "--private-address", host["private_address"]]
-        agents[name] = AgentProcess(
-            server,
-            name,
-            tmp / name,
-            seed[0],
-            server.agent_token(name),
-            "--ca-file",
-            str(tls.ca_file),
-            *private,
-            namespace=host["namespace"],
-            address=host["public_address"],
-        )
-        agents[name].start()
-    plan = write_plan(tmp / "plan.toml", seed[1], **COUNTS)
-    return Run(server, agents, server.create_experiment(plan), topology)
-
-
-def _stop(run: Run) -> None:
-    for agent in run.agents.values():
-        agent.stop()
-    run.server.close()
-
-
-def _state(run: Run) -> str:
-    state: str = run.server.get(f"/api/experiments/{run.experiment['id']}")["state"]
-    return state
-
-
-def _failure(run: Run, failed: list[dict[str, Any]]) -> str:
-    """The failed jobs with their attempts' reasons first, then the logs' tails."""
-    server_log = (run.server.home / "server.log").read_text(errors="replace")
-    reasons = [line for line in server_log.splitlines() if " failed: " in line]
-    agents = "\n".join(f"--- {name}\n{a.log()[-3000:]}" for name, a in run.agents.items())
-    jobs = [(j["kind"], j["arm"], j["id"]) for j in failed]
-    attempts = [
-        (a["number"], a["rank"], a["state"], (a["reason"] or "")[-1500:])
-        for j in failed
-        for a in run.server.get(f"/api/jobs/{j['id']}/attempts")
-    ]
-    return f"failed jobs {jobs}\nattempts {attempts}\ncoordinator: {reasons[-5:]}\n{agents}"
-
-
-def _wait_state(run: Run, states: set[str], seconds: float) -> str:
-    def ended() -> str | None:
-        state = _state(run)
-        failed = [j for j in run.server.jobs(run.experiment["id"]) if j["state"] == "failed"]
-        assert not failed, _failure(run, failed)
-        return state if state in states else None
-
-    return wait_for(ended, seconds, f"the experiment to become {states}")
-
-
-def _attempts(run: Run, kind: str, arm: str | None = None) -> list[dict[str, Any]]:
-    found = []
-    for job in run.server.jobs(run.experiment["id"]):
-        if job["kind"] == kind and (arm is None or job["arm"] == arm):
-            found += run.server.get(f"/api/jobs/{job['id']}/attempts")
-    return found
 
 
 @dataclass
@@ -152,24 +51,26 @@ class Faults:
 @pytest.fixture(scope="module")
 def finished(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Run, Faults]]:
+) -> Iterator[tuple[System, Faults]]:
     """One experiment to the report, with two faults on the way: the coordinator restarts while the singles
     train, and the host of the pair's rank 1 is killed (SIGKILL, agent and commands) between checkpoints."""
     with hosts("experiment") as topology:
         yield from _finished(tmp_path_factory.mktemp("experiment"), topology)
 
 
-def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[Run, Faults]]:
-    run = _start(tmp, (TINY, seedmodel.snapshot_of(TINY)), topology)
+def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Faults]]:
+    # A short lease, so that a vanished host is declared lost within seconds; not shorter, since two vLLM
+    # replicas, a benchmark and the coordinator on 2 busy cores have delayed heartbeats past a 4 s lease.
+    run = system.start(tmp, (TINY, seedmodel.snapshot_of(TINY)), topology, COUNTS, lease_seconds=12)
     try:
-        wait_for(lambda: len(_rank_steps(run, "clean-single", 0)) >= 3, 600, "the singles to train a few steps")
+        wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 3, 600, "the singles to train a few steps")
         run.server.stop()  # the agents keep training and spool their events
         wait_for(lambda: any(a.spool().get("pending", 0) > 0 for a in run.agents.values()), 60, "spooled events")
         run.server.start()
-        wait_for(lambda: len(_rank_steps(run, "clean-pair", 1)) >= 5, 600, "the pair to pass its first checkpoint")
+        wait_for(lambda: len(run.rank_steps("clean-pair", 1)) >= 5, 600, "the pair to pass its first checkpoint")
         pair = next(j for j in run.server.jobs(run.experiment["id"]) if j["arm"] == "clean-pair")
         (rank1,) = [x for x in run.server.get(f"/api/jobs/{pair['id']}/attempts") if x["rank"] == 1]
-        killed = next(name for name in run.agents if _agent_id(run, name) == rank1["agent_id"])
+        killed = run.host_of(rank1)
         _kill_host(run.agents[killed])
         wait_for(
             lambda: any(x["state"] == "lost" for x in run.server.get(f"/api/jobs/{pair['id']}/attempts")),
@@ -177,33 +78,31 @@ def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[Run, Faults
             "the killed rank's lease to expire",
         )
         run.agents[killed].start()  # the host comes back with its work dir (and its checkpoints)
-        _wait_state(run, {"reported"}, 1200)
+        run.wait_state({"reported"}, 1200)
         yield run, Faults(pair["id"], killed)
     finally:
-        _stop(run)
+        run.stop()
 
 
-def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finished: tuple[Run, Faults]) -> None:
+def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finished: tuple[System, Faults]) -> None:
     run, _ = finished
     server, experiment_id = run.server, run.experiment["id"]
     ledger = server.get(f"/api/experiments/{experiment_id}/ledger")
     assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "serving", "report"]
     # The singles trained in parallel on the two hosts; the pair's ranks ran one on each.
     agents = {a["id"]: a["name"] for a in server.get("/api/agents")}
-    singles = {
-        agents[a["agent_id"]] for arm in ("clean-single", "damaged-single") for a in _attempts(run, "train", arm)
-    }
+    singles = {agents[a["agent_id"]] for arm in ("clean-single", "damaged-single") for a in run.attempts("train", arm)}
     assert singles == {"host-a", "host-b"}
-    assert {agents[a["agent_id"]] for a in _attempts(run, "train", "clean-pair")} == {"host-a", "host-b"}
+    assert {agents[a["agent_id"]] for a in run.attempts("train", "clean-pair")} == {"host-a", "host-b"}
     # Each host on an address of its own, off loopback; the pair met at rank 0's private address.
     registered = {a["name"]: (a["address"], a["private_address"]) for a in server.get("/api/agents")}
     expected = {h["name"]: (h["public_address"], h["private_address"]) for h in run.topology["hosts"]}
     assert registered == expected and len({address for address, _ in registered.values()}) == 2
     assert not any(address.startswith("127.") for address, _ in registered.values())
-    pair_masters = {a["master_addr"] for a in _attempts(run, "train", "clean-pair")}
+    pair_masters = {a["master_addr"] for a in run.attempts("train", "clean-pair")}
     assert pair_masters <= {h["private_address"] for h in run.topology["hosts"]}
     # Only one host prepared; the other fetched and verified the prepared inputs before its first job.
-    assert len({a["agent_id"] for a in _attempts(run, "prepare")}) == 1
+    assert len({a["agent_id"] for a in run.attempts("prepare")}) == 1
     assert all(
         (run.agents[name].work_dir / "experiments" / experiment_id / "home" / "prepared").is_dir()
         for name in run.agents
@@ -237,7 +136,7 @@ def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finishe
     assert {**recomputed, "ledger_entries": 5} == report
 
 
-def test_every_final_test_answer_is_readable_through_the_api(finished: tuple[Run, Faults]) -> None:
+def test_every_final_test_answer_is_readable_through_the_api(finished: tuple[System, Faults]) -> None:
     run, _ = finished
     server, experiment_id = run.server, run.experiment["id"]
     tests_per_arm = 16  # tests/conftest.py SMALL_COUNTS
@@ -264,46 +163,28 @@ def _kill_host(agent: AgentProcess) -> None:
     agent.process = None
 
 
-def _rank_steps(run: Run, arm: str, rank: int) -> list[int]:
-    steps: list[int] = []
-    for attempt in _attempts(run, "train", arm):
-        if attempt["rank"] == rank:
-            events = run.server.get(f"/api/attempts/{attempt['id']}/events")
-            steps += [e["body"]["step"] for e in events if e["kind"] == "step"]
-    return steps
-
-
 def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
-    finished: tuple[Run, Faults], tmp_path: Path
+    finished: tuple[System, Faults], tmp_path: Path
 ) -> None:
     run, faults = finished
     attempts = run.server.get(f"/api/jobs/{faults.pair_job}/attempts")
     first = {x["rank"]: x["state"] for x in attempts if x["number"] == 1}
-    assert first[1] == "lost" and first[0] in {"failed", "cancelled"}, attempts  # rank 0 saw its peer vanish
+    # Rank 0 saw its peer vanish: its collective broke (lost), or the coordinator cancelled it first.
+    assert first[1] == "lost" and first[0] in {"lost", "cancelled"}, attempts
     retry = [x for x in attempts if x["number"] == 2]
     assert sorted((x["rank"], x["state"]) for x in retry) == [(0, "succeeded"), (1, "succeeded")]
     assert {x["rank"]: x["agent_id"] for x in retry} == {x["rank"]: x["agent_id"] for x in attempts if x["number"] == 1}
-    resumed = set()
-    for attempt in retry:
-        (started,) = [e for e in run.server.get(f"/api/attempts/{attempt['id']}/events") if e["kind"] == "started"]
-        resumed.add(started["body"]["resumed_from_step"])
+    resumed = run.resumed_from(retry)
     # Both ranks resumed from one checkpoint step, the last both held (the kill may land in a save).
     assert len(resumed) == 1 and resumed <= set(COUNTS["checkpoint_steps"]), resumed
     # The same prepared inputs trained without interruption, directly through two gloo ranks.
-    home = tmp_path / "home"
-    prepared = run.agents["host-a"].work_dir / "experiments" / run.experiment["id"] / "home" / "prepared"
-    shutil.copytree(prepared, home / "prepared")
-    ranks = coop_train(home, TINY, "clean-pair", 2)
-    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
-    digest = json.loads((home / "runs" / "clean-pair" / "rank-0" / "result.json").read_text())["parameter_digest"]
-    arms = {a["name"]: a for a in run.server.get(f"/api/experiments/{run.experiment['id']}/arms")}
-    assert arms["clean-pair"]["model_identity"] == digest
+    assert run.model_identity("clean-pair") == run.uninterrupted("clean-pair", 2, TINY, tmp_path)
 
 
-def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[Run, Faults]) -> None:
+def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[System, Faults]) -> None:
     run, _ = finished
     for arm in ("clean-single", "damaged-single"):
-        assert _rank_steps(run, arm, 0) == list(range(1, COUNTS["updates"] + 1))
+        assert run.rank_steps(arm, 0) == list(range(1, COUNTS["updates"] + 1))
     # Every spooled event batch reached the coordinator. The only refusals are the results of the pair's
     # first attempt, which the coordinator had already ended (lost, and its rank 0 cancelled with it).
     for agent in run.agents.values():
@@ -315,12 +196,7 @@ def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[Run, Fa
         assert len(refused) <= 1
 
 
-def _agent_id(run: Run, name: str) -> str:
-    agent: str = next(a["id"] for a in run.server.get("/api/agents") if a["name"] == name)
-    return agent
-
-
-def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finished: tuple[Run, Faults]) -> None:
+def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finished: tuple[System, Faults]) -> None:
     run, _ = finished
     server, experiment_id = run.server, run.experiment["id"]
     report = server.get(f"/api/experiments/{experiment_id}/report")

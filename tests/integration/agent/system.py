@@ -1,0 +1,165 @@
+"""The whole system as the end-to-end tests run it: a coordinator and two agents, each in a network namespace of
+its own (tests.support.hosts), the agents reaching the coordinator over HTTPS (a CA the test makes) and meeting
+each other on the private link; one experiment of a small plan created on it. The test reads everything back
+through the coordinator's REST API."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from experiment.seed import seedmodel
+from tests.conftest import write_plan
+from tests.integration.agent.support import AgentProcess
+from tests.support.processes import QUICK, CoordinatorProcess, coop_train
+from tests.support.tls import Authority
+from tests.support.waiting import wait_for
+
+# The plan's counts: long enough (24 updates, a checkpoint every 4) for a fault to land between checkpoints of the
+# pair, and a serving workload long enough (16 requests, the stop after 4) for the coordinator's stop to land midway.
+COUNTS: dict[str, Any] = {
+    "train": 184,
+    "replay": 8,
+    "updates": 24,
+    "checkpoint_steps": [4, 8, 12, 16, 20, 24],
+    "dev": 16,
+    "workload_tasks": 16,
+}
+
+
+@dataclass
+class System:
+    server: CoordinatorProcess
+    agents: dict[str, AgentProcess]
+    experiment: dict[str, Any]
+    topology: dict[str, Any]
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+        self.server.close()
+
+    def state(self) -> str:
+        state: str = self.server.get(f"/api/experiments/{self.experiment['id']}")["state"]
+        return state
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.server.jobs(self.experiment["id"])
+
+    def attempts(self, kind: str, arm: str | None = None) -> list[dict[str, Any]]:
+        found = []
+        for job in self.jobs():
+            if job["kind"] == kind and (arm is None or job["arm"] == arm):
+                found += self.server.get(f"/api/jobs/{job['id']}/attempts")
+        return found
+
+    def rank_steps(self, arm: str, rank: int) -> list[int]:
+        """The steps every attempt of ``arm``'s rank reported, in attempt order."""
+        steps: list[int] = []
+        for attempt in self.attempts("train", arm):
+            if attempt["rank"] == rank:
+                events = self.server.get(f"/api/attempts/{attempt['id']}/events")
+                steps += [e["body"]["step"] for e in events if e["kind"] == "step"]
+        return steps
+
+    def agent_id(self, name: str) -> str:
+        agent: str = next(a["id"] for a in self.server.get("/api/agents") if a["name"] == name)
+        return agent
+
+    def host_of(self, attempt: dict[str, Any]) -> str:
+        return next(name for name in self.agents if self.agent_id(name) == attempt["agent_id"])
+
+    def resumed_from(self, attempts: list[dict[str, Any]]) -> set[int]:
+        """The steps the ``attempts`` resumed from, as their ``started`` events say."""
+        resumed = set()
+        for attempt in attempts:
+            events = self.server.get(f"/api/attempts/{attempt['id']}/events")
+            (started,) = [e for e in events if e["kind"] == "started"]
+            resumed.add(int(started["body"]["resumed_from_step"]))
+        return resumed
+
+    def model_identity(self, arm: str) -> str:
+        """The arm's final parameter digest, as the coordinator recorded it."""
+        arms = {a["name"]: a for a in self.server.get(f"/api/experiments/{self.experiment['id']}/arms")}
+        identity: str = arms[arm]["model_identity"]
+        return identity
+
+    def uninterrupted(self, arm: str, world_size: int, seed_dir: Path, folder: Path) -> str:
+        """The final parameter digest of ``arm`` trained without a fault on the experiment's prepared inputs, here
+        (``world_size`` local gloo ranks): the truth a faulted run's parameters must equal, bit for bit."""
+        home = folder / "home"
+        prepared = self.agents["host-a"].work_dir / "experiments" / self.experiment["id"] / "home" / "prepared"
+        shutil.copytree(prepared, home / "prepared")
+        ranks = coop_train(home, seed_dir, arm, world_size)
+        assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+        digest: str = json.loads((home / "runs" / arm / "rank-0" / "result.json").read_text())["parameter_digest"]
+        return digest
+
+    def failure(self, failed: list[dict[str, Any]]) -> str:
+        """The failed jobs with their attempts' reasons first, then the logs' tails."""
+        server_log = (self.server.home / "server.log").read_text(errors="replace")
+        reasons = [line for line in server_log.splitlines() if " failed: " in line]
+        agents = "\n".join(f"--- {name}\n{a.log()[-3000:]}" for name, a in self.agents.items())
+        jobs = [(j["kind"], j["arm"], j["id"]) for j in failed]
+        attempts = [
+            (a["number"], a["rank"], a["state"], (a["reason"] or "")[-1500:])
+            for j in failed
+            for a in self.server.get(f"/api/jobs/{j['id']}/attempts")
+        ]
+        return f"failed jobs {jobs}\nattempts {attempts}\ncoordinator: {reasons[-5:]}\n{agents}"
+
+    def wait_state(self, states: set[str], seconds: float) -> str:
+        """Wait for the experiment to reach one of ``states``; a failed job fails the wait at once."""
+
+        def reached() -> str | None:
+            state = self.state()
+            failed = [j for j in self.jobs() if j["state"] == "failed"]
+            assert not failed, self.failure(failed)
+            return state if state in states else None
+
+        return wait_for(reached, seconds, f"the experiment to become {states}")
+
+
+def start(
+    tmp: Path,
+    seed: tuple[Path, seedmodel.Snapshot],
+    topology: dict[str, Any],
+    counts: dict[str, Any],
+    lease_seconds: float,
+) -> System:
+    """The coordinator (leases of ``lease_seconds``, heartbeats every 0.5 s), both agents, and the experiment."""
+    home = tmp / "coordinator"
+    home.mkdir(parents=True)
+    tls = Authority("coop test CA").issue(tmp / "tls", addresses=(topology["coordinator_address"],))
+    server = CoordinatorProcess(
+        home,
+        certificate=tls,
+        namespace=topology["coordinator_namespace"],
+        address=topology["coordinator_address"],
+        **QUICK,
+        COOP_LEASE_SECONDS=str(lease_seconds),
+        COOP_HEARTBEAT_SECONDS="0.5",
+    )
+    server.start()
+    agents = {}
+    for host in topology["hosts"]:
+        name = host["name"]
+        private = ["--private-interface", host["private_interface"], "--private-address", host["private_address"]]
+        agents[name] = AgentProcess(
+            server,
+            name,
+            tmp / name,
+            seed[0],
+            server.agent_token(name),
+            "--ca-file",
+            str(tls.ca_file),
+            *private,
+            namespace=host["namespace"],
+            address=host["public_address"],
+        )
+        agents[name].start()
+    plan = write_plan(tmp / "plan.toml", seed[1], **counts)
+    return System(server, agents, server.create_experiment(plan), topology)
