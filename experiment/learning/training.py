@@ -379,14 +379,12 @@ class _Progress:
 
 
 def _bind_run(home: Path, model_dir: Path, arm: str) -> _Run:
-    """Everything checked and computed before the process group starts; refuses a finished run."""
+    """Everything checked and computed before the process group starts."""
     prepared = load_prepared(home)
     plan = prepared.plan
     world = distributed.world_from_env()
     check_world(plan, arm, world)
     directory = run_dir(home, arm, world.rank)
-    if (directory / "result.json").exists():
-        raise CoopError(f"{directory} already holds a finished run; its result is {directory / 'result.json'}")
     seedmodel.verify_seed(model_dir, seed_snapshot(plan))
     device = configure_runtime(plan, world)
     preflight.check_memory(plan, world.size, device)
@@ -567,9 +565,18 @@ def _result(
 
 
 def _complete(run: _Run, result: Result, emit: Emit) -> None:
-    """Write the result file, once, and report the run completed."""
+    """Write the result file, once, and report the run completed. A run that finished before, whose attempt was lost
+    before it reported (its host cut off, say), has resumed from its final checkpoint to the same parameters: its
+    result file is reported again, unchanged."""
     path = run.directory / "result.json"
-    write_new_json(path, msgspec.to_builtins(result))
+    if path.exists():
+        earlier = msgspec.convert(read_json(path), type=Result)
+        same = (earlier.binding, earlier.parameter_digest, earlier.candidate)
+        if same != (result.binding, result.parameter_digest, result.candidate):
+            raise CoopError(f"{path} holds a finished run that this one does not reproduce; it is never overwritten")
+        result = earlier
+    else:
+        write_new_json(path, msgspec.to_builtins(result))
     emit(
         {
             "event": "completed",

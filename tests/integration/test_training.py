@@ -134,6 +134,17 @@ def test_interrupted_run_resumes_to_the_same_final_digest(
     assert events[0]["resumed_from_step"] == 2
     assert events[-1]["parameter_digest"] == uninterrupted
 
+    # Trained again, as when the attempt that finished was lost before it reported (its host cut off): the run
+    # resumes from its final checkpoint to the same parameters and reports its result file again, unchanged.
+    path = training.run_dir(broken, "clean-single", 0) / "result.json"
+    written = path.read_bytes()
+    [again] = coop_train(broken, small_seed[0], "clean-single", 1)
+    assert again.returncode == 0, again.stderr
+    repeated = _events(again)
+    assert repeated[0]["resumed_from_step"] == corpus.load_prepared(broken).plan.training.updates
+    assert repeated[-1]["event"] == "completed" and repeated[-1]["result"] == str(path)
+    assert repeated[-1]["parameter_digest"] == uninterrupted and path.read_bytes() == written
+
 
 def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, small_seed: Seed, tmp_path: Path) -> None:
     pair = _fresh_home(home, tmp_path)
