@@ -101,6 +101,9 @@ event.listen(Session, "after_commit", _wake_after_commit)
 event.listen(Session, "after_soft_rollback", lambda session, _transaction: _forget_after_rollback(session))
 
 
+CLOSE_SECONDS = 5.0  # a listening connection's close waits this long for the server, then drops the socket
+
+
 async def listen(database_url: str, claims: Claims) -> None:
     """Wake this process's claims on every NOTIFY from any coordinator process (Postgres only); reconnects after a
     lost connection, waking the claims once so that they look for what they may have missed."""
@@ -124,4 +127,4 @@ async def _listen_once(dsn: str, claims: Claims) -> None:
         claims.wake()  # what was queued while no connection listened
         await lost.wait()
     finally:
-        await connection.close()
+        await connection.close(timeout=CLOSE_SECONDS)
