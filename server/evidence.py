@@ -2,7 +2,8 @@
 
 Agents upload each evidence file as a blob and name it in their result (path in the bundle -> sha256);
 the operator attaches what it wrote (selection.json). The export is a tar of the files of every job's
-succeeded generation plus ``ledger.json``, the commitment ledger as ``experiment.core.ledger`` reads it.
+succeeded generation plus ``ledger.json``, the commitment ledger as ``experiment.core.ledger`` reads it, and
+``attempts.json``, every training attempt (server.trainattempts).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.core.layout import LEDGER
-from server import blobs, commitments, models
+from experiment.core.layout import ATTEMPTS, LEDGER
+from server import blobs, commitments, models, trainattempts
 from server.errors import BadRequest
 from server.lifecycle import JobState, Refused
 from server.settings import Settings
@@ -32,8 +33,8 @@ RECORD = tarfile.RECORDSIZE
 def _check_path(path: str) -> None:
     if any(part in {"", ".", ".."} for part in path.split("/")):
         raise BadRequest(f"evidence path {path!r} has an empty, '.' or '..' segment")
-    if path == LEDGER:
-        raise BadRequest(f"{LEDGER} is written by the coordinator from its commitments; it is not uploaded")
+    if path in (LEDGER, ATTEMPTS):
+        raise BadRequest(f"{path} is written by the coordinator from its own records; it is not uploaded")
 
 
 async def _require_blobs(session: AsyncSession, files: Mapping[str, str]) -> None:
@@ -139,7 +140,9 @@ class Member:
 async def members(session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> list[Member]:
     listed = [Member(f.path, f.size, blobs.path_of(settings, f.sha256)) for f in await listing(session, experiment_id)]
     ledger = msgspec.json.encode(await commitments.entries(session, experiment_id))
-    return sorted([*listed, Member(LEDGER, len(ledger), ledger)], key=lambda member: member.path)
+    attempts = await trainattempts.record(session, experiment_id)
+    written = [Member(LEDGER, len(ledger), ledger), Member(ATTEMPTS, len(attempts), attempts)]
+    return sorted([*listed, *written], key=lambda member: member.path)
 
 
 def _header(member: Member) -> bytes:

@@ -14,6 +14,7 @@ RUNS = "runs"  # runs/ARM/rank-R: a training rank's run.json, result.json and ch
 RUN_EVIDENCE = ("result.json", "run.json")  # what of a rank's folder goes into the bundle (never weights)
 SERVING = "serving"  # serving/PHASE.json: one benchmark phase's record
 LEDGER = "ledger.json"  # at the top of a bundle: the commitment ledger
+ATTEMPTS = "attempts.json"  # at the top of a coordinator's bundle: every training attempt (experiment.report.attempts)
 
 
 def evaluation(role: str, arm: str) -> str:

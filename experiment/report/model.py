@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from experiment.learning.stats import Cell, Paired, Retention, Verdict
+from experiment.report.attempts import TrainingFault
 from experiment.serving.agreement import Agreement
 from experiment.serving.servingrecord import Metrics
 
@@ -78,6 +79,9 @@ class ArmTraining(msgspec.Struct, frozen=True):
     private_interface: str | None = None
     private_bytes_per_update: list[float] | None = None
     allreduce_bytes_per_update: float | None = None
+    # What each generation of the arm's job that did not succeed cost (experiment.report.attempts); None: the
+    # bundle carries no record of the attempts.
+    faults: list[TrainingFault] | None = None
 
 
 class ServingReference(msgspec.Struct, frozen=True):
@@ -102,6 +106,8 @@ class Serving(msgspec.Struct, frozen=True):
     agreement: dict[str, Agreement]
     pair_over_single_request_throughput: float
     failure: ServingFailure
+    # per phase, the seconds its attempts that did not answer took (what a lost replica cost the clients)
+    failed_attempt_seconds: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class Report(msgspec.Struct, frozen=True):

@@ -16,7 +16,7 @@ import msgspec
 from experiment.core import layout, tasks
 from experiment.core.canonical import canonical_bytes, sha256_file, write_new_bytes
 from experiment.core.errors import CoopError
-from experiment.core.layout import LEDGER, MANIFEST, PREPARED, SEED, SELECTION, SERVING
+from experiment.core.layout import ATTEMPTS, LEDGER, MANIFEST, PREPARED, SEED, SELECTION, SERVING
 from experiment.core.ledger import read_ledger
 from experiment.core.plan import Plan
 from experiment.learning import stats
@@ -27,6 +27,7 @@ from experiment.learning.selection import Selection, read_selection, same_model,
 from experiment.learning.training import Result as RunResult
 from experiment.learning.training import schedule
 from experiment.report import figures, servingcheck
+from experiment.report.attempts import arm_faults, read_attempts
 from experiment.report.model import (
     Accuracy,
     ArmTraining,
@@ -183,10 +184,12 @@ def _check_rank(run: Path, prepared: Prepared, selected: Candidate, world: int, 
 
 
 def _check_runs(
-    prepared: Prepared, selection: Selection, documents: dict[str, list[Document]]
+    prepared: Prepared, selection: Selection, documents: dict[str, list[Document]], bundle: Path
 ) -> dict[str, ArmTraining]:
-    """Every rank's journal is the schedule; ranks agree; the final digests are the selected candidates."""
+    """Every rank's journal is the schedule; ranks agree; the final digests are the selected candidates; the
+    coordinator's record of the attempts (when the bundle has one) ends in the ranks' own results."""
     plan = prepared.plan
+    attempts = read_attempts(bundle)
     summary: dict[str, ArmTraining] = {}
     for arm in plan.trained_arms():
         folder = prepared.home / layout.arm_runs(arm)
@@ -217,6 +220,9 @@ def _check_runs(
             allreduce_bytes_per_update=None
             if interface is None
             else 2 * (world - 1) / world * 4 * plan.seed.parameters,
+            faults=None
+            if attempts is None
+            else arm_faults(bundle / ATTEMPTS, arm, attempts, [r.resumed_from_step for r in results], _require),
         )
     return summary
 
@@ -370,7 +376,7 @@ def _check_bundle(bundle: Path) -> _Checked:
         selection=selection,
         ledger_entries=ledger_entries,
         serving=_serving(bundle, prepared, selection, tokenizer, dev),
-        training=_check_runs(prepared, selection, documents),
+        training=_check_runs(prepared, selection, documents, bundle),
         evaluations={arm: _evaluation(prepared, selection, tokenizer, test, "test", arm) for arm in plan.arm_names()},
     )
 

@@ -145,6 +145,10 @@ def section(
             retries=failure.metrics.retries,
             lost=failure.metrics.failed,
         ),
+        failed_attempt_seconds={
+            phase: round(sum(a.ended - a.started for a in record.attempts if a.status != 200), 3)
+            for phase, record in records.items()
+        },
     )
 
 

@@ -8,17 +8,28 @@ import io
 import json
 import tarfile
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from experiment import wire
 from experiment.core.canonical import canonical_bytes, sha256_bytes
+from experiment.core.errors import CoopError
+from experiment.core.layout import ATTEMPTS
 from experiment.core.ledger import decode_ledger, verify_ledger
+from experiment.report.attempts import arm_faults, read_attempts
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
 from tests.support.agent import FakeAgent, rejection
 from tests.support.scenarios import bearer, prepared_experiment, select_and_advance, sha, train_result
 from tests.support.waiting import wait_for
+
+
+def require(condition: bool, where: Path | str, field: str, problem: str) -> None:
+    if not condition:
+        raise CoopError(f"{where}: {field}: {problem}")
 
 
 def _put(api: Api, token: str, data: bytes, name: str | None = None, job: wire.Assignment | None = None) -> Any:
@@ -139,7 +150,7 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
     assert response.status_code == 200 and response.headers["content-type"].startswith("application/x-tar")
     with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
-    assert sorted(members) == sorted([*uploaded, "ledger.json"])
+    assert sorted(members) == sorted([*uploaded, "ledger.json", ATTEMPTS])
     assert {p: d for p, d in members.items() if p in uploaded} == uploaded
     ledger = decode_ledger(members["ledger.json"], "evidence.tar")
     verify_ledger(ledger)
@@ -150,8 +161,8 @@ def test_evidence_tar_holds_every_named_blob_and_a_verifiable_ledger(api: Api) -
     assert api.client.get(f"/api/experiments/{experiment_id}/evidence.tar").content == response.content
 
 
-def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation(
-    make_settings: Callable[..., Settings], database_url: str
+def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation_and_the_bundle_records_its_cost(
+    make_settings: Callable[..., Settings], database_url: str, tmp_path: Path
 ) -> None:
     with running(make_settings(lease_seconds=1.0, heartbeat_seconds=0.2, reap_seconds=0.1)) as client:
         api = Api(client, database_url)
@@ -163,6 +174,11 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation(
             agent.finish(single, result=train_result(single.arm))
         rank0, rank1 = a.claim(), b.claim()
         assert rank0 is not None and rank1 is not None
+        for agent, job in ((a, rank0), (b, rank1)):
+            agent.start(job)
+            agent.printed(job, 0, {"event": "started", "resumed_from_step": 0})
+        a.printed(rank0, 1, {"event": "step", "step": 1, "seconds": 0.5})
+        b.printed(rank1, 1, *({"event": "step", "step": s, "seconds": 0.25} for s in (1, 2, 3)))
         path = "runs/clean-pair/rank-0/run.json"
         a.finish(rank0, result=train_result("clean-pair"), evidence={path: a.upload(b"first\n", rank0)})
         # rank 1 falls silent: the gang is lost and retried; the retry's rank 0 writes the same path anew.
@@ -174,3 +190,27 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation(
         b.finish(retry1, result=train_result("clean-pair"))
         listed = api.get(f"/api/experiments/{experiment_id}/evidence")
         assert [(f["path"], f["sha256"]) for f in listed] == [(path, evidence[path])]
+        # The bundle's record of the attempts: every train attempt as the API lists it, the steps each was heard
+        # to make, and so the lost generation's cost.
+        response = api.client.get(f"/api/experiments/{experiment_id}/evidence.tar")
+        with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
+            tar.extractall(tmp_path, members=[tar.getmember(ATTEMPTS)], filter="data")
+        recorded = read_attempts(tmp_path)
+        assert recorded is not None
+        pair = api.get(f"/api/jobs/{rank0.job_id}/attempts")
+        assert [(r.generation, r.rank, r.state) for r in recorded if r.arm == "clean-pair"] == sorted(
+            (x["number"], x["rank"], x["state"]) for x in pair
+        )
+        assert [r.arm for r in recorded].count("clean-pair") == 4 and len(recorded) == 6
+        claimed = {x["number"]: datetime.fromisoformat(x["created_at"]) for x in pair if x["rank"] == 0}
+        (fault,) = arm_faults(tmp_path / ATTEMPTS, "clean-pair", recorded, [0, 0], require)
+        assert (fault.generation, fault.ended, fault.reached_step, fault.resumed_from_step) == (
+            1,
+            ["succeeded", "lost"],
+            3,
+            0,
+        )
+        assert fault.updates_recomputed == 3
+        assert fault.seconds_lost == pytest.approx((claimed[2] - claimed[1]).total_seconds(), abs=0.002)
+        single = next(r.arm for r in recorded if r.arm != "clean-pair")
+        assert arm_faults(tmp_path / ATTEMPTS, single, recorded, [0], require) == []
