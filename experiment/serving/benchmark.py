@@ -100,6 +100,9 @@ class PhaseRun:
         self._stop_announced = False
         self._stop_wait: asyncio.Task[None] | None = None
         self.stop_seen: float | None = None
+        # Per endpoint, set when it goes down: its attempts in flight are abandoned then (a cut link would hold
+        # them until TCP gives up), and retried on another endpoint under the same request id.
+        self._gone: dict[str, asyncio.Event] = {}
 
     def _now(self) -> float:
         return time.monotonic() - self.began
@@ -111,16 +114,24 @@ class PhaseRun:
             return False
         return reply.status_code == 200
 
+    def _gone_event(self, endpoint: str) -> asyncio.Event:
+        return self._gone.setdefault(endpoint, asyncio.Event())
+
     def _down(self, endpoint: str, reason: str) -> None:
         if self.router.mark_down(endpoint):
+            self._gone_event(endpoint).set()
             self.emit({"event": "endpoint-down", "endpoint": endpoint, "reason": reason, "at": round(self._now(), 3)})
+
+    def _up(self, endpoint: str) -> None:
+        if self.router.mark_up(endpoint):
+            self._gone[endpoint] = asyncio.Event()
+            self.emit({"event": "endpoint-up", "endpoint": endpoint, "at": round(self._now(), 3)})
 
     async def watch_health(self, client: httpx.AsyncClient) -> None:
         while True:
             for endpoint in self.router.endpoints:
                 if await self._healthy(client, endpoint):
-                    if self.router.mark_up(endpoint):
-                        self.emit({"event": "endpoint-up", "endpoint": endpoint, "at": round(self._now(), 3)})
+                    self._up(endpoint)
                 else:
                     self._down(endpoint, "health check failed")
             await asyncio.sleep(HEALTH_INTERVAL)
@@ -178,6 +189,23 @@ class PhaseRun:
         self._progress()
 
     async def _post(
+        self, client: httpx.AsyncClient, endpoint: str, request_id: str, task_id: str
+    ) -> tuple[int | None, InferAnswer | None, str]:
+        """One attempt, abandoned as soon as its endpoint is seen to go down."""
+        gone = self._gone_event(endpoint)
+        sent = asyncio.create_task(self._send(client, endpoint, request_id, task_id))
+        watch = asyncio.create_task(gone.wait())
+        try:
+            await asyncio.wait((sent, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not sent.done():
+            sent.cancel()
+            await asyncio.gather(sent, return_exceptions=True)
+            return None, None, "abandoned in flight: the endpoint went down"
+        return sent.result()
+
+    async def _send(
         self, client: httpx.AsyncClient, endpoint: str, request_id: str, task_id: str
     ) -> tuple[int | None, InferAnswer | None, str]:
         try:
@@ -266,13 +294,24 @@ class PhaseRun:
             }
         )
 
+    async def _all_healthy(self, client: httpx.AsyncClient) -> None:
+        """The phase starts with every endpoint healthy; one unreachable for a moment (a link cut and mended) is
+        waited for, at most NO_ENDPOINT_WAIT."""
+        deadline = time.monotonic() + NO_ENDPOINT_WAIT
+        for endpoint in self.router.endpoints:
+            while not await self._healthy(client, endpoint):
+                if time.monotonic() > deadline:
+                    raise CoopError(
+                        f"endpoint {endpoint} was not healthy (GET /health) for {NO_ENDPOINT_WAIT:.0f} s; "
+                        "the phase needs every endpoint at its start"
+                    )
+                await asyncio.sleep(HEALTH_INTERVAL)
+
     async def run(self) -> float:
         """Run the workload; the phase's duration in seconds."""
         limits = httpx.Limits(max_connections=4 * self.serving.concurrency + 8)
         async with httpx.AsyncClient(limits=limits) as client:
-            for endpoint in self.router.endpoints:
-                if not await self._healthy(client, endpoint):
-                    raise CoopError(f"endpoint {endpoint} is not healthy (GET /health); the phase needs it at start")
+            await self._all_healthy(client)
             queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
             for index, task_id in enumerate(self.task_ids):
                 queue.put_nowait((index, task_id))

@@ -16,6 +16,12 @@ from tests.support import ROOT
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]
 
 
+def cut_link(topology: dict[str, Any], host: str, link: str, seconds: float) -> subprocess.Popen[bytes]:
+    """Take ``host``'s ``link`` (public or private) down now, and up again after ``seconds`` (in the background)."""
+    argv = [*SCRIPT, "cut", "--prefix", topology["prefix"], "--host", host, "--link", link, "--seconds", str(seconds)]
+    return subprocess.Popen(argv)
+
+
 def namespaces(command: str, *args: str) -> str:
     return subprocess.run([*SCRIPT, command, *args], check=True, capture_output=True, text=True).stdout
 

@@ -10,7 +10,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tests.support import ROOT
 from tests.support.processes import CoordinatorProcess, stop_process
@@ -101,6 +101,15 @@ class AgentProcess:
         with sqlite3.connect(self.work_dir / "spool.sqlite3", timeout=5) as db:
             bodies = db.execute("SELECT body FROM uploads WHERE kind = 'events'").fetchall()
         return sum(len(json.loads(body)["events"]) for (body,) in bodies)
+
+    def spooled_bodies(self, kind: str) -> list[dict[str, Any]]:
+        """The bodies of the spooled events of ``kind`` (what the commands printed, read as the agent reads it)."""
+        path = self.work_dir / "spool.sqlite3"
+        if not path.exists():
+            return []
+        with sqlite3.connect(path, timeout=5) as db:
+            bodies = db.execute("SELECT body FROM uploads WHERE kind = 'events'").fetchall()
+        return [e["body"] for (body,) in bodies for e in json.loads(body)["events"] if e["kind"] == kind]
 
     def recorded_groups(self) -> list[int]:
         """The process groups (by leader pid) the agent has recorded in its spool as started and not yet ended."""

@@ -18,6 +18,7 @@ import sqlite3
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import COUNTS, System
 from tests.integration.serving.support import needs_vllm
 from tests.support import ROOT
-from tests.support.hosts import hosts
+from tests.support.hosts import cut_link, hosts
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -46,14 +47,37 @@ ARMS = ("seed", "clean-single", "damaged-single", "clean-pair")
 class Faults:
     pair_job: str
     killed_host: str
+    cut_host: str  # the host whose replica's link was cut during the pair phase
+
+
+# Past the benchmark's health check timeout (2 s), so that the client sees the host go; short of the lease.
+SERVING_CUT_SECONDS = 6.0
+
+
+def _cut_during_the_pair_phase(run: System) -> str:
+    """Once the pair phase's benchmark has its first answer, the host serving the other replica loses its public
+    link for SERVING_CUT_SECONDS; returns that host. The benchmark's own host reads its progress from its spool."""
+
+    def benchmarking() -> str | None:
+        for name, agent in run.agents.items():
+            progress = agent.spooled_bodies("benchmark")
+            if any(p.get("phase") == "pair" and p.get("completed", 0) >= 1 for p in progress):
+                return name
+        return None
+
+    host = wait_for(benchmarking, 1200, "the pair phase's first answer")
+    other = next(name for name in run.agents if name != host)
+    cut_link(run.topology, other, "public", SERVING_CUT_SECONDS).wait(timeout=60)
+    return other
 
 
 @pytest.fixture(scope="module")
 def finished(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[System, Faults]]:
-    """One experiment to the report, with two faults on the way: the coordinator restarts while the singles
-    train, and the host of the pair's rank 1 is killed (SIGKILL, agent and commands) between checkpoints."""
+    """One experiment to the report, with three faults on the way: the coordinator restarts while the singles
+    train, the host of the pair's rank 1 is killed (SIGKILL, agent and commands) between checkpoints, and the
+    public link of the host serving the second replica is cut during the serving benchmark's pair phase."""
     with hosts("experiment") as topology:
         yield from _finished(tmp_path_factory.mktemp("experiment"), topology)
 
@@ -78,8 +102,9 @@ def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Fau
             "the killed rank's lease to expire",
         )
         run.agents[killed].start()  # the host comes back with its work dir (and its checkpoints)
+        cut = _cut_during_the_pair_phase(run)
         run.wait_state({"reported"}, 1200)
-        yield run, Faults(pair["id"], killed)
+        yield run, Faults(pair["id"], killed, cut)
     finally:
         run.stop()
 
@@ -180,6 +205,22 @@ def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
     assert len(resumed) == 1 and resumed <= set(COUNTS["checkpoint_steps"]), resumed
     # The same prepared inputs trained without interruption, directly through two gloo ranks.
     assert run.model_identity("clean-pair") == run.uninterrupted("clean-pair", 2, TINY, tmp_path)
+    # The report says what the kill cost: the updates the lost generation was heard to finish past the resumed
+    # checkpoint, and at least the time it took the coordinator to see the generation end.
+    report = run.server.get(f"/api/experiments/{run.experiment['id']}/report")
+    (fault,) = report["training"]["clean-pair"]["faults"]
+    heard = [s for x in attempts if x["number"] == 1 for s in _steps(run, x)]
+    assert (fault["generation"], fault["resumed_from_step"]) == (1, *resumed)
+    assert fault["updates_recomputed"] == max(heard) - min(resumed) > 0
+    assert sorted(fault["ended"]) == sorted(first.values())
+    claimed = sorted(datetime.fromisoformat(x["created_at"]) for x in attempts)
+    assert 0 < fault["seconds_lost"] <= (claimed[-1] - claimed[0]).total_seconds()
+    assert all(report["training"][arm]["faults"] == [] for arm in ("clean-single", "damaged-single"))
+
+
+def _steps(run: System, attempt: dict[str, Any]) -> list[int]:
+    events = run.server.get(f"/api/attempts/{attempt['id']}/events")
+    return [e["body"]["step"] for e in events if e["kind"] == "step"]
 
 
 def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[System, Faults]) -> None:
@@ -195,6 +236,30 @@ def test_no_event_is_lost_across_the_coordinator_restart(finished: tuple[System,
             rows = db.execute("SELECT attempt_id, state, COALESCE(note, '') FROM uploads").fetchall()
         refused = [(attempt, note) for attempt, state, note in rows if state != "acknowledged"]
         assert all(attempt in first_pair and "(attempt-already-ended)" in note for attempt, note in refused), refused
+
+
+def test_the_pair_phase_retried_on_the_survivor_while_the_other_replicas_host_was_cut_off(
+    finished: tuple[System, Faults],
+) -> None:
+    run, faults = finished
+    server, experiment_id = run.server, run.experiment["id"]
+    listed = server.get(f"/api/experiments/{experiment_id}/serving-results")
+    (pair,) = [r["report"] for r in listed if r["phase"] == "pair"]
+    address = {h["name"]: h["public_address"] for h in run.topology["hosts"]}
+    (cut,) = [e for e in pair["endpoints"] if f"//{address[faults.cut_host]}:" in e]
+    (survivor,) = [e for e in pair["endpoints"] if e != cut]
+    failed = [a for a in pair["attempts"] if a["status"] != 200]
+    # Every attempt that did not answer was one sent to the cut-off host, and its request was answered on a retry
+    # by the survivor: nothing lost.
+    assert failed and {a["endpoint"] for a in failed} == {cut}, failed
+    answered = {c["request_id"]: c for c in pair["completions"]}
+    assert all(answered[a["request_id"]]["endpoint"] == survivor for a in failed)
+    assert all(answered[a["request_id"]]["attempts"] > a["attempt"] for a in failed)
+    assert pair["metrics"]["failed"] == 0 and len(answered) == COUNTS["workload_tasks"]
+    report = server.get(f"/api/experiments/{experiment_id}/report")
+    assert report["serving"]["phases"]["pair"]["retries"] == len(failed)
+    seconds = round(sum(a["ended"] - a["started"] for a in failed), 3)
+    assert report["serving"]["failed_attempt_seconds"]["pair"] == pytest.approx(seconds, abs=0.002)
 
 
 def test_serving_ran_both_replicas_through_three_phases_and_lost_nothing(finished: tuple[System, Faults]) -> None:

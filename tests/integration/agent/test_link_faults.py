@@ -5,7 +5,6 @@ run's of the same prepared inputs."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from experiment.seed import seedmodel
 from tests.integration.agent import system
 from tests.integration.agent.system import System
 from tests.support import ROOT
-from tests.support.hosts import SCRIPT, hosts
+from tests.support.hosts import cut_link, hosts
 from tests.support.scenarios import operate
 from tests.support.waiting import wait_for
 
@@ -35,12 +34,6 @@ class Cuts:
     single_arm: str
     single_host: str
     pair_job: str
-
-
-def _cut(topology: dict[str, Any], host: str, link: str, seconds: float) -> subprocess.Popen[bytes]:
-    """Take ``host``'s ``link`` down now, and up again after ``seconds`` (in the background)."""
-    argv = [*SCRIPT, "cut", "--prefix", topology["prefix"], "--host", host, "--link", link, "--seconds", str(seconds)]
-    return subprocess.Popen(argv)
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +57,14 @@ def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
     wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 2, 600, "clean-single to train a few steps")
     (attempt,) = run.attempts("train", "clean-single")
     host = run.host_of(attempt)
-    _cut(topology, host, "public", 2 * LEASE_SECONDS).wait(timeout=60)
+    cut_link(topology, host, "public", 2 * LEASE_SECONDS).wait(timeout=60)
     # The pair's rank 1 host loses its private link past the collective timeout, between checkpoints.
     wait_for(lambda: len(run.rank_steps("clean-pair", 1)) >= 6, 600, "the pair to pass its first checkpoint")
     (pair,) = [j for j in run.jobs() if j["arm"] == "clean-pair"]
     rank1 = next(a for a in run.attempts("train", "clean-pair") if a["rank"] == 1)
     # The rest of the experiment is not this test's: it ends with the training (no evaluation, no replica).
     operate(run.server, f"/api/experiments/{run.experiment['id']}/autopilot", {"on": False})
-    _cut(topology, run.host_of(rank1), "private", COLLECTIVE_TIMEOUT_SECONDS + 4).wait(timeout=60)
+    cut_link(topology, run.host_of(rank1), "private", COLLECTIVE_TIMEOUT_SECONDS + 4).wait(timeout=60)
     run.wait_state({"trained"}, 900)
     return Cuts("clean-single", host, pair["id"])
 
