@@ -85,6 +85,14 @@ def sqlite_url(path: Path) -> str:
 
 
 def from_env() -> Settings:
+    settings = _read_env()
+    last = settings.rendezvous_port_base + settings.rendezvous_port_span - 1
+    if last > 65535:
+        raise CoopError(f"COOP_RENDEZVOUS_PORT_BASE + COOP_RENDEZVOUS_PORT_SPAN - 1 = {last} is past port 65535")
+    return settings
+
+
+def _read_env() -> Settings:
     home = Path(os.environ.get("COOP_HOME") or ".coop")
     url = os.environ.get("COOP_DATABASE_URL") or sqlite_url(home / "coordinator.sqlite3")
     return Settings(
@@ -100,4 +108,7 @@ def from_env() -> Settings:
         max_body_bytes=int(_number("COOP_MAX_BODY_BYTES", 8 * 1024 * 1024, 1024, 1 << 32)),
         max_blob_bytes=int(_number("COOP_MAX_BLOB_BYTES", 1024 * 1024 * 1024, 1024, 1 << 40)),
         gang_form_seconds=_number("COOP_GANG_FORM_SECONDS", 300.0, 0.1, 86_400.0),
+        # A gang's rendezvous port is one of BASE .. BASE + SPAN - 1 (the firewall opens that range between the hosts).
+        rendezvous_port_base=int(_number("COOP_RENDEZVOUS_PORT_BASE", 29500, 1024, 65535)),
+        rendezvous_port_span=int(_number("COOP_RENDEZVOUS_PORT_SPAN", 500, 1, 10_000)),
     )

@@ -5,12 +5,16 @@ through the coordinator's REST API."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiment.core import layout
+from experiment.report.attempts import TrainingFault, arm_faults, read_attempts
 from experiment.seed import seedmodel
 from tests.conftest import write_plan
 from tests.integration.agent.support import AgentProcess
@@ -64,6 +68,23 @@ class System:
                 events = self.server.get(f"/api/attempts/{attempt['id']}/events")
                 steps += [e["body"]["step"] for e in events if e["kind"] == "step"]
         return steps
+
+    def rank_steps_of(self, attempt: dict[str, Any]) -> list[int]:
+        """The steps one attempt reported."""
+        events = self.server.get(f"/api/attempts/{attempt['id']}/events")
+        return [e["body"]["step"] for e in events if e["kind"] == "step"]
+
+    def faults(self, arm: str, folder: Path) -> list[TrainingFault]:
+        """What ``arm``'s faults cost, as the report counts them from the exported evidence bundle."""
+        response = self.server.http.get(f"/api/experiments/{self.experiment['id']}/evidence.tar")
+        assert response.status_code == 200, response.text
+        with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
+            tar.extractall(folder, filter="data")
+        attempts = read_attempts(folder)
+        assert attempts is not None
+        results = sorted((folder / layout.arm_runs(arm)).glob("rank-*/result.json"))
+        resumed = [json.loads(path.read_bytes())["resumed_from_step"] for path in results]
+        return arm_faults(folder / layout.ATTEMPTS, arm, attempts, resumed, _require)
 
     def agent_id(self, name: str) -> str:
         agent: str = next(a["id"] for a in self.server.get("/api/agents") if a["name"] == name)
@@ -121,6 +142,10 @@ class System:
             return state if state in states else None
 
         return wait_for(reached, seconds, f"the experiment to become {states}")
+
+
+def _require(condition: bool, where: Path | str, field: str, problem: str) -> None:
+    assert condition, f"{where}: {field}: {problem}"
 
 
 def start(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from experiment import wire
 from experiment.seed import seedmodel
 from tests.integration.agent.support import AgentProcess
 from tests.support.agent import FakeAgent, rejection
-from tests.support.processes import QUICK, CoordinatorProcess
+from tests.support.processes import QUICK, CoordinatorProcess, free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -273,3 +274,63 @@ def test_an_agent_token_cannot_start_or_write_another_agents_attempt(
 def test_upload_keys_name_job_attempt_and_sequence() -> None:
     job, attempt = uuid.uuid4(), uuid.uuid4()
     assert upload_key(job, attempt, 3) == f"{job}:{attempt}:3"
+
+
+def _two_free_ports() -> int:
+    """A port P such that P and P + 1 are free on loopback now."""
+    for _ in range(50):
+        base = free_port()
+        if base < 65535:
+            with contextlib.suppress(OSError), socket.socket() as probe:
+                probe.bind(("127.0.0.1", base + 1))
+                return base
+    raise AssertionError("no two adjacent free ports")
+
+
+def test_a_gang_whose_rendezvous_port_is_taken_is_requeued_and_trains_on_the_next(
+    tmp_path: Path, small_seed: tuple[Path, seedmodel.Snapshot], small_plan: Path
+) -> None:
+    base = _two_free_ports()
+    home = tmp_path / "coordinator"
+    home.mkdir()
+    span = {"COOP_RENDEZVOUS_PORT_BASE": str(base), "COOP_RENDEZVOUS_PORT_SPAN": "2"}
+    server = CoordinatorProcess(home, **QUICK, **span)
+    server.start()
+    agents = [
+        AgentProcess(server, name, tmp_path / name, small_seed[0], server.agent_token(name))
+        for name in ("host-a", "host-b")
+    ]
+    taken = socket.socket()
+    try:
+        experiment = server.create_experiment(small_plan)
+        agents[0].start()
+        pair = wait_for(
+            lambda: next((j for j in server.jobs(experiment["id"]) if j["arm"] == "clean-pair"), None),
+            120,
+            "the pair's job to be queued",
+        )
+        # Something else listens on the port of the gang's first attempt (the coordinator's choice, per job and
+        # attempt); only then can the gang form.
+        first_port = base + (uuid.UUID(pair["id"]).int + 1) % 2
+        taken.bind(("127.0.0.1", first_port))
+        taken.listen()
+        agents[1].start()
+        done = wait_for(
+            lambda: (j := server.get(f"/api/jobs/{pair['id']}"))["state"] in {"succeeded", "failed"} and j,
+            300,
+            "the pair to train",
+        )
+        attempts = _attempts(server, pair["id"])
+        assert done["state"] == "succeeded", (attempts, [a.log()[-3000:] for a in agents])
+        first = {a["rank"]: a for a in attempts if a["number"] == 1}
+        # Rank 0 could not listen: its attempt ended lost (not failed), its peer with it, and the gang was requeued.
+        assert first[0]["state"] == "lost" and "address already in use" in first[0]["reason"], first[0]
+        assert first[0]["master_port"] == first_port and first[1]["state"] in {"lost", "cancelled"}
+        second = [a for a in attempts if a["number"] == 2]
+        assert sorted((a["rank"], a["state"]) for a in second) == [(0, "succeeded"), (1, "succeeded")]
+        assert {a["master_port"] for a in second} == {base + base + 1 - first_port}
+    finally:
+        taken.close()
+        for agent in agents:
+            agent.stop()
+        server.close()

@@ -5,6 +5,10 @@ run's of the same prepared inputs."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sqlite3
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +33,42 @@ COLLECTIVE_TIMEOUT_SECONDS = 10.0
 COUNTS: dict[str, Any] = {**system.COUNTS, "collective_timeout_seconds": COLLECTIVE_TIMEOUT_SECONDS}
 
 
+# Short of the lease (heartbeats resume before it lapses), long enough to fail the agent's sends and their retries.
+UPLOAD_CUT_SECONDS = 3.0
+UPLOADING_ARM = "damaged-single"
+
+
 @dataclass
 class Cuts:
     single_arm: str
     single_host: str
     pair_job: str
+    uploading_host: str  # the host whose public link was cut as UPLOADING_ARM finished, during its uploads
+
+
+class UploadCut(threading.Thread):
+    """Watches the agents' spools for UPLOADING_ARM's last update; at once cuts that host's public link for
+    UPLOAD_CUT_SECONDS, so that the run's result, its evidence blobs and its last events go up across the cut."""
+
+    def __init__(self, run: System, topology: dict[str, Any]) -> None:
+        super().__init__(name="upload-cut", daemon=True)
+        self.system, self.topology = run, topology
+        self.host: str | None = None
+        self.stop = threading.Event()
+
+    def _finished_on(self) -> str | None:
+        for name, agent in self.system.agents.items():
+            steps = agent.spooled_bodies("step")
+            if any(s.get("arm") == UPLOADING_ARM and s.get("step") == COUNTS["updates"] for s in steps):
+                return name
+        return None
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            if (host := self._finished_on()) is not None:
+                cut_link(self.topology, host, "public", UPLOAD_CUT_SECONDS).wait(timeout=60)
+                self.host = host
+                return
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +88,8 @@ def cut(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, Cuts
 
 
 def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
+    uploads = UploadCut(run, topology)
+    uploads.start()
     # A single arm's host loses its public link for twice the lease, while the arm trains.
     wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 2, 600, "clean-single to train a few steps")
     (attempt,) = run.attempts("train", "clean-single")
@@ -66,7 +103,9 @@ def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
     operate(run.server, f"/api/experiments/{run.experiment['id']}/autopilot", {"on": False})
     cut_link(topology, run.host_of(rank1), "private", COLLECTIVE_TIMEOUT_SECONDS + 4).wait(timeout=60)
     run.wait_state({"trained"}, 900)
-    return Cuts("clean-single", host, pair["id"])
+    uploads.join(timeout=60)
+    assert uploads.host is not None, f"{UPLOADING_ARM} was never seen to finish"
+    return Cuts("clean-single", host, pair["id"], uploads.host)
 
 
 def test_a_single_whose_host_lost_its_public_link_past_the_lease_is_retried_to_the_same_parameters(
@@ -77,6 +116,13 @@ def test_a_single_whose_host_lost_its_public_link_past_the_lease_is_retried_to_t
     assert attempts[0]["state"] == "lost" and "lease expired" in attempts[0]["reason"], attempts
     assert [a["state"] for a in attempts[1:]] == ["succeeded"], attempts  # one retry, which finished
     assert run.model_identity(cuts.single_arm) == run.uninterrupted(cuts.single_arm, 1, TINY, tmp_path)
+    # What the cut cost, from the bundle: the updates the lost attempt was heard to finish past where its retry
+    # resumed, and more time than the lease the coordinator waited before it declared the attempt lost.
+    (fault,) = run.faults(cuts.single_arm, tmp_path / "bundle")
+    heard = max(run.rank_steps_of(attempts[0]))
+    assert fault.ended == ["lost"] and fault.resumed_from_step == run.resumed_from(attempts[1:]).pop()
+    assert fault.updates_recomputed == heard - fault.resumed_from_step
+    assert fault.seconds_lost > LEASE_SECONDS
 
 
 def test_a_pair_whose_private_link_was_cut_is_retried_from_a_shared_checkpoint_to_the_same_parameters(
@@ -97,3 +143,35 @@ def test_a_pair_whose_private_link_was_cut_is_retried_from_a_shared_checkpoint_t
     # Both ranks resumed from one checkpoint, one both held.
     assert len(resumed) == 1 and resumed <= set(COUNTS["checkpoint_steps"]), resumed
     assert run.model_identity("clean-pair") == run.uninterrupted("clean-pair", 2, TINY, tmp_path)
+    faults = run.faults("clean-pair", tmp_path / "bundle")
+    assert [f.generation for f in faults] == list(range(1, last))
+    # The first generation's cost: past the checkpoint both resumed from, and at least the collective's timeout.
+    heard = max(s for a in attempts if a["number"] == 1 for s in run.rank_steps_of(a))
+    assert faults[0].updates_recomputed == heard - faults[0].resumed_from_step > 0
+    assert faults[-1].resumed_from_step == resumed.pop()
+    assert faults[0].seconds_lost > COLLECTIVE_TIMEOUT_SECONDS
+
+
+def test_uploads_across_a_cut_public_link_arrive_once_each_and_nothing_is_lost(cut: tuple[System, Cuts]) -> None:
+    run, cuts = cut
+    *_, last = run.attempts("train", UPLOADING_ARM)
+    assert last["state"] == "succeeded" and run.host_of(last) == cuts.uploading_host, last
+    agent = run.agents[cuts.uploading_host]
+    with sqlite3.connect(agent.work_dir / "spool.sqlite3") as db:
+        rows = db.execute("SELECT kind, body, state FROM uploads WHERE attempt_id = ?", (last["id"],)).fetchall()
+    # The agent's own record: every upload of the attempt was acknowledged, none refused.
+    assert rows and {state for _, _, state in rows} == {"acknowledged"}, rows
+    spooled = [e for kind, body, _ in rows if kind == "events" for e in json.loads(body)["events"]]
+    # The coordinator holds each event the agent spooled, once, in order.
+    events = [e for e in run.server.get(f"/api/attempts/{last['id']}/events") if e["sequence"] is not None]
+    assert [e["sequence"] for e in events] == list(range(len(spooled)))
+    assert [(e["kind"], e["body"]) for e in events] == [(e["kind"], e["body"]) for e in spooled]
+    resumed = run.resumed_from([last]).pop()
+    steps = [e["body"]["step"] for e in events if e["kind"] == "step"]
+    assert steps == list(range(resumed + 1, COUNTS["updates"] + 1))
+    # The evidence it recorded is the run's files on the host, byte for byte.
+    listed = {f["path"]: f["sha256"] for f in run.server.get(f"/api/experiments/{run.experiment['id']}/evidence")}
+    folder = agent.work_dir / "experiments" / run.experiment["id"] / "home" / "runs" / UPLOADING_ARM / "rank-0"
+    for name in ("result.json", "run.json"):
+        local = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        assert listed[f"runs/{UPLOADING_ARM}/rank-0/{name}"] == local
