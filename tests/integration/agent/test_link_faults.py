@@ -5,6 +5,7 @@ run's of the same prepared inputs."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import sqlite3
@@ -44,6 +45,7 @@ class Cuts:
     single_host: str
     pair_job: str
     uploading_host: str  # the host whose public link was cut as UPLOADING_ARM finished, during its uploads
+    uploads_cut_at: datetime.datetime
 
 
 class UploadCut(threading.Thread):
@@ -54,6 +56,7 @@ class UploadCut(threading.Thread):
         super().__init__(name="upload-cut", daemon=True)
         self.system, self.topology = run, topology
         self.host: str | None = None
+        self.cut_at: datetime.datetime | None = None
         self.stop = threading.Event()
 
     def _finished_on(self) -> str | None:
@@ -66,6 +69,7 @@ class UploadCut(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.05):
             if (host := self._finished_on()) is not None:
+                self.cut_at = datetime.datetime.now(datetime.UTC)
                 cut_link(self.topology, host, "public", UPLOAD_CUT_SECONDS).wait(timeout=60)
                 self.host = host
                 return
@@ -104,8 +108,8 @@ def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
     cut_link(topology, run.host_of(rank1), "private", COLLECTIVE_TIMEOUT_SECONDS + 4).wait(timeout=60)
     run.wait_state({"trained"}, 900)
     uploads.join(timeout=60)
-    assert uploads.host is not None, f"{UPLOADING_ARM} was never seen to finish"
-    return Cuts("clean-single", host, pair["id"], uploads.host)
+    assert uploads.host is not None and uploads.cut_at is not None, f"{UPLOADING_ARM} was never seen to finish"
+    return Cuts("clean-single", host, pair["id"], uploads.host, uploads.cut_at)
 
 
 def test_a_single_whose_host_lost_its_public_link_past_the_lease_is_retried_to_the_same_parameters(
@@ -161,11 +165,17 @@ def test_uploads_across_a_cut_public_link_arrive_once_each_and_nothing_is_lost(c
         rows = db.execute("SELECT kind, body, state FROM uploads WHERE attempt_id = ?", (last["id"],)).fetchall()
     # The agent's own record: every upload of the attempt was acknowledged, none refused.
     assert rows and {state for _, _, state in rows} == {"acknowledged"}, rows
-    spooled = [e for kind, body, _ in rows if kind == "events" for e in json.loads(body)["events"]]
-    # The coordinator holds each event the agent spooled, once, in order.
+    batches = [json.loads(body) for kind, body, _ in rows if kind == "events"]
+    spooled = [e for batch in batches for e in batch["events"]]
+    # The coordinator holds each event the agent spooled, once, in order, from every batch.
     events = [e for e in run.server.get(f"/api/attempts/{last['id']}/events") if e["sequence"] is not None]
-    assert [e["sequence"] for e in events] == list(range(len(spooled)))
     assert [(e["kind"], e["body"]) for e in events] == [(e["kind"], e["body"]) for e in spooled]
+    sequences = sorted(b["sequence"] for b in batches)
+    assert sorted({e["sequence"] for e in events}) == sequences == list(range(len(batches)))
+    # The result crossed the cut: the coordinator recorded it only after the link went down.
+    states = [e for e in run.server.get(f"/api/attempts/{last['id']}/events") if e["kind"] == "state"]
+    (ended,) = [e for e in states if e["body"]["to"] == "succeeded"]
+    assert datetime.datetime.fromisoformat(ended["at"]) > cuts.uploads_cut_at
     resumed = run.resumed_from([last]).pop()
     steps = [e["body"]["step"] for e in events if e["kind"] == "step"]
     assert steps == list(range(resumed + 1, COUNTS["updates"] + 1))
