@@ -19,10 +19,13 @@ Count = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 Positive = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 ArmName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9-]*$")]
-# What an arm is in the experiment's design: the untouched seed (the baseline, never trained), a single rank
-# on the clean documents, a single rank on the damaged documents, or the clean documents on a synchronous
-# gang of ``training.pair_world_size`` ranks.
-ArmRole = Literal["baseline", "clean", "damaged", "pair"]
+# What an arm is in the experiment's design. The reference design: the untouched seed (the baseline, never
+# trained), a single rank on the clean documents, a single rank on the damaged documents, and the clean documents
+# on a synchronous gang of ``training.pair_world_size`` ranks. The local-SGD design: the baseline, synchronous DDP
+# over the arm's ``ranks`` (the control), and DiLoCo workers over as many ranks, both on the clean documents.
+ArmRole = Literal["baseline", "clean", "damaged", "pair", "control", "diloco"]
+REFERENCE_ROLES = ("baseline", "clean", "damaged", "pair")
+LOCAL_SGD_ROLES = ("baseline", "control", "diloco")
 
 
 # omit_defaults: a field a plan leaves out is not part of its identity, so adding an optional field changes no
@@ -143,6 +146,20 @@ class ArmPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defa
     name: ArmName
     role: ArmRole
     served: bool = False  # the arm whose selected final checkpoint the serving phases load
+    # The local-SGD design's arms: the ranks the global batch is split over (the control's and DiLoCo's alike)
+    ranks: Annotated[int, msgspec.Meta(ge=2, le=64)] | None = None
+    # DiLoCo's: the inner updates between outer steps (H), and the outer Nesterov step's rate and momentum
+    sync_every: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    outer_learning_rate: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] | None = None
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] | None = None
+
+
+class NonInferiorityPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The local-SGD design's quality criterion: DiLoCo's test accuracy is no worse than its control's by more
+    than ``margin`` (a fraction of the test items), by an exact one-sided test at ``max_p_value``."""
+
+    margin: Fraction
+    max_p_value: Fraction
 
 
 # The arms of a plan that declares none: the reference design (PROTOCOL.md). Plans name their arms; this
@@ -169,6 +186,7 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
     serving: ServingPlan
     hosts: HostsPlan
     arms: tuple[ArmPlan, ...] = ()
+    noninferiority: NonInferiorityPlan | None = None  # the local-SGD design's criterion (and only its)
 
     # The arms, declared once ----------------------------------------------------------------------------
 
@@ -193,11 +211,24 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
                 return arm.role
         raise CoopError(f"plan {self.name} has no arm {name!r}; its arms are {', '.join(self.arm_names())}")
 
+    def arm_plan(self, name: str) -> ArmPlan:
+        self.role_of(name)  # refuses an arm the plan lacks, naming its arms
+        return next(arm for arm in self.arm_table() if arm.name == name)
+
+    def design(self) -> Literal["reference", "local-sgd"]:
+        return "local-sgd" if any(arm.role == "diloco" for arm in self.arm_table()) else "reference"
+
     def served_arm(self) -> str:
-        return next(arm.name for arm in self.arm_table() if arm.served)
+        served = [arm.name for arm in self.arm_table() if arm.served]
+        if not served:
+            raise CoopError(f"plan {self.name} serves no arm")
+        return served[0]
 
     def world_size(self, name: str) -> int:
-        return self.training.pair_world_size if self.role_of(name) == "pair" else 1
+        arm = self.arm_plan(name)
+        if arm.role == "pair":
+            return self.training.pair_world_size
+        return arm.ranks or 1
 
     def training_documents(self, name: str) -> Literal["train-clean", "train-damaged"]:
         """The prepared documents a trained arm learns from."""
@@ -250,19 +281,68 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             raise ValueError("serving.workload_tasks must not exceed tasks.dev (the workload is dev tasks)")
         if (self.replay.source == "repository") != (self.replay.folder is not None):
             raise ValueError("replay.folder is required for source 'repository' and refused otherwise")
-        _check_arms(self.arm_table())
+        arms = self.arm_table()
+        names = [arm.name for arm in arms]
+        if len(set(names)) != len(names):
+            raise ValueError("arms: every arm has its own name")
+        if self.design() == "reference":
+            _check_reference_arms(arms)
+            if self.noninferiority is not None:
+                raise ValueError("noninferiority: is the local-SGD design's criterion; the reference design has none")
+        else:
+            _check_local_sgd_arms(arms, training)
+            if self.noninferiority is None:
+                raise ValueError("noninferiority: the local-SGD design needs its margin and max_p_value")
 
 
-def _check_arms(arms: tuple[ArmPlan, ...]) -> None:
-    names = [arm.name for arm in arms]
-    if len(set(names)) != len(names):
-        raise ValueError("arms: every arm has its own name")
-    roles = sorted(arm.role for arm in arms)
-    if roles != sorted(("baseline", "clean", "damaged", "pair")):
+def _check_reference_arms(arms: tuple[ArmPlan, ...]) -> None:
+    if sorted(arm.role for arm in arms) != sorted(REFERENCE_ROLES):
         raise ValueError("arms: one arm each for the roles baseline, clean, damaged and pair")
+    for index, arm in enumerate(arms):
+        for field in ("ranks", "sync_every", "outer_learning_rate", "outer_momentum"):
+            if getattr(arm, field) is not None:
+                raise ValueError(f"arms[{index}].{field}: belongs to the local-SGD design's arms only")
     served = [arm for arm in arms if arm.served]
     if len(served) != 1 or served[0].role in {"baseline", "damaged"}:
         raise ValueError("arms: exactly one trained, undamaged arm is served; the damaged arm is never served")
+
+
+def _check_local_sgd_arms(arms: tuple[ArmPlan, ...], training: TrainingPlan) -> None:
+    """DiLoCo against its matched control: the same documents (the clean ones), schedule and global batch (the
+    plan's, shared by construction), split over the same number of ranks."""
+    if sorted(arm.role for arm in arms) != sorted(LOCAL_SGD_ROLES):
+        raise ValueError("arms: one arm each for the roles baseline, control and diloco")
+    index = {arm.role: i for i, arm in enumerate(arms)}
+    control, diloco = arms[index["control"]], arms[index["diloco"]]
+    for role in ("control", "diloco"):
+        if arms[index[role]].ranks is None:
+            raise ValueError(f"arms[{index[role]}].ranks: the {role} arm names the ranks it trains on")
+    if diloco.ranks != control.ranks:
+        raise ValueError(
+            f"arms[{index['diloco']}].ranks: {diloco.ranks} differs from its control {control.name}'s "
+            f"{control.ranks}; both split the same global batch over the same number of ranks"
+        )
+    assert control.ranks is not None
+    if training.documents_per_update % control.ranks:
+        raise ValueError(
+            f"arms[{index['control']}].ranks: training.documents_per_update ({training.documents_per_update}) "
+            f"must split evenly over {control.ranks} ranks"
+        )
+    for field in ("sync_every", "outer_learning_rate", "outer_momentum"):
+        if getattr(control, field) is not None:
+            raise ValueError(f"arms[{index['control']}].{field}: the control synchronizes every update")
+        if getattr(diloco, field) is None:
+            raise ValueError(f"arms[{index['diloco']}].{field}: DiLoCo's arm needs it")
+    every = diloco.sync_every
+    assert every is not None
+    stranded = [step for step in training.checkpoint_steps if step % every]
+    if stranded:
+        raise ValueError(
+            f"arms[{index['diloco']}].sync_every: {every} must divide every checkpoint step (a run resumes only "
+            f"at an outer step); {stranded} do not"
+        )
+    if any(arm.served for arm in arms):
+        raise ValueError("arms: the local-SGD design serves no arm")
 
 
 def parse_plan(data: bytes, origin: str) -> Plan:

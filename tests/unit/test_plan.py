@@ -151,3 +151,69 @@ def test_a_gpu_plan_answers_in_bfloat16_only() -> None:
     """vLLM's batch-invariant float32 matmuls on an L40S round through TF32, not the evaluation's float32."""
     with pytest.raises(CoopError, match=r"evaluation\.numerics must be bfloat16 on cuda"):
         parse_plan(_edited(REFERENCE, 'numerics = "bfloat16"', 'numerics = "float32"'), "edited.toml")
+
+
+LOCAL_SGD_ARMS = """
+[noninferiority]
+margin = 0.05
+max_p_value = 0.05
+
+[[arms]]
+name = "seed"
+role = "baseline"
+
+[[arms]]
+name = "ddp-4"
+role = "control"
+ranks = 4
+
+[[arms]]
+name = "diloco-4"
+role = "diloco"
+ranks = 4
+sync_every = 16
+outer_learning_rate = 0.7
+outer_momentum = 0.9
+"""
+
+
+def _local_sgd(old: str = "", new: str = "") -> bytes:
+    return (_without_arms(LOCAL).decode() + LOCAL_SGD_ARMS.replace(old, new)).encode()
+
+
+def test_a_local_sgd_plan_sets_diloco_against_its_matched_ddp_control() -> None:
+    plan = parse_plan(_local_sgd(), "local-sgd")
+    assert plan.design() == "local-sgd" and load_plan(LOCAL).design() == "reference"
+    assert plan.arm_names() == ("seed", "ddp-4", "diloco-4") and plan.trained_arms() == ("ddp-4", "diloco-4")
+    assert [plan.world_size(arm) for arm in plan.arm_names()] == [1, 4, 4]
+    assert {plan.training_documents(arm) for arm in plan.trained_arms()} == {"train-clean"}
+    assert plan.arm_plan("diloco-4").sync_every == 16 and plan.noninferiority is not None
+    with pytest.raises(CoopError, match="serves no arm"):
+        plan.served_arm()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ("ranks = 4\nsync_every", "ranks = 2\nsync_every", r"arms\[2\]\.ranks: 2 differs from its control ddp-4's 4"),
+        ("ranks = 4", "ranks = 3", r"arms\[1\]\.ranks: .* split evenly over 3 ranks"),
+        ('role = "control"\nranks = 4', 'role = "control"', r"arms\[1\]\.ranks: the control arm names"),
+        ("sync_every = 16", "sync_every = 48", r"arms\[2\]\.sync_every: 48 must divide every checkpoint step"),
+        ("outer_momentum = 0.9\n", "", r"arms\[2\]\.outer_momentum: DiLoCo's arm needs it"),
+        ("ranks = 4\n\n", "ranks = 4\nsync_every = 16\n\n", r"arms\[1\]\.sync_every: the control synchronizes"),
+        ("[noninferiority]\nmargin = 0.05\nmax_p_value = 0.05\n", "", "noninferiority: the local-SGD design needs"),
+        ('role = "baseline"', 'role = "baseline"\nserved = true', "serves no arm"),
+    ],
+)
+def test_a_diloco_arm_that_does_not_match_its_control_is_refused_naming_the_field(
+    old: str, new: str, problem: str
+) -> None:
+    with pytest.raises(CoopError, match=problem):
+        parse_plan(_local_sgd(old, new), "edited")
+
+
+def test_the_reference_design_takes_no_local_sgd_fields() -> None:
+    with pytest.raises(CoopError, match=r"arms\[1\]\.ranks: belongs to the local-SGD design"):
+        parse_plan(_edited(LOCAL, 'role = "clean"', 'role = "clean"\nranks = 2'), "edited")
+    with pytest.raises(CoopError, match="noninferiority: is the local-SGD design's criterion"):
+        parse_plan(LOCAL.read_bytes() + b"\n[noninferiority]\nmargin = 0.05\nmax_p_value = 0.05\n", "edited")
