@@ -27,6 +27,7 @@ SLOW_FIRST = (
     "tests/integration/agent/test_link_faults.py",
     "tests/integration/test_training.py",
     "tests/integration/coordinator/test_faults.py",
+    "tests/integration/test_diloco.py",
 )
 
 
@@ -84,6 +85,9 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
     plan["serving"]["workload_tasks"] = counts["workload_tasks"]
     if "collective_timeout_seconds" in counts:
         plan["runtime"]["collective_timeout_seconds"] = counts["collective_timeout_seconds"]
+    for arm in plan.get("arms", []):
+        if arm["role"] == "diloco" and "sync_every" in counts:
+            arm["sync_every"] = counts["sync_every"]
     plan["name"] = "small"
     plan["seed"]["files"] = dict(seed.files)
     plan["seed"]["tokenizer_identity"] = seed.tokenizer_identity

@@ -94,6 +94,7 @@ def save(
     journal: list[StepRecord],
     seed_dir: Path,
     layout: seedmodel.TensorLayout,
+    extra: dict[str, Any] | None = None,
 ) -> Pointer:
     """Write the checkpoint into a temporary folder, rename it into place, then write its pointer. The weights
     take the seed's tensor ``layout``; its other files come from ``seed_dir``. Each file is hashed once, into the
@@ -114,6 +115,8 @@ def save(
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, staging / RNG)
+    for name, state in (extra or {}).items():  # more of the run's state (a DiLoCo run's outer state)
+        torch.save(state, staging / name)
     receipt = Receipt(
         step=step, binding=binding, parameter_digest=parameter_digest, files=_files_under(staging), journal=journal
     )
@@ -251,3 +254,11 @@ def load_state(run_dir: Path, pointer: Pointer, optimizer: torch.optim.Optimizer
 
 def model_dir(run_dir: Path, pointer: Pointer) -> Path:
     return run_dir / "checkpoints" / pointer.checkpoint / MODEL_DIR
+
+
+def load_extra(run_dir: Path, pointer: Pointer, name: str) -> Any:
+    """State the run saved beside the optimizer's under ``name`` (verified with the checkpoint's receipt)."""
+    path = run_dir / "checkpoints" / pointer.checkpoint / name
+    if not path.is_file():
+        raise CoopError(f"checkpoint {pointer.checkpoint} has no {name}; this run resumes only from its full state")
+    return torch.load(path, weights_only=True)

@@ -30,10 +30,11 @@ from torch.nn.parallel import DistributedDataParallel
 from experiment.core import determinism, layout
 from experiment.core.canonical import identity, read_json, write_new_json
 from experiment.core.errors import CoopError, LinkError
-from experiment.core.plan import Plan
+from experiment.core.plan import ArmPlan, Plan
 from experiment.core.progress import Emit
 from experiment.learning import checkpoint, distributed, preflight
 from experiment.learning.corpus import Document, Prepared, load_prepared, seed_snapshot
+from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
 from experiment.learning.records import ResourceSample, StepRecord
 from experiment.learning.resources import NetworkCounters, Sampler, network_counters
@@ -155,6 +156,9 @@ class Update(msgspec.Struct, frozen=True):
     documents: int
 
 
+# A DiLoCo checkpoint's outer state (experiment.learning.diloco), beside the inner optimizer's.
+OUTER = "outer.pt"
+
 # DDP's gradient buckets: one for the whole model (the 1.7B seed's 6.85 GB of gradients fit in 7). Its all-reduce
 # starts once the last document's backward is done; smaller buckets would start earlier (bench/private_link.py
 # measures what that overlap is worth).
@@ -185,6 +189,7 @@ class Trainer:
         model: torch.nn.Module,
         documents: list[Document],
         scale: LossScale = protocol_scale,
+        arm: ArmPlan | None = None,
     ) -> None:
         self.plan = plan
         self.world = world
@@ -192,7 +197,16 @@ class Trainer:
         self.model = model
         self.documents = documents
         self.scale = scale
-        self.network: torch.nn.Module = wrap_ddp(model, device) if world.distributed else model
+        # A DiLoCo arm's workers each step on their own gradients, and meet only at the outer step every
+        # ``sync_every`` updates; every other arm of more than one rank reduces its gradients every update (DDP).
+        self.outer: OuterState | None = None
+        self.sync_every = 1
+        self.handed_bytes = 0  # to the outer step's all-reduce
+        if arm is not None and arm.role == "diloco":
+            assert arm.sync_every and arm.outer_learning_rate and arm.outer_momentum is not None  # the plan's rule
+            self.outer = OuterState(list(model.parameters()), arm.outer_learning_rate, arm.outer_momentum)
+            self.sync_every = arm.sync_every
+        self.network: torch.nn.Module = wrap_ddp(model, device) if world.distributed and self.outer is None else model
         training = plan.training
         self.optimizer = torch.optim.AdamW(
             parameter_groups(model, training.weight_decay),
@@ -252,7 +266,13 @@ class Trainer:
             raise CoopError(f"update {step}: the gradient norm is {norm}; training aborts")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.outer is not None and step % self.sync_every == 0:
+            self.handed_bytes += self.outer.synchronize(self.world)
         return rate, norm
+
+    def outer_steps(self, step: int) -> int:
+        """The outer steps up to and including ``step`` (none for an arm that synchronizes every update)."""
+        return step // self.sync_every if self.outer is not None else 0
 
 
 class RunRecord(msgspec.Struct, frozen=True):
@@ -484,6 +504,7 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
             progress.journal,
             run.model_dir,
             progress.tensor_layout,
+            extra={} if trainer.outer is None else {OUTER: trainer.outer.state_dict()},
         )
         written = "checkpoint"
     else:
@@ -521,6 +542,7 @@ def _updates(
                 "done": step,
                 "total": run.plan.training.updates,
                 **{k: v for k, v in msgspec.to_builtins(entry).items() if "positions" not in k},
+                **({"outer_steps": trainer.outer_steps(step)} if trainer.outer is not None else {}),
             }
         )
         if step in run.plan.training.checkpoint_steps:
@@ -531,9 +553,23 @@ def _updates(
     return True
 
 
+def _synchronization(run: _Run, trainer: Trainer) -> dict[str, Any]:
+    """How the ranks met: a DiLoCo arm's outer steps and the bytes it handed their all-reduce in this attempt."""
+    if trainer.outer is None:
+        return {}
+    updates = run.plan.training.updates
+    return {
+        "synchronization": "diloco",
+        "sync_every": trainer.sync_every,
+        "outer_steps": trainer.outer_steps(updates),
+        "outer_allreduce_bytes": trainer.handed_bytes,
+    }
+
+
 def _result(
     run: _Run,
     progress: _Progress,
+    trainer: Trainer,
     final_digest: str,
     loop_seconds: float,
     network_start: NetworkCounters,
@@ -550,7 +586,7 @@ def _result(
         binding=run.binding,
         prepared_identity=run.prepared.identity,
         numerical_profile=run.profile,
-        communication=communication_profile(run.device, run.plan.runtime.backend),
+        communication=communication_profile(run.device, run.plan.runtime.backend) | _synchronization(run, trainer),
         parameter_digest=final_digest,
         candidate=pointer,
         journal=progress.journal,
@@ -610,9 +646,13 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
     with _process_group(run.world, run.plan), contextlib.ExitStack() as closing:
         record = _start(run)
         progress = _resume(run)
-        trainer = closing.enter_context(Trainer(run.plan, run.world, run.device, progress.model, run.documents))
+        trainer = closing.enter_context(
+            Trainer(run.plan, run.world, run.device, progress.model, run.documents, arm=run.plan.arm_plan(arm))
+        )
         if progress.pointer is not None:
             checkpoint.load_state(run.directory, progress.pointer, trainer.optimizer, run.device)
+            if trainer.outer is not None:
+                trainer.outer.load_state_dict(checkpoint.load_extra(run.directory, progress.pointer, OUTER))
         emit(
             {
                 "event": "started",
@@ -632,6 +672,6 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
             final_digest = distributed.parameter_digest(progress.model)
             distributed.agree(run.world, "final parameter digest", final_digest, run.device)
             loop_seconds = _clock(run.device) - loop_start
-        result = _result(run, progress, final_digest, loop_seconds, network_start, sampler)
+        result = _result(run, progress, trainer, final_digest, loop_seconds, network_start, sampler)
         _complete(run, result, emit)
         return result

@@ -1,21 +1,34 @@
-"""DiLoCo's outer loop (experiment.learning.diloco) on four real gloo ranks, against a single-process reference
-of the same arithmetic written here: four models in one process, each with its own AdamW, and torch's own
-SGD with Nesterov momentum taking the outer step on the mean pseudo-gradient."""
+"""DiLoCo (experiment.learning.diloco, docs/local-sgd.md).
+
+Its outer step on four real gloo ranks, against a single-process reference of the same arithmetic written here:
+four models in one process, each with its own AdamW, and torch's own SGD with Nesterov momentum taking the outer
+step on the mean pseudo-gradient. Then `coop train` of plans/local-diloco.toml's DiLoCo arm on four ranks of the
+small seed: the workers meet only at the outer steps, a stopped run resumes at an outer step to the same
+parameters, and a resume from another H or without the outer state is refused."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from experiment.core.plan import load_plan
+from experiment.learning import corpus, training
+from experiment.learning.corpus import load_prepared
+from experiment.seed import seedmodel
+from tests.conftest import write_plan
 from tests.integration import diloco_probe as probe
-from tests.support.processes import launch
+from tests.support import ROOT
+from tests.support.processes import coop_train, launch
 
 pytestmark = pytest.mark.slow
+Seed = tuple[Path, seedmodel.Snapshot]
 WORKERS = 4
 EVERY = 3
 ROUNDS = 3
@@ -100,3 +113,92 @@ def test_workers_resumed_from_their_full_state_at_an_outer_step_end_bit_identica
     resumed = run(tmp_path / "resumed", "--resume", str(saved))
     for rank in range(WORKERS):
         assert all(torch.equal(resumed[rank][n], ranks[rank][n]) for n in ranks[rank]), rank
+
+
+# `coop train` of the local-SGD plan's DiLoCo arm: four real ranks on the small seed, an outer step every 2 updates.
+DILOCO_PLAN = ROOT / "plans" / "local-diloco.toml"
+ARM = "diloco-4"
+
+
+def _prepared(folder: Path, seed: Seed, sync_every: int) -> Path:
+    plan_path = write_plan(folder / "plan.toml", seed[1], base=DILOCO_PLAN, sync_every=sync_every)
+    corpus.prepare(load_plan(plan_path), plan_path, folder / "home", seed[0], None, lambda event: None)
+    return folder / "home"
+
+
+def _copy(home: Path, folder: Path) -> Path:
+    shutil.copytree(home / "prepared", folder / "home" / "prepared")
+    return folder / "home"
+
+
+def _train(home: Path, seed: Seed, *extra: str) -> list[list[dict[str, Any]]]:
+    ranks = coop_train(home, seed[0], ARM, WORKERS, *extra)
+    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    return [[json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def diloco_home(tmp_path_factory: pytest.TempPathFactory, small_seed: Seed) -> Path:
+    return _prepared(tmp_path_factory.mktemp("diloco-plan"), small_seed, sync_every=2)
+
+
+@pytest.fixture(scope="module")
+def trained(diloco_home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = _copy(diloco_home, tmp_path_factory.mktemp("diloco-trained"))
+    _train(home, small_seed)
+    return home
+
+
+def _result(home: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((training.run_dir(home, ARM, rank) / "result.json").read_text())
+    return result
+
+
+def test_a_diloco_arm_trains_four_workers_that_meet_only_at_the_outer_steps(trained: Path) -> None:
+    plan = load_prepared(trained).plan
+    results = [_result(trained, rank) for rank in range(WORKERS)]
+    # Every worker ends on the last outer step's parameters.
+    assert len({r["parameter_digest"] for r in results}) == 1
+    outer_steps = plan.training.updates // 2
+    for result in results:
+        assert result["communication"] | {"outer_allreduce_bytes": None} == result["communication"] | {
+            "synchronization": "diloco",
+            "sync_every": 2,
+            "outer_steps": outer_steps,
+            "outer_allreduce_bytes": None,
+        }
+        # One all-reduce of every float32 parameter per outer step, and none in between.
+        assert result["communication"]["outer_allreduce_bytes"] == outer_steps * 4 * plan.seed.parameters
+
+
+def test_a_diloco_run_stopped_mid_way_resumes_at_an_outer_step_to_the_same_parameters(
+    diloco_home: Path, trained: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    home = _copy(diloco_home, tmp_path)
+    _train(home, small_seed, "--stop-after", "3")  # past the outer step and checkpoint at 2
+    resumed = _train(home, small_seed)
+    assert {events[0]["resumed_from_step"] for events in resumed} == {2}
+    assert {_result(home, r)["parameter_digest"] for r in range(WORKERS)} == {_result(trained, 0)["parameter_digest"]}
+
+
+def _refused(home: Path, seed: Seed, says: str) -> None:
+    """Every rank exits 2 naming ``says``, and the home holds the same files as before."""
+    before = {p.relative_to(home).as_posix(): p.stat().st_mtime_ns for p in home.rglob("*")}
+    ranks = coop_train(home, seed[0], ARM, WORKERS)
+    assert {r.returncode for r in ranks} == {2}, [r.stderr[-1500:] for r in ranks]
+    assert any(says in r.stderr for r in ranks), [r.stderr[-1500:] for r in ranks]
+    assert {p.relative_to(home).as_posix(): p.stat().st_mtime_ns for p in home.rglob("*")} == before
+
+
+def test_a_resume_with_another_h_or_without_the_outer_state_is_refused_and_changes_nothing(
+    diloco_home: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    home = _copy(diloco_home, tmp_path / "stopped")
+    _train(home, small_seed, "--stop-after", "2")
+    # The same checkpoints under a plan with another H: the run's binding differs, and no rank resumes.
+    other = _prepared(tmp_path / "other", small_seed, sync_every=4)
+    shutil.copytree(home / "runs", other / "runs")
+    _refused(other, small_seed, "binding")
+    # A checkpoint whose outer state is gone is not the run's full state.
+    (training.run_dir(home, ARM, 1) / "checkpoints" / "step-000002" / training.OUTER).unlink()
+    _refused(home, small_seed, training.OUTER)

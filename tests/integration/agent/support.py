@@ -108,6 +108,8 @@ class AgentProcess:
         if not path.exists():
             return []
         with sqlite3.connect(path, timeout=5) as db:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'uploads'").fetchone():
+                return []  # the agent is still making its spool
             bodies = db.execute("SELECT body FROM uploads WHERE kind = 'events'").fetchall()
         return [e["body"] for (body,) in bodies for e in json.loads(body)["events"] if e["kind"] == kind]
 

@@ -57,6 +57,7 @@ class UploadCut(threading.Thread):
         self.system, self.topology = run, topology
         self.host: str | None = None
         self.cut_at: datetime.datetime | None = None
+        self.failure: BaseException | None = None
         self.stop = threading.Event()
 
     def _finished_on(self) -> str | None:
@@ -67,6 +68,12 @@ class UploadCut(threading.Thread):
         return None
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except BaseException as exc:  # the fixture reports it
+            self.failure = exc
+
+    def _watch(self) -> None:
         while not self.stop.wait(0.05):
             if (host := self._finished_on()) is not None:
                 self.cut_at = datetime.datetime.now(datetime.UTC)
@@ -94,6 +101,13 @@ def cut(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, Cuts
 def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
     uploads = UploadCut(run, topology)
     uploads.start()
+    try:
+        return _cut_while_uploading(run, topology, uploads)
+    finally:
+        uploads.stop.set()
+
+
+def _cut_while_uploading(run: System, topology: dict[str, Any], uploads: UploadCut) -> Cuts:
     # A single arm's host loses its public link for twice the lease, while the arm trains.
     wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 2, 600, "clean-single to train a few steps")
     (attempt,) = run.attempts("train", "clean-single")
@@ -108,6 +122,7 @@ def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
     cut_link(topology, run.host_of(rank1), "private", COLLECTIVE_TIMEOUT_SECONDS + 4).wait(timeout=60)
     run.wait_state({"trained"}, 900)
     uploads.join(timeout=60)
+    assert uploads.failure is None, uploads.failure
     assert uploads.host is not None and uploads.cut_at is not None, f"{UPLOADING_ARM} was never seen to finish"
     return Cuts("clean-single", host, pair["id"], uploads.host, uploads.cut_at)
 
