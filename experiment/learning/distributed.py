@@ -123,6 +123,11 @@ def all_reduce_sum(world: World, value: float, device: torch.device) -> float:
     return _all_reduce(world, torch.tensor([value], dtype=torch.float64), dist.ReduceOp.SUM, device)
 
 
+def any_rank(world: World, flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on some rank."""
+    return bool(_all_reduce(world, torch.tensor([int(flag)], dtype=torch.int64), dist.ReduceOp.MAX, device))
+
+
 def minimum(world: World, value: int, device: torch.device) -> int:
     """The smallest of every rank's ``value``."""
     return int(_all_reduce(world, torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN, device))

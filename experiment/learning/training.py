@@ -448,12 +448,20 @@ def _resume(run: _Run) -> _Progress:
     if common and pointer is None:
         raise CoopError(f"{run.directory} has no checkpoint at step {common}, where the other ranks resume")
     journal: list[StepRecord] = []
+    problem = None
+    if pointer is not None:
+        try:
+            receipt = checkpoint.verify(run.directory, pointer, run.binding, tensor_layout)
+            _check_journal(receipt.journal, run.batches, f"checkpoint {pointer.checkpoint}")
+            journal = list(receipt.journal)
+        except CoopError as exc:
+            problem = str(exc)
+    # A gang refuses together: a rank whose checkpoint fails its checks, and every peer with it.
+    if distributed.any_rank(run.world, problem is not None, run.device):
+        raise CoopError(problem or f"a peer's checkpoint at step {common} failed its checks; no rank resumes")
     if pointer is None:
         model = seedmodel.load_model(run.model_dir)
     else:
-        receipt = checkpoint.verify(run.directory, pointer, run.binding, tensor_layout)
-        _check_journal(receipt.journal, run.batches, f"checkpoint {pointer.checkpoint}")
-        journal = list(receipt.journal)
         model = seedmodel.load_model(checkpoint.model_dir(run.directory, pointer))
     model.to(run.device)
     model.train()
@@ -551,6 +559,17 @@ def _updates(
             emit({"event": "stopped", "arm": run.arm, "rank": run.world.rank, "step": step})
             return False
     return True
+
+
+def _load_outer(run: _Run, pointer: checkpoint.Pointer, outer: OuterState) -> None:
+    """The outer momentum of the checkpoint every worker resumes from; every rank refuses if one lacks it."""
+    problem = None
+    try:
+        outer.load_state_dict(checkpoint.load_extra(run.directory, pointer, OUTER))
+    except CoopError as exc:
+        problem = str(exc)
+    if distributed.any_rank(run.world, problem is not None, run.device):
+        raise CoopError(problem or f"a peer's checkpoint at step {pointer.step} lacks its outer state; no rank resumes")
 
 
 def _synchronization(run: _Run, trainer: Trainer) -> dict[str, Any]:
@@ -652,7 +671,7 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
         if progress.pointer is not None:
             checkpoint.load_state(run.directory, progress.pointer, trainer.optimizer, run.device)
             if trainer.outer is not None:
-                trainer.outer.load_state_dict(checkpoint.load_extra(run.directory, progress.pointer, OUTER))
+                _load_outer(run, progress.pointer, trainer.outer)
         emit(
             {
                 "event": "started",

@@ -104,23 +104,13 @@ def test_four_gloo_workers_compute_the_single_process_reference(
     ] * WORKERS
 
 
-def test_workers_resumed_from_their_full_state_at_an_outer_step_end_bit_identical(
-    uninterrupted: tuple[Path, list[dict[str, torch.Tensor]]], tmp_path: Path
-) -> None:
-    _, ranks = uninterrupted
-    saved = tmp_path / "first"
-    run(saved, "--save-after", "2")
-    resumed = run(tmp_path / "resumed", "--resume", str(saved))
-    for rank in range(WORKERS):
-        assert all(torch.equal(resumed[rank][n], ranks[rank][n]) for n in ranks[rank]), rank
-
-
 # `coop train` of the local-SGD plan's DiLoCo arm: four real ranks on the small seed, an outer step every 2 updates.
 DILOCO_PLAN = ROOT / "plans" / "local-diloco.toml"
 ARM = "diloco-4"
 
 
 def _prepared(folder: Path, seed: Seed, sync_every: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
     plan_path = write_plan(folder / "plan.toml", seed[1], base=DILOCO_PLAN, sync_every=sync_every)
     corpus.prepare(load_plan(plan_path), plan_path, folder / "home", seed[0], None, lambda event: None)
     return folder / "home"
@@ -196,7 +186,7 @@ def test_a_resume_with_another_h_or_without_the_outer_state_is_refused_and_chang
     home = _copy(diloco_home, tmp_path / "stopped")
     _train(home, small_seed, "--stop-after", "2")
     # The same checkpoints under a plan with another H: the run's binding differs, and no rank resumes.
-    other = _prepared(tmp_path / "other", small_seed, sync_every=4)
+    other = _prepared(tmp_path / "other", small_seed, sync_every=1)
     shutil.copytree(home / "runs", other / "runs")
     _refused(other, small_seed, "binding")
     # A checkpoint whose outer state is gone is not the run's full state.
