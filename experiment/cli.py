@@ -133,14 +133,15 @@ def _bundle(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    verdict = recompute.write_report(args.home, args.output).primary.verdict
+    judged, verdict = recompute.write_report(args.home, args.output).verdict()
     with Events() as events:
         events.emit(
             {
                 "event": "reported",
                 "report": str(args.output),
                 "html": str(args.output.with_suffix(".html")),
-                "primary_passed": verdict.passed,
+                "verdict": judged,
+                "passed": verdict.passed,
                 "conditions": {
                     c.name: {"value": c.value, "threshold": c.threshold, "passed": c.passed} for c in verdict.conditions
                 },

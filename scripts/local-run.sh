@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# `make run`: the whole experiment of plans/local.toml through the coordinator and two local CPU agents.
-# A coordinator on SQLite under .coop/run-TIME/coordinator, agents host-a and host-b (gloo, one thread each),
-# the experiment created with autopilot on: prepare -> the singles in parallel -> the pair as a two-host
-# gang -> dev evaluations -> select -> four test evaluations, then a replica per host -> serving commitment ->
-# benchmarks -> report.
+# `make run`: the whole experiment of plans/local.toml (or PLAN=...) through the coordinator and one local CPU
+# agent per host of the plan ([hosts] count). A coordinator on SQLite under .coop/run-TIME/coordinator, agents
+# host-a, host-b, ... (gloo, one thread each), the experiment created with autopilot on. The reference plan:
+# prepare -> the singles in parallel -> the pair as a two-host gang -> dev evaluations -> select -> four test
+# evaluations, then a replica per host -> serving commitment -> benchmarks -> report. The local-SGD plan
+# (plans/local-diloco.toml, four agents): prepare -> ddp-4 and diloco-4, each a four-host gang -> dev evaluations
+# -> select -> three test evaluations -> report.
 # Every run gets a fresh folder, so nothing recorded earlier is touched. COOP_EXIT_WHEN_DONE=1 exits once
 # the report is written; otherwise the coordinator stays up for the web UI until Ctrl-C.
 #
@@ -55,11 +57,19 @@ certificates() {
   ) 2> "$dir/openssl.log"
 }
 
+# One agent per host of the plan ([hosts] count, at most 8): host-a, host-b, ...
+count=$("$bin/python" -c 'import sys, pathlib; from experiment.core.plan import load_plan
+print(load_plan(pathlib.Path(sys.argv[1])).hosts.count)' "$plan")
+letters=(a b c d e f g h)
+names=()
+for i in $(seq 0 $((count - 1))); do names+=("host-${letters[i]}"); done
+
 case $hosts in
   local)
     on() { :; }
     coordinator_address=127.0.0.1
-    declare -A address=([host-a]=127.0.0.1 [host-b]=127.0.0.1) private=()
+    declare -A address=() private=()
+    for name in "${names[@]}"; do address[$name]=127.0.0.1; done
     scheme=http serve_tls= agent_tls=
     ;;
   namespaces)
@@ -110,7 +120,7 @@ sys.exit(1)
 PY
 log "coordinator at $url (SQLite under $COOP_HOME)"
 
-for host in host-a host-b; do
+for host in "${names[@]}"; do
   token_file=$run/$host.token
   (umask 077 && "$bin/coop-server" token create --role agent --name "$host" > "$token_file" 2> /dev/null)
   # shellcheck disable=SC2086 # the TLS and private link flags are words
@@ -120,7 +130,7 @@ for host in host-a host-b; do
     > "$run/$host.log" 2>&1 &
   pids+=($!)
 done
-log "agents host-a (${address[host-a]}) and host-b (${address[host-b]}) started (logs in $run)"
+log "agents ${names[*]} started at ${address[*]} (logs in $run)"
 
 export COOP_COORDINATOR=$url COOP_TOKEN=$operator
 experiment=$("$bin/coop-server" experiment create --plan "$plan" | "$bin/python" -c 'import json,sys; print(json.load(sys.stdin)["id"])')

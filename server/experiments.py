@@ -74,12 +74,6 @@ async def arms_of(session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, 
 async def create(session: AsyncSession, body: wire.ExperimentCreate) -> models.Experiment:
     """The experiment and its arms, in draft (phases.create commits it)."""
     plan = parse_plan(body.plan_toml.encode(), "in the request body")
-    if plan.design() != "reference":
-        raise Refused(
-            "plan-design-not-run",
-            f"plan {plan.name} is of the {plan.design()} design; the coordinator runs the reference design's phases "
-            "(its arms train with `coop train`)",
-        )
     experiment = models.Experiment(
         name=plan.name,
         state=E.DRAFT,
@@ -96,7 +90,7 @@ async def create(session: AsyncSession, body: wire.ExperimentCreate) -> models.E
                 experiment_id=experiment.id,
                 name=name,
                 world_size=plan.world_size(name),
-                serving_eligible=name == plan.served_arm(),
+                serving_eligible=plan.serves() and name == plan.served_arm(),
             )
         )
     return experiment

@@ -67,10 +67,13 @@ _FORWARD: dict[ExperimentState, ExperimentState] = {
     E.TESTED: E.SERVING,
     E.SERVING: E.REPORTED,
 }
+# A plan that serves no arm (the local-SGD design) is reported once it is tested (guard_report says which).
+_SKIPS: dict[ExperimentState, ExperimentState] = {E.TESTED: E.REPORTED}
 EXPERIMENT_FINAL = frozenset({E.REPORTED, E.FAILED, E.HALTED})
 EXPERIMENT_TRANSITIONS: dict[ExperimentState, frozenset[ExperimentState]] = {
     state: frozenset(
         ({_FORWARD[state]} if state in _FORWARD else set())
+        | ({_SKIPS[state]} if state in _SKIPS else set())
         | ({E.FAILED, E.HALTED} if state not in EXPERIMENT_FINAL else set())
     )
     for state in ExperimentState
@@ -304,9 +307,16 @@ def guard_benchmark(job: Proposal) -> None:
         raise Refused("serving-requires-serving-commitment", "benchmarks wait for the serving commitment")
 
 
+def report_state(plan: Plan) -> ExperimentState:
+    """The state a report is computed in: after the serving phase, or after the test evaluations of a plan that
+    serves no arm."""
+    return E.SERVING if plan.serves() else E.TESTED
+
+
 def guard_report(job: Proposal) -> None:
-    if job.state != E.SERVING:
-        raise Refused("report-requires-test-evaluations", f"the report follows the test evaluations; now {job.state}")
+    if job.state != report_state(job.plan):
+        after = "the serving phase" if job.plan.serves() else "the test evaluations"
+        raise Refused("report-requires-test-evaluations", f"the report follows {after}; now {job.state}")
 
 
 @dataclass(frozen=True)
@@ -349,6 +359,8 @@ def guard_serving_arm(plan: Plan, arm: str | None) -> None:
     """Only the plan's served arm is served; the damaged arm never is (the rule names keep the reference's arms)."""
     if arm is not None and arm in plan.arm_names() and plan.role_of(arm) == "damaged":
         raise Refused("damaged-arm-never-served", "the damaged arm is never eligible for serving")
+    if not plan.serves():
+        raise Refused("plan-serves-no-arm", f"plan {plan.name} ({plan.design()} design) serves no arm")
     served = plan.served_arm()
     if arm != served:
         raise Refused("serving-clean-pair-only", f"only the {served} final checkpoint is served, not {arm}")

@@ -149,11 +149,10 @@ def _watch_terminal(operator: Operator, experiment_id: uuid.UUID, poll: float) -
 
 def verdict_lines(recorded: dict[str, Any]) -> list[str]:
     try:
-        primary = read_report(recorded).primary
-    except msgspec.ValidationError as exc:
+        judged, verdict = read_report(recorded).verdict()
+    except (msgspec.ValidationError, CoopError) as exc:
         return [f"the recorded report is not in the shape this command reads: {exc}"]
-    verdict = primary.verdict
-    lines = [f"primary verdict ({primary.comparison}): {'PASSED' if verdict.passed else 'NOT PASSED'}"]
+    lines = [f"verdict ({judged}): {'PASSED' if verdict.passed else 'NOT PASSED'}"]
     for condition in verdict.conditions:
         mark = "ok  " if condition.passed else "FAIL"
         lines.append(f"  {mark} {condition.name}: {condition.value} (threshold {condition.threshold})")

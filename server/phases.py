@@ -9,7 +9,8 @@ UI); with autopilot on, the coordinator does the same as soon as every job of a 
                          holding its checkpoint (their success commits the selection: state selected)
     selected             the test evaluations of every arm, and a replica of the served arm's selected
                          checkpoint on each host of the pair (it needs the selection only)
-    tested               the serving commitment: the served arm's selected final checkpoint (no job)
+    tested               the serving commitment: the served arm's selected final checkpoint (no job); a plan
+                         that serves no arm (the local-SGD design) has its report instead
     serving              a replica on each host of the pair where none was started, the single, pair and
                          failure benchmarks (the failure phase stops rank 1's replica midway: serving.py),
                          both replicas stopped, then the report, run by the coordinator itself on the stored
@@ -31,7 +32,7 @@ from experiment.core.plan import Plan
 from experiment.serving.servingrecord import PHASES
 from server import experiments, kinds, models
 from server.kinds import Order
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState, Refused
+from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState, Refused, report_state
 from server.settings import Settings
 
 E = ExperimentState
@@ -41,10 +42,9 @@ REPORT = Order(wire.ReportSpec())
 
 def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
     """The state's phase as stages in order: a stage is queued once the one before it has succeeded."""
-    trained, evaluated, served = plan.trained_arms(), plan.arm_names(), plan.served_arm()
-    ranks = range(plan.world_size(served))
+    trained, evaluated = plan.trained_arms(), plan.arm_names()
     training = [[Order(wire.TrainSpec(), arm) for arm in trained]]
-    replicas = [Order(wire.ReplicaStartSpec(rank=rank), served) for rank in ranks]
+    tests = [Order(wire.EvaluateSpec(), arm, "test") for arm in evaluated]
     table: dict[ExperimentState, list[list[Order]]] = {
         E.COMMITTED: [[Order(wire.PrepareSpec())]],
         E.PREPARED: training,
@@ -53,8 +53,16 @@ def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
             [Order(wire.EvaluateSpec(), arm, "dev") for arm in evaluated],
             [Order(wire.SelectSpec(), arm) for arm in trained],
         ],
+        E.SELECTED: [tests],
+    }
+    if not plan.serves():  # the local-SGD design: reported once tested
+        return (table | {E.TESTED: [[REPORT]]}).get(state, [])
+    served = plan.served_arm()
+    ranks = range(plan.world_size(served))
+    replicas = [Order(wire.ReplicaStartSpec(rank=rank), served) for rank in ranks]
+    serving = {
         # The replicas start beside the test evaluations (queued after them, so a host evaluates first).
-        E.SELECTED: [[*(Order(wire.EvaluateSpec(), arm, "test") for arm in evaluated), *replicas]],
+        E.SELECTED: [[*tests, *replicas]],
         E.SERVING: [
             replicas,
             *([Order(wire.BenchmarkSpec(phase=phase), served)] for phase in PHASES),
@@ -62,7 +70,7 @@ def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
             [REPORT],
         ],
     }
-    return table.get(state, [])
+    return (table | serving).get(state, [])
 
 
 async def jobs_of(session: AsyncSession, experiment_id: uuid.UUID) -> list[models.Job]:
@@ -116,7 +124,7 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
         await commit(session, settings, experiment)
         return "plan committed; prepare queued"
     plan = experiments.plan_of(experiment)
-    if state == E.TESTED:
+    if state == E.TESTED and plan.serves():
         name = plan.served_arm()
         served = (await experiments.arms_of(session, experiment.id))[name]
         body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
@@ -140,14 +148,16 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
     state = E(experiment.state)
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; its report can no longer change")
-    if state != E.SERVING:
-        raise Refused("report-not-ready", f"the report is computed after the serving phase; the experiment is {state}")
+    plan = experiments.plan_of(experiment)
+    after = "the serving phase" if plan.serves() else "the test evaluations"
+    if state != report_state(plan):
+        raise Refused("report-not-ready", f"the report is computed after {after}; the experiment is {state}")
     jobs = await jobs_of(session, experiment.id)
     _refuse_while_running(state, jobs)
-    missing = _next_stage(experiments.plan_of(experiment), state, jobs)
+    missing = _next_stage(plan, state, jobs)
     if missing != [REPORT]:
         waiting = ", ".join(str(order) for order in missing)
-        raise Refused("report-not-ready", f"the report is computed after the serving phase; it still needs {waiting}")
+        raise Refused("report-not-ready", f"the report is computed after {after}; it still needs {waiting}")
     return await kinds.enqueue(session, settings, experiment, REPORT)
 
 
@@ -157,9 +167,11 @@ async def autopilot(session: AsyncSession, settings: Settings, experiment: model
     while experiment.autopilot and E(experiment.state) not in {E.DRAFT, *EXPERIMENT_FINAL}:
         state = E(experiment.state)
         jobs = await jobs_of(session, experiment.id)
-        if state != E.TESTED and _busy(jobs):  # the serving commitment needs no job: replicas may still start
+        # The serving commitment needs no job: replicas may still start.
+        commitment = state == E.TESTED and experiments.plan_of(experiment).serves()
+        if not commitment and _busy(jobs):
             break
-        if state != E.TESTED:
+        if not commitment:
             missing = _next_stage(experiments.plan_of(experiment), state, jobs)
             if not missing or any(order.matches(job) for order in missing for job in jobs):
                 break  # done, or a job of this stage ended without success: the operator decides

@@ -218,6 +218,10 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
     def design(self) -> Literal["reference", "local-sgd"]:
         return "local-sgd" if any(arm.role == "diloco" for arm in self.arm_table()) else "reference"
 
+    def serves(self) -> bool:
+        """Whether the plan has a serving phase (the reference design's; a local-SGD plan serves no arm)."""
+        return any(arm.served for arm in self.arm_table())
+
     def served_arm(self) -> str:
         served = [arm.name for arm in self.arm_table() if arm.served]
         if not served:
@@ -282,6 +286,9 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
         if (self.replay.source == "repository") != (self.replay.folder is not None):
             raise ValueError("replay.folder is required for source 'repository' and refused otherwise")
         arms = self.arm_table()
+        gang = max(self.world_size(arm.name) for arm in arms)
+        if self.hosts.count < gang:
+            raise ValueError(f"hosts.count: {self.hosts.count} hosts cannot hold a gang of {gang} ranks, one per host")
         names = [arm.name for arm in arms]
         if len(set(names)) != len(names):
             raise ValueError("arms: every arm has its own name")

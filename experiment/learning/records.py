@@ -29,6 +29,9 @@ class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     weighted_targets: Count
     documents: Count
     seconds: float
+    # What the rank's process wrote during the update (/proc/self/io wchar): its collectives' socket writes on a
+    # CPU gloo gang, the sum a ring all-reduce's theory is checked against. None where the kernel keeps no count.
+    written_bytes: Count | None = None
 
 
 class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,20 +1,26 @@
 """Statistics of the pre-registered comparisons: the exact one-sided sign (McNemar) test, mid-p,
-Clopper-Pearson intervals, the retention bound, breakdowns, and the one primary pass/fail."""
+Clopper-Pearson intervals, the retention bound, breakdowns, the one primary pass/fail, and the local-SGD design's
+exact non-inferiority test."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
+import numpy
+from numpy.typing import NDArray
+from scipy.optimize import minimize_scalar
+from scipy.special import gammaln, xlogy
 from scipy.stats import binom, binomtest
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import StatisticsPlan
 
 T = TypeVar("T")
+Counts = NDArray[Any]  # outcomes of paired items, elementwise
 
 
 class Paired(msgspec.Struct, frozen=True):
@@ -158,3 +164,63 @@ def primary_verdict(comparison: Paired, retention: Retention, rules: StatisticsP
 def within_margin(pair: Cell, single: Cell, margin: float) -> bool:
     """Descriptive: the pair arm's accuracy is no more than ``margin`` below the single arm's."""
     return pair.accuracy >= single.accuracy - margin
+
+
+def restricted_discordance(wins: Counts, losses: Counts, n: int, margin: float) -> Counts:
+    """The maximum-likelihood P(win) + P(loss) under P(win) - P(loss) = -margin, for each (wins, losses): the
+    root in [margin, 1] of n d^2 - (b + c + margin (c - b)) d - margin (b - c + (n - b - c) margin) = 0."""
+    linear = wins + losses + margin * (losses - wins)
+    constant = margin * (wins - losses + (n - wins - losses) * margin)
+    root = (linear + numpy.sqrt(numpy.maximum(linear**2 + 4 * n * constant, 0.0))) / (2 * n)
+    clipped: Counts = numpy.clip(root, margin, 1.0)
+    return clipped
+
+
+def noninferiority_score(wins: Counts, losses: Counts, n: int, margin: float) -> Counts:
+    """Tango's score statistic for H0: P(win) - P(loss) <= -margin: (b - c + n margin) / sqrt(n (d - margin^2)),
+    d the restricted estimate above; large when the arm is no worse than its control by the margin."""
+    discordance = restricted_discordance(wins, losses, n, margin)
+    score: Counts = (wins - losses + n * margin) / numpy.sqrt(n * (discordance - margin**2))
+    return score
+
+
+def _at_least_as_extreme(wins: int, losses: int, n: int, margin: float) -> tuple[Counts, Counts, Counts]:
+    b, c = numpy.meshgrid(numpy.arange(n + 1), numpy.arange(n + 1), indexing="ij")
+    possible = b + c <= n
+    observed = noninferiority_score(numpy.array(wins), numpy.array(losses), n, margin)
+    extreme = possible & (noninferiority_score(b, c, n, margin) >= observed - 1e-12)
+    return b[extreme], c[extreme], (n - b - c)[extreme]
+
+
+def _probability(b: Counts, c: Counts, rest: Counts, n: int, margin: float, discordance: float) -> float:
+    """The trinomial probability of the outcomes (b, c, rest) on H0's boundary, P(win) + P(loss) = discordance."""
+    win, loss = (discordance - margin) / 2, (discordance + margin) / 2
+    log = (
+        gammaln(n + 1)
+        - gammaln(b + 1)
+        - gammaln(c + 1)
+        - gammaln(rest + 1)
+        + xlogy(b, win)
+        + xlogy(c, loss)
+        + xlogy(rest, 1 - discordance)
+    )
+    return float(numpy.exp(log).sum())
+
+
+def noninferiority_p_value(wins: int, losses: int, n: int, margin: float) -> float:
+    """The exact unconditional one-sided test of H0: P(arm right) - P(control right) <= -margin on n paired items,
+    ordered by Tango's score: the largest probability, over the nuisance P(win) + P(loss) on H0's boundary, of the
+    outcomes scoring at least the observed one (searched on a grid of 1,001 points and refined around the
+    largest). Wins: items the arm answers right and its control wrong; losses the other way."""
+    if not 0 < margin < 1 or n <= 0 or wins < 0 or losses < 0 or wins + losses > n:
+        raise CoopError("a non-inferiority test needs 0 < margin < 1 and wins + losses <= n paired items")
+    b, c, rest = _at_least_as_extreme(wins, losses, n, margin)
+    grid = numpy.linspace(margin, 1.0, 1001)
+    tails = [_probability(b, c, rest, n, margin, float(d)) for d in grid]
+    best = int(numpy.argmax(tails))
+    refined = minimize_scalar(
+        lambda d: -_probability(b, c, rest, n, margin, float(d)),
+        bounds=(grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]),
+        method="bounded",
+    )
+    return min(1.0, max(tails[best], -float(refined.fun)))

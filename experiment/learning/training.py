@@ -37,7 +37,7 @@ from experiment.learning.corpus import Document, Prepared, load_prepared, seed_s
 from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
 from experiment.learning.records import ResourceSample, StepRecord
-from experiment.learning.resources import NetworkCounters, Sampler, network_counters
+from experiment.learning.resources import NetworkCounters, Sampler, network_counters, written_bytes
 from experiment.seed import seedmodel
 
 LossScale = Callable[[int, int, int], float]
@@ -478,10 +478,11 @@ def _resume(run: _Run) -> _Progress:
 
 def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
     """One update of the schedule, as its journal records it."""
-    began = _clock(run.device)
+    began, written = _clock(run.device), written_bytes()
     batch = run.batches[step - 1]
     update = trainer.accumulate(batch)
     rate, norm = trainer.step(step)
+    after = written_bytes()
     return StepRecord(
         step=step,
         positions=batch,
@@ -493,6 +494,7 @@ def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
         weighted_targets=update.weighted_targets,
         documents=update.documents,
         seconds=_clock(run.device) - began,
+        written_bytes=None if written is None or after is None else after - written,
     )
 
 

@@ -7,8 +7,10 @@ from typing import Any
 
 import msgspec
 
+from experiment.core.errors import CoopError
 from experiment.learning.stats import Cell, Paired, Retention, Verdict
 from experiment.report.attempts import TrainingFault
+from experiment.report.localsgd import LocalSgd
 from experiment.serving.agreement import Agreement
 from experiment.serving.servingrecord import Metrics
 
@@ -82,6 +84,9 @@ class ArmTraining(msgspec.Struct, frozen=True):
     # What each generation of the arm's job that did not succeed cost (experiment.report.attempts); None: the
     # bundle carries no record of the attempts.
     faults: list[TrainingFault] | None = None
+    # What each rank's process wrote during its updates (the sum of its journal's written_bytes: its collectives'
+    # socket writes on a CPU gloo gang); None when a journal lacks the count.
+    written_bytes: list[int] | None = None
 
 
 class ServingReference(msgspec.Struct, frozen=True):
@@ -118,13 +123,27 @@ class Report(msgspec.Struct, frozen=True):
     arms: list[str]  # every arm, in the plan's order, the baseline first
     candidates: dict[str, str]  # arm -> the selected model identity
     ledger_entries: int | None  # None: the bundle carries no ledger
-    primary: Primary
-    descriptive: Descriptive
+    primary: Primary | None  # the reference design's contract; None for a local-SGD plan
+    descriptive: Descriptive | None  # the reference design's
     accuracy: dict[str, Accuracy]
     training: dict[str, ArmTraining]
-    pair_over_single_median_update: float
+    pair_over_single_median_update: float | None  # the reference design's
     serving: Serving | None
     checks: list[str]
+    design: str = "reference"
+    local_sgd: LocalSgd | None = None  # the local-SGD design's verdict (experiment.report.localsgd)
+
+    def verdict(self) -> tuple[str, Verdict]:
+        """The plan's one verdict and what it judges: the primary contract, or the local-SGD design's criteria."""
+        if self.local_sgd is not None:
+            test = self.local_sgd.noninferiority
+            return (
+                f"{test.arm} non-inferior to {test.control} (margin {test.margin:g}), retention",
+                self.local_sgd.verdict,
+            )
+        if self.primary is None:
+            raise CoopError(f"the report of plan {self.plan} holds no verdict")
+        return self.primary.comparison, self.primary.verdict
 
 
 def read_report(data: bytes | dict[str, Any]) -> Report:

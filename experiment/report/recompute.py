@@ -26,7 +26,7 @@ from experiment.learning.records import Answer, Candidate, StepRecord
 from experiment.learning.selection import Selection, read_selection, same_model, selection_identity
 from experiment.learning.training import Result as RunResult
 from experiment.learning.training import schedule
-from experiment.report import figures, servingcheck
+from experiment.report import figures, localsgd, servingcheck
 from experiment.report.attempts import arm_faults, read_attempts
 from experiment.report.model import (
     Accuracy,
@@ -223,8 +223,17 @@ def _check_runs(
             faults=None
             if attempts is None
             else arm_faults(bundle / ATTEMPTS, arm, attempts, [r.resumed_from_step for r in results], _require),
+            written_bytes=_written(results),
         )
     return summary
+
+
+def _written(results: list[RunResult]) -> list[int] | None:
+    """Per rank, what its process wrote during its updates, every update of its journal counted."""
+    counts = [[record.written_bytes for record in result.journal] for result in results]
+    if any(count is None for journal in counts for count in journal):
+        return None
+    return [sum(int(count or 0) for count in journal) for journal in counts]
 
 
 def _private_per_update(run: Path, result: RunResult, interface: str, plan: Plan) -> float:
@@ -449,13 +458,25 @@ SERVING_CHECK = (
 )
 
 
+def _local_sgd(plan: Plan, checked: _Checked) -> localsgd.LocalSgd:
+    evaluations, training = checked.evaluations, checked.training
+    return localsgd.section(
+        plan,
+        {arm: answers for arm, (answers, _) in evaluations.items()},
+        {arm: {s.id: s.mean_nats for s in scores} for arm, (_, scores) in evaluations.items()},
+        {arm: row.written_bytes for arm, row in training.items()},
+        {arm: row.median_update_seconds for arm, row in training.items()},
+    )
+
+
 def compute(bundle: Path) -> Report:
-    """Every check, then every comparison; raises CoopError at the first inconsistency."""
+    """Every check, then every comparison of the plan's design; raises CoopError at the first inconsistency."""
     checked = _check_bundle(bundle)
     prepared, selection = checked.prepared, checked.selection
     plan = prepared.plan
     accuracy = {arm: _accuracy(answers) for arm, (answers, _) in checked.evaluations.items()}
-    single, pair = plan.arm("clean"), plan.arm("pair")
+    reference = plan.design() == "reference"
+    single, pair = (plan.arm("clean"), plan.arm("pair")) if reference else ("", "")
     return Report(
         plan=plan.name,
         plan_identity=prepared.manifest.plan_identity,
@@ -464,14 +485,18 @@ def compute(bundle: Path) -> Report:
         arms=list(plan.arm_names()),
         candidates={arm: c.model_identity for arm, c in selection.arms.items()},
         ledger_entries=checked.ledger_entries,
-        primary=_primary(plan, checked),
-        descriptive=_descriptive(plan, checked, accuracy),
+        primary=_primary(plan, checked) if reference else None,
+        descriptive=_descriptive(plan, checked, accuracy) if reference else None,
         accuracy=accuracy,
         training=checked.training,
         pair_over_single_median_update=checked.training[pair].median_update_seconds
-        / checked.training[single].median_update_seconds,
+        / checked.training[single].median_update_seconds
+        if reference
+        else None,
         serving=checked.serving,
         checks=[*CHECKS, *([SERVING_CHECK] if checked.serving else [])],
+        design=plan.design(),
+        local_sgd=None if reference else _local_sgd(plan, checked),
     )
 
 

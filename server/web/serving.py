@@ -68,8 +68,11 @@ class ServingPages(Controller):
                 button="Stop replica",
                 back=back,
             )
+        plan = experiments.plan_of(experiment)
+        if not plan.serves():
+            return await access.refused(request, db_session, f"plan {plan.name} serves no arm", back)
         try:
-            served = experiments.plan_of(experiment).served_arm()
+            served = plan.served_arm()
             order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=served, spec={"rank": rank}))
             job = await kinds.enqueue(db_session, settings, experiment, order)
         except Refused as exc:

@@ -228,7 +228,7 @@ def test_report_recomputes_the_verdict_from_the_bundle(evidence: Path, tmp_path:
     seed_correct = written["accuracy"]["seed"]["overall"]["correct"]
     answers = evaluation.read_answers(evidence / "evaluations" / "test" / "seed")[1]
     assert seed_correct == sum(a.check.correct for a in answers)
-    assert written["primary"]["verdict"]["passed"] == event["primary_passed"]
+    assert written["primary"]["verdict"]["passed"] == event["passed"]
     html = (tmp_path / "report.html").read_text()
     assert "<svg" in html and "Primary contract" in html
 

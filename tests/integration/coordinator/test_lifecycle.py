@@ -6,6 +6,7 @@ from typing import Any
 
 from experiment.core.ledger import Entry, verify_ledger
 from tests.integration.coordinator.support import Api
+from tests.support import ROOT
 from tests.support.database import record_report
 from tests.support.scenarios import (
     FINAL_STEP,
@@ -140,3 +141,22 @@ def test_halted_experiment_takes_no_more_steps(api: Api) -> None:
     halted = api.operator_post(f"/api/experiments/{experiment['id']}/halt", {})
     assert halted.status_code == 201 and halted.json()["state"] == "halted"
     refused(api.operator_post(f"/api/experiments/{experiment['id']}/halt", {}), "experiment-transition")
+
+
+def test_a_local_sgd_experiment_trains_four_rank_gangs_and_serves_nothing(api: Api) -> None:
+    plan = (ROOT / "plans" / "local-diloco.toml").read_text()
+    created = api.client.post("/api/experiments", json={"plan_toml": plan}, headers=bearer(api.operator))
+    assert created.status_code == 201, created.text
+    experiment_id = created.json()["id"]
+    arms = {arm["name"]: arm for arm in api.get(f"/api/experiments/{experiment_id}/arms")}
+    assert {name: arm["world_size"] for name, arm in arms.items()} == {"seed": 1, "ddp-4": 4, "diloco-4": 4}
+    assert not any(arm["serving_eligible"] for arm in arms.values())
+    before = api.get(f"/api/experiments/{experiment_id}/jobs")
+    replica = {"kind": "replica-start", "arm": "diloco-4", "spec": {"rank": 0}}
+    refused(api.operator_post(f"/api/experiments/{experiment_id}/jobs", replica), "plan-serves-no-arm")
+    serving = {"arm": "diloco-4", "model_identity": sha("diloco-4")}
+    refused(api.operator_post(f"/api/experiments/{experiment_id}/serving", serving), "plan-serves-no-arm")
+    refused(
+        api.client.post(f"/api/experiments/{experiment_id}/report", headers=bearer(api.operator)), "report-not-ready"
+    )
+    assert api.get(f"/api/experiments/{experiment_id}/jobs") == before
