@@ -13,6 +13,7 @@ from experiment.core.tasks import Check, Family
 # Integers a 32-bit database column holds; every count in these records fits.
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Step = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
 
@@ -30,8 +31,8 @@ class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     documents: Count
     seconds: float
     # What the rank's process wrote during the update (/proc/self/io wchar): its collectives' socket writes on a
-    # CPU gloo gang, the sum a ring all-reduce's theory is checked against. None where the kernel keeps no count.
-    written_bytes: Count | None = None
+    # CPU gloo gang, the sum a ring all-reduce's theory is checked against.
+    written_bytes: Bytes = 0
 
 
 class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

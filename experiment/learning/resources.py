@@ -9,6 +9,7 @@ from types import TracebackType
 import msgspec
 import psutil
 
+from experiment.core.errors import CoopError
 from experiment.learning.records import ResourceSample
 
 
@@ -44,13 +45,13 @@ def network_counters() -> NetworkCounters:
 _SELF = psutil.Process()
 
 
-def written_bytes() -> int | None:
+def written_bytes() -> int:
     """What this process has written so far, every thread's writes and sends to files, pipes and sockets alike
-    (Linux's /proc/self/io wchar); None where the kernel keeps no such count."""
+    (Linux's /proc/self/io wchar)."""
     try:
         return int(_SELF.io_counters().write_chars)
-    except (AttributeError, psutil.Error):
-        return None
+    except (AttributeError, psutil.Error) as exc:
+        raise CoopError(f"this kernel keeps no count of a process's writes ({exc})") from exc
 
 
 class Sampler:

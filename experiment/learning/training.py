@@ -494,7 +494,7 @@ def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
         weighted_targets=update.weighted_targets,
         documents=update.documents,
         seconds=_clock(run.device) - began,
-        written_bytes=None if written is None or after is None else after - written,
+        written_bytes=after - written,
     )
 
 

@@ -228,12 +228,9 @@ def _check_runs(
     return summary
 
 
-def _written(results: list[RunResult]) -> list[int] | None:
+def _written(results: list[RunResult]) -> list[int]:
     """Per rank, what its process wrote during its updates, every update of its journal counted."""
-    counts = [[record.written_bytes for record in result.journal] for result in results]
-    if any(count is None for journal in counts for count in journal):
-        return None
-    return [sum(int(count or 0) for count in journal) for journal in counts]
+    return [sum(record.written_bytes for record in result.journal) for result in results]
 
 
 def _private_per_update(run: Path, result: RunResult, interface: str, plan: Plan) -> float:

@@ -54,7 +54,10 @@ def percent(value: float | None) -> str:
 
 def _environment() -> jinja2.Environment:
     environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
+        # The report's shared partials (the local-SGD verdict) come from experiment.report's own templates.
+        loader=jinja2.ChoiceLoader(
+            [jinja2.FileSystemLoader(TEMPLATES), jinja2.PackageLoader("experiment.report", "templates")]
+        ),
         autoescape=True,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,

@@ -178,7 +178,8 @@ outer_momentum = 0.9
 
 
 def _local_sgd(old: str = "", new: str = "") -> bytes:
-    return (_without_arms(LOCAL).decode() + LOCAL_SGD_ARMS.replace(old, new)).encode()
+    hosts = _without_arms(LOCAL).decode().replace("\ncount = 2\n", "\ncount = 4\n")  # a host per rank of a gang
+    return (hosts + LOCAL_SGD_ARMS.replace(old, new)).encode()
 
 
 def test_a_local_sgd_plan_sets_diloco_against_its_matched_ddp_control() -> None:
@@ -210,6 +211,12 @@ def test_a_diloco_arm_that_does_not_match_its_control_is_refused_naming_the_fiel
 ) -> None:
     with pytest.raises(CoopError, match=problem):
         parse_plan(_local_sgd(old, new), "edited")
+
+
+def test_a_plan_with_fewer_hosts_than_its_largest_gang_is_refused() -> None:
+    three = _local_sgd().decode().replace("\ncount = 4\n", "\ncount = 3\n").encode()
+    with pytest.raises(CoopError, match="hosts.count: 3 hosts cannot hold a gang of 4 ranks"):
+        parse_plan(three, "edited")
 
 
 def test_the_reference_design_takes_no_local_sgd_fields() -> None:
