@@ -215,7 +215,7 @@ def test_a_diloco_arm_that_does_not_match_its_control_is_refused_naming_the_fiel
 
 def test_a_plan_with_fewer_hosts_than_its_largest_gang_is_refused() -> None:
     three = _local_sgd().decode().replace("\ncount = 4\n", "\ncount = 3\n").encode()
-    with pytest.raises(CoopError, match="hosts.count: 3 hosts cannot hold a gang of 4 ranks"):
+    with pytest.raises(CoopError, match=r"hosts\.count: 3 hosts cannot hold a gang of 4 ranks"):
         parse_plan(three, "edited")
 
 
