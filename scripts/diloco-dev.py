@@ -73,7 +73,7 @@ def _dev_loss(home: Path, seed: Path, arm: str) -> float:
     prepared = corpus.load_prepared(home)
     tokenizer = seedmodel.load_tokenizer(seed)
     candidate = selection.candidate_for(prepared, arm, seed)
-    model = seedmodel.load_model(home / candidate.model_path())
+    model = seedmodel.load_model(home / candidate.model_path)
     model.eval()
     losses = []
     for item in prepared.task_items("dev"):
@@ -88,10 +88,13 @@ def _dev_loss(home: Path, seed: Path, arm: str) -> float:
     return statistics.fmean(losses)
 
 
-def _run(plan_text: str, work: Path, seed: Path, arm: str) -> dict[str, float]:
+def _run(plan_text: str, source: Path, work: Path, seed: Path, arm: str) -> dict[str, float]:
     work.mkdir(parents=True)
     plan = work / "plan.toml"
     plan.write_text(plan_text)
+    folder = load_plan(source).replay.folder
+    if folder is not None:  # the plan's replay files, beside it as they are beside the plan
+        (work / folder).symlink_to((source.parent / folder).resolve())
     home = work / "home"
     began = time.monotonic()
     _coop("prepare", "--plan", str(plan), "--home", str(home), "--model-dir", str(seed))
@@ -121,7 +124,7 @@ def main() -> int:
     for h, rate, momentum in [(None, None, None), *CANDIDATES]:
         name = control if h is None else f"h{h}-lr{rate}-m{momentum}"
         variant = text if h is None else _variant(text, h, rate, momentum)
-        scored = _run(variant, args.work / name, args.seed, control if h is None else diloco)
+        scored = _run(variant, args.plan, args.work / name, args.seed, control if h is None else diloco)
         row = {"arm": control if h is None else diloco, "sync_every": h, "outer_learning_rate": rate}
         row |= {"outer_momentum": momentum, **scored}
         print(json.dumps(row), flush=True)

@@ -9,9 +9,9 @@
 # Every run gets a fresh folder, so nothing recorded earlier is touched. COOP_EXIT_WHEN_DONE=1 exits once
 # the report is written; otherwise the coordinator stays up for the web UI until Ctrl-C.
 #
-# HOSTS=local (the default): everything on 127.0.0.1. HOSTS=namespaces (root): the coordinator, host-a and host-b
-# each in a network namespace of their own (scripts/namespaces.py), the agents on their own addresses, the pair's
-# collectives on the private link between the two hosts (shaped to COOP_PRIVATE_RATE, e.g. 1gbit, when set). This
+# HOSTS=local (the default): everything on 127.0.0.1. HOSTS=namespaces (root): the coordinator and each host in a
+# network namespace of its own (scripts/namespaces.py), the agents on their own addresses, the gangs' collectives
+# on the hosts' shared private link (each host's end shaped to COOP_PRIVATE_RATE, e.g. 1gbit, when set). This
 # script, as the operator, reaches the coordinator over the operator's link. The namespaces are removed on exit,
 # after a failure too.
 set -euo pipefail
@@ -74,13 +74,13 @@ case $hosts in
     ;;
   namespaces)
     prefix=coop-$$
-    topology=$(python3 scripts/namespaces.py up --prefix "$prefix" ${COOP_PRIVATE_RATE:+--rate "$COOP_PRIVATE_RATE"})
+    topology=$(python3 scripts/namespaces.py up --prefix "$prefix" --hosts "$count" ${COOP_PRIVATE_RATE:+--rate "$COOP_PRIVATE_RATE"})
     echo "$topology" > "$run/topology.json"
     field() { python3 -c 'import json,sys; t=json.load(sys.stdin); print(eval(sys.argv[1]))' "$1" <<< "$topology"; }
     on() { echo "ip netns exec $prefix-$1"; }
     coordinator_address=$(field 't["coordinator_address"]')
     declare -A address private
-    for i in 0 1; do
+    for i in $(seq 0 $((count - 1))); do
       name=$(field "t['hosts'][$i]['name']")
       address[$name]=$(field "t['hosts'][$i]['public_address']")
       private[$name]="--private-interface $(field "t['hosts'][$i]['private_interface']") --private-address $(field "t['hosts'][$i]['private_address']")"

@@ -1,18 +1,19 @@
-"""Two hosts and a coordinator on one machine, each in its own network namespace (root only).
+"""Hosts (two, or --hosts K up to 8) and a coordinator on one machine, each in its own network namespace (root only).
 
     coordinator ns  198.18.N.1 on the bridge "public"
       |-- veth --  host-a ns: pub0 198.18.N.2          priv0 198.19.N.1 --.
-      |-- veth --  host-b ns: pub0 198.18.N.3          priv0 198.19.N.2 --'  (the pair's private link)
+      |-- veth --  host-b ns: pub0 198.18.N.3          priv0 198.19.N.2 ---+-- switch ns: the bridge "private"
+      |   ...                                                               |   (the hosts' one shared private link)
       '-- veth --  this machine: coop-N-op 198.18.N.254 (the operator's link: the CLI, a browser, a test)
 
 The addresses come from 198.18.0.0/15, the range set aside for benchmarking networks (RFC 2544). Each set takes
 the first N (1-250) whose two /24s this machine does not route yet, so that sets made side by side never clash
 with each other or with the machine's own networks. No namespace has a default route: a process inside reaches
-only the namespaces of its set and the operator's address. The private link may be shaped with ``tbf`` on both
-ends (``--rate``). ``down`` kills every process still inside the set's namespaces, then removes them and the
-operator's link.
+only the namespaces of its set and the operator's address. The private link may be shaped with ``tbf`` on every
+host's end (``--rate``): what one host sends to the others leaves through its own shaped priv0. ``down`` kills
+every process still inside the set's namespaces, then removes them and the operator's link.
 
-    python3 scripts/namespaces.py up --prefix coop-1234 [--rate 1gbit]   # prints the topology as JSON
+    python3 scripts/namespaces.py up --prefix coop-1234 [--hosts 4] [--rate 1gbit]   # prints the topology as JSON
     python3 scripts/namespaces.py down --prefix coop-1234
     python3 scripts/namespaces.py cut --prefix coop-1234 --host host-a --link public|private [--seconds N]
     python3 scripts/namespaces.py mend --prefix coop-1234 --host host-a --link public|private
@@ -35,7 +36,7 @@ from pathlib import Path
 
 SUBNETS = range(1, 251)
 LOCK = Path("/run/coop-namespaces.lock")
-HOSTS = ("host-a", "host-b")
+HOST_NAMES = tuple(f"host-{letter}" for letter in "abcdefgh")
 PUBLIC_INTERFACE = "pub0"
 PRIVATE_INTERFACE = "priv0"
 # tbf's bucket: at least one rate-second's worth of a timer tick (10 ms at 1 Gbit/s = 1.25 MB), so that the
@@ -124,27 +125,29 @@ def _rate_bits(rate: str) -> int:
     raise ValueError(f"rate {rate!r} is not a number of bit, kbit, mbit or gbit")
 
 
-def up(prefix: str, rate: str | None) -> Topology:
+def up(prefix: str, rate: str | None, count: int = 2) -> Topology:
     if os.geteuid() != 0:
         raise RuntimeError("network namespaces need root")
     # One set is made at a time on this machine: two made at once could both find the same subnet free.
     with LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _up(prefix, rate)
+        return _up(prefix, rate, count)
 
 
-def _up(prefix: str, rate: str | None) -> Topology:
+def _up(prefix: str, rate: str | None, count: int) -> Topology:
     if _namespaces(prefix):
         raise RuntimeError(f"namespaces {prefix}-* exist already; run down first")
     subnet = _free_subnet()
     public, private = _networks(subnet)
     coordinator = f"{prefix}-coordinator"
     hosts = tuple(
-        Host(name, f"{prefix}-{name}", str(public[2 + i]), str(private[1 + i])) for i, name in enumerate(HOSTS)
+        Host(name, f"{prefix}-{name}", str(public[2 + i]), str(private[1 + i]))
+        for i, name in enumerate(HOST_NAMES[:count])
     )
+    switch = f"{prefix}-switch"
     operator = _operator_interface(subnet)
     try:
-        for namespace in (coordinator, *(h.namespace for h in hosts)):
+        for namespace in (coordinator, switch, *(h.namespace for h in hosts)):
             _run("ip", "netns", "add", namespace)
             _run("ip", "link", "set", "lo", "up", namespace=namespace)
         _run("ip", "link", "add", "public", "type", "bridge", namespace=coordinator)
@@ -166,12 +169,15 @@ def _up(prefix: str, rate: str | None) -> Topology:
                 namespace=host.namespace,
             )  # fmt: skip
             _run("ip", "link", "set", PUBLIC_INTERFACE, "up", namespace=host.namespace)
-        a, b = hosts
-        _run(
-            "ip", "link", "add", PRIVATE_INTERFACE, "netns", a.namespace, "type", "veth",
-            "peer", "name", PRIVATE_INTERFACE, "netns", b.namespace,
-        )  # fmt: skip
+        _run("ip", "link", "add", "private", "type", "bridge", namespace=switch)
+        _run("ip", "link", "set", "private", "up", namespace=switch)
         for host in hosts:
+            port = f"to-{host.name}"
+            _run(
+                "ip", "link", "add", port, "netns", switch, "type", "veth",
+                "peer", "name", PRIVATE_INTERFACE, "netns", host.namespace,
+            )  # fmt: skip
+            _run("ip", "link", "set", port, "master", "private", "up", namespace=switch)
             address = f"{host.private_address}/{private.prefixlen}"
             _run("ip", "addr", "add", address, "dev", PRIVATE_INTERFACE, namespace=host.namespace)
             _run("ip", "link", "set", PRIVATE_INTERFACE, "up", namespace=host.namespace)
@@ -234,19 +240,20 @@ def main() -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("up")
     make.add_argument("--prefix", required=True)
-    make.add_argument("--rate", help="shape the private link to this rate on both ends, e.g. 1gbit, 200mbit")
+    make.add_argument("--rate", help="shape the private link to this rate at every host, e.g. 1gbit, 200mbit")
+    make.add_argument("--hosts", type=int, choices=range(2, len(HOST_NAMES) + 1), default=2, help="how many hosts")
     commands.add_parser("down").add_argument("--prefix", required=True)
     for name in ("cut", "mend"):
         link = commands.add_parser(name)
         link.add_argument("--prefix", required=True)
-        link.add_argument("--host", choices=HOSTS, required=True)
+        link.add_argument("--host", choices=HOST_NAMES, required=True)
         link.add_argument("--link", choices=("public", "private"), required=True)
         if name == "cut":
             link.add_argument("--seconds", type=float, help="mend it after this long (else: until mend)")
     args = parser.parse_args()
     try:
         if args.command == "up":
-            print(json.dumps(asdict(up(args.prefix, args.rate))))
+            print(json.dumps(asdict(up(args.prefix, args.rate, args.hosts))))
         elif args.command == "down":
             print(json.dumps({"removed": down(args.prefix)}))
         elif args.command == "cut":

@@ -86,8 +86,9 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
     if "collective_timeout_seconds" in counts:
         plan["runtime"]["collective_timeout_seconds"] = counts["collective_timeout_seconds"]
     for arm in plan.get("arms", []):
-        if arm["role"] == "diloco" and "sync_every" in counts:
-            arm["sync_every"] = counts["sync_every"]
+        for key in ("sync_every", "outer_learning_rate", "outer_momentum"):
+            if arm["role"] == "diloco" and key in counts:
+                arm[key] = counts[key]
     plan["name"] = "small"
     plan["seed"]["files"] = dict(seed.files)
     plan["seed"]["tokenizer_identity"] = seed.tokenizer_identity

@@ -1,5 +1,6 @@
 """Training progress for the arms page: per rank, the updates done (live ``step`` events, completed by the
-step journal of the result), when the last one came and how long updates take; rank 0's loss per update."""
+step journal of the result), when the last one came, how long updates take and what the rank wrote per update
+(its collectives' bytes); how each arm's ranks synchronize, a DiLoCo arm's outer steps; rank 0's loss per update."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment.core.plan import ArmPlan
 from server import experiments, models
 
 
@@ -22,6 +24,7 @@ class Step:
     loss: float
     seconds: float
     at: datetime.datetime
+    written_bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class RankProgress:
     total: int
     updated_at: datetime.datetime | None
     median_seconds: float | None
+    written_per_update: float | None  # the mean over its updates so far
 
     @property
     def fraction(self) -> float:
@@ -49,11 +53,17 @@ class ArmProgress:
     model_identity: str | None
     # Rank 0's loss per update; a retry's steps replace the earlier generation's.
     losses: list[tuple[int, float]]
+    synchronization: str  # how the ranks meet: one rank, every update (DDP), or DiLoCo's outer step
+    sync_every: int | None  # DiLoCo's H; None for an arm that synchronizes every update
+    outer_steps: int | None  # DiLoCo's outer steps so far (rank 0's updates // H)
 
 
 def _step(body: dict[str, Any], at: datetime.datetime, key: str) -> Step | None:
     try:
-        return Step(int(body[key]), float(body["loss"]), float(body["seconds"]), at)
+        written = body.get("written_bytes")
+        return Step(
+            int(body[key]), float(body["loss"]), float(body["seconds"]), at, None if written is None else int(written)
+        )
     except (KeyError, TypeError, ValueError):
         return None  # an event from another command version: progress shows what it can
 
@@ -115,6 +125,7 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
         ranks = []
         for attempt in current:
             done = steps[attempt.id]
+            written = [s.written_bytes for s in done.values() if s.written_bytes is not None]
             ranks.append(
                 RankProgress(
                     rank=attempt.rank,
@@ -124,8 +135,11 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
                     total=updates,
                     updated_at=max((s.at for s in done.values()), default=None),
                     median_seconds=statistics.median(s.seconds for s in done.values()) if done else None,
+                    written_per_update=statistics.fmean(written) if written else None,
                 )
             )
+        described = plan.arm_plan(name)
+        every = described.sync_every if described.role == "diloco" else None
         progress.append(
             ArmProgress(
                 name=name,
@@ -135,6 +149,18 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
                 final_step=arm.final_step,
                 model_identity=arm.model_identity,
                 losses=sorted(losses.items()),
+                synchronization=_synchronization(arm.world_size, every, described),
+                sync_every=every,
+                outer_steps=None if every is None else max(losses, default=0) // every,
             )
         )
     return progress
+
+
+def _synchronization(world_size: int, every: int | None, arm: ArmPlan) -> str:
+    if every is not None:
+        return (
+            f"DiLoCo: an outer Nesterov step every {every} updates "
+            f"(rate {arm.outer_learning_rate:g}, momentum {arm.outer_momentum:g})"
+        )
+    return "one rank" if world_size == 1 else f"DDP: a gradient all-reduce over {world_size} ranks every update"

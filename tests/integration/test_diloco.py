@@ -111,7 +111,9 @@ ARM = "diloco-4"
 
 def _prepared(folder: Path, seed: Seed, sync_every: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    plan_path = write_plan(folder / "plan.toml", seed[1], base=DILOCO_PLAN, sync_every=sync_every)
+    # DiLoCo's published outer step, so that a resume carries a momentum that is not zero.
+    outer = {"outer_learning_rate": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
+    plan_path = write_plan(folder / "plan.toml", seed[1], base=DILOCO_PLAN, sync_every=sync_every, **outer)
     corpus.prepare(load_plan(plan_path), plan_path, folder / "home", seed[0], None, lambda event: None)
     return folder / "home"
 

@@ -27,10 +27,12 @@ def namespaces(command: str, *args: str) -> str:
 
 
 @contextlib.contextmanager
-def hosts(name: str, rate: str | None = None) -> Iterator[dict[str, Any]]:
-    """The topology (scripts/namespaces.py's JSON) of a fresh set named after ``name`` and this process."""
+def hosts(name: str, rate: str | None = None, count: int = 2) -> Iterator[dict[str, Any]]:
+    """The topology (scripts/namespaces.py's JSON) of a fresh set of ``count`` hosts named after ``name`` and this
+    process."""
     prefix = f"coop-{name}-{os.getpid()}"
-    topology: dict[str, Any] = json.loads(namespaces("up", "--prefix", prefix, *(["--rate", rate] if rate else [])))
+    shaped = ["--rate", rate] if rate else []
+    topology: dict[str, Any] = json.loads(namespaces("up", "--prefix", prefix, "--hosts", str(count), *shaped))
     try:
         yield topology
     finally:

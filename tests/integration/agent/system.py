@@ -5,18 +5,23 @@ through the coordinator's REST API."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import shutil
+import signal
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from experiment.core import layout
 from experiment.report.attempts import TrainingFault, arm_faults, read_attempts
 from experiment.seed import seedmodel
-from tests.conftest import write_plan
+from tests.conftest import LOCAL_PLAN, write_plan
 from tests.integration.agent.support import AgentProcess
 from tests.support.processes import QUICK, CoordinatorProcess, coop_train
 from tests.support.tls import Authority
@@ -144,6 +149,21 @@ class System:
         return wait_for(reached, seconds, f"the experiment to become {states}")
 
 
+def kill_host(agent: AgentProcess) -> None:
+    """The host vanishes: the agent and every process it started die at once (SIGKILL, no goodbye)."""
+    assert agent.process is not None
+    children = psutil.Process(agent.process.pid).children(recursive=True)
+    agent.process.kill()
+    # The agent starts each command in its own process group (never the test's own): kill those groups too.
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            group = os.getpgid(child.pid)
+            if group != os.getpgid(0):
+                os.killpg(group, signal.SIGKILL)
+    agent.process.wait(timeout=10)
+    agent.process = None
+
+
 def _require(condition: bool, where: Path | str, field: str, problem: str) -> None:
     assert condition, f"{where}: {field}: {problem}"
 
@@ -154,8 +174,10 @@ def start(
     topology: dict[str, Any],
     counts: dict[str, Any],
     lease_seconds: float,
+    base: Path = LOCAL_PLAN,
 ) -> System:
-    """The coordinator (leases of ``lease_seconds``, heartbeats every 0.5 s), both agents, and the experiment."""
+    """The coordinator (leases of ``lease_seconds``, heartbeats every 0.5 s), an agent per host of the topology,
+    and the experiment of ``base``'s plan with the test seed and ``counts``."""
     home = tmp / "coordinator"
     home.mkdir(parents=True)
     tls = Authority("coop test CA").issue(tmp / "tls", addresses=(topology["coordinator_address"],))
@@ -186,5 +208,5 @@ def start(
             address=host["public_address"],
         )
         agents[name].start()
-    plan = write_plan(tmp / "plan.toml", seed[1], **counts)
+    plan = write_plan(tmp / "plan.toml", seed[1], base, **counts)
     return System(server, agents, server.create_experiment(plan), topology)

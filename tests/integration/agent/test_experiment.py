@@ -9,11 +9,8 @@ all-reduce on the private link between the two hosts."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
-import signal
 import sqlite3
 import tarfile
 from collections.abc import Iterator
@@ -31,7 +28,6 @@ from experiment.core.ledger import decode_ledger, verify_ledger
 from experiment.report.recompute import compute
 from experiment.seed import seedmodel
 from tests.integration.agent import system
-from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import COUNTS, System
 from tests.integration.serving.support import needs_vllm
 from tests.support import ROOT
@@ -95,7 +91,7 @@ def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Fau
         pair = next(j for j in run.server.jobs(run.experiment["id"]) if j["arm"] == "clean-pair")
         (rank1,) = [x for x in run.server.get(f"/api/jobs/{pair['id']}/attempts") if x["rank"] == 1]
         killed = run.host_of(rank1)
-        _kill_host(run.agents[killed])
+        system.kill_host(run.agents[killed])
         wait_for(
             lambda: any(x["state"] == "lost" for x in run.server.get(f"/api/jobs/{pair['id']}/attempts")),
             60,
@@ -171,21 +167,6 @@ def test_every_final_test_answer_is_readable_through_the_api(finished: tuple[Sys
         answers = [item["answer"] for item in page["items"] if item["arm"] == arm]
         assert [a["index"] for a in answers] == list(range(tests_per_arm))
         assert all(a["output_ids"] and "correct" in a["check"] for a in answers)
-
-
-def _kill_host(agent: AgentProcess) -> None:
-    """The host vanishes: the agent and every process it started die at once (SIGKILL, no goodbye)."""
-    assert agent.process is not None
-    children = psutil.Process(agent.process.pid).children(recursive=True)
-    agent.process.kill()
-    # The agent starts each command in its own process group (never the test's own): kill those groups too.
-    for child in children:
-        with contextlib.suppress(ProcessLookupError):
-            group = os.getpgid(child.pid)
-            if group != os.getpgid(0):
-                os.killpg(group, signal.SIGKILL)
-    agent.process.wait(timeout=10)
-    agent.process = None
 
 
 def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
