@@ -102,9 +102,22 @@ async def _join_gang(
         )
         .exists()
     )
+    # A retry's rank goes back to the host that held it in the generation before (each rank resumes from its own
+    # checkpoints: a DiLoCo worker's optimizer is its own); a rank nobody held there is open to any host.
+    previous = aliased(models.Attempt, name="previous")
+    held_by_another = (
+        select(previous.id)
+        .where(
+            previous.job_id == candidate.id,
+            previous.number == candidate.attempts_made - 1,
+            previous.rank == candidate.world_size - candidate.ranks_open,
+            previous.agent_id.is_not(None) if agent_id is None else previous.agent_id != agent_id,
+        )
+        .exists()
+    )
     open_gang = (
         select(candidate.id)
-        .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, *wanted)
+        .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another, *wanted)
         .order_by(candidate.queued_at, candidate.id)
         .limit(1)
         .with_for_update(skip_locked=True)

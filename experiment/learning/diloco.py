@@ -39,18 +39,20 @@ class OuterState:
     @torch.no_grad()
     def synchronize(self, world: World) -> int:
         """The outer step: every worker's parameters become the new outer parameters. Returns the bytes each
-        worker handed to the all-reduce."""
-        handed = 0
+        worker handed to the all-reduce: every pseudo-gradient in one flat tensor, one all-reduce."""
+        deltas = [outer - parameter for parameter, outer in zip(self.parameters, self.outer, strict=True)]
+        flat = torch.cat([delta.reshape(-1) for delta in deltas])  # this worker's pseudo-gradient
+        if world.distributed:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(world.size)
+        offset = 0
         for parameter, outer, buffer in zip(self.parameters, self.outer, self.buffers, strict=True):
-            delta = outer - parameter  # this worker's pseudo-gradient
-            if world.distributed:
-                dist.all_reduce(delta, op=dist.ReduceOp.SUM)
-                handed += delta.numel() * delta.element_size()
-            delta.div_(world.size)
+            delta = flat[offset : offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
             buffer.mul_(self.momentum).add_(delta)
             outer.sub_(delta.add(buffer, alpha=self.momentum), alpha=self.learning_rate)
             parameter.copy_(outer)
-        return handed
+        return flat.numel() * flat.element_size() if world.distributed else 0
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         """The momentum (the outer parameters are the model's weights at an outer step, saved with it)."""

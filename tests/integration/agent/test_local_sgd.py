@@ -86,11 +86,11 @@ def test_the_local_sgd_experiment_is_reported_on_its_own_criteria(reported: tupl
 
 
 def test_each_rank_wrote_what_the_ring_all_reduce_sends_and_its_private_link_carried_it(
-    reported: tuple[System, str, str],
+    reported: tuple[System, str, str], small_seed: tuple[Path, Any]
 ) -> None:
     run, _, _ = reported
     report = run.server.get(f"/api/experiments/{run.experiment['id']}/report")
-    parameters = run.server.get(f"/api/experiments/{run.experiment['id']}")["plan"]["seed"]["parameters"]
+    parameters = small_seed[1].parameters
     updates = COUNTS["updates"]
     per_synchronization = 2 * (RANKS - 1) / RANKS * 4 * parameters
     for arm, synchronizations in (("ddp-4", updates), ("diloco-4", updates // COUNTS["sync_every"])):

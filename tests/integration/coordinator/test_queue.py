@@ -1,5 +1,6 @@
-"""Leases: expiry makes an attempt lost and the retry a new attempt; gangs lease two agents and end together;
-cancel asks the agent to stop and forces it after the grace period."""
+"""Leases: expiry makes an attempt lost and the retry a new attempt; gangs lease their agents and end together,
+and a retried gang's ranks go back to their hosts; cancel asks the agent to stop and forces it after the grace
+period."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 from experiment import wire
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
+from tests.support import ROOT
 from tests.support.agent import FakeAgent, rejection
-from tests.support.scenarios import prepared_experiment, train_result
+from tests.support.scenarios import create_experiment, prepared_experiment, sha, train_result
 from tests.support.waiting import wait_for
 
 
@@ -222,3 +224,30 @@ def test_failed_attempt_is_final_and_never_retried(make_settings: Callable[..., 
         assert api.get(f"/api/jobs/{job.job_id}")["state"] == "failed"
         assert a.claim() is None  # no retry attempt: a non-zero exit would only fail again
         assert len(api.get(f"/api/jobs/{job.job_id}/attempts")) == 1
+
+
+def test_a_retried_gang_gives_each_rank_back_to_the_host_that_held_it(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    """A DiLoCo worker resumes from its own checkpoints (its optimizer is its own): however the hosts' claims
+    interleave, the retry's rank r goes to the host that held rank r."""
+    with running(make_settings(lease_seconds=1.0, heartbeat_seconds=0.2, reap_seconds=0.1)) as client:
+        api = Api(client, database_url)
+        hosts = {name: api.agent(name, f"10.1.0.{number}") for number, name in enumerate("abcd", start=1)}
+        a = hosts["a"]
+        experiment = create_experiment(api, ROOT / "plans" / "local-diloco.toml", autopilot=False)
+        prepare = a.take("prepare")
+        a.finish(prepare, result={"prepared_identity": sha("prepared")})
+        queued = api.operator_post(f"/api/experiments/{experiment['id']}/jobs", {"kind": "train", "arm": "ddp-4"})
+        assert queued.status_code == 201, queued.text
+        first = [agent.claim("train") for agent in hosts.values()]
+        assert [job.rank if job else None for job in first] == [0, 1, 2, 3]
+        job_path = f"/api/jobs/{queued.json()['id']}"
+        # Every host falls silent: the generation is lost and the gang queued again.
+        wait_for(lambda: api.get(job_path)["state"] == "queued", 15, "the gang to be lost and queued again")
+        order = []
+        for name in "dcbadcbdcd":
+            claimed = hosts[name].claim("train")
+            if claimed is not None:
+                order.append((name, claimed.number, claimed.rank))
+        assert order == [("a", 2, 0), ("b", 2, 1), ("c", 2, 2), ("d", 2, 3)]
