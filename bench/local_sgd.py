@@ -12,7 +12,12 @@ the private interface. Per arm it reports, from the ranks' own result files:
 - ``link_bound_seconds``: the theory's bytes at the link's rate, the least time the synchronizations take, and
   ``loop_over_link_bound``.
 
-    python bench/local_sgd.py [--rate 200mbit] > bench/results/local-sgd-200mbit-cpu.json
+With ``--report`` it also carries the figures of a recorded report of the same plan (`make run
+PLAN=plans/local-diloco.toml`, on loopback): test accuracy per arm, the non-inferiority test, the verdict, the
+bytes ratio and the wall time of each arm's loop.
+
+    python bench/local_sgd.py [--rate 200mbit] [--report .coop/run-.../report.json] \
+        > bench/results/local-sgd-200mbit-cpu.json
 """
 
 from __future__ import annotations
@@ -98,11 +103,27 @@ def _row(arm: str, results: list[dict[str, Any]], synchronizations: int, paramet
     }
 
 
+def _experiment(path: Path) -> dict[str, Any]:
+    """The figures a recorded local-SGD report gives."""
+    report = json.loads(path.read_text())
+    local = report["local_sgd"]
+    return {
+        "accuracy": {arm: [a["overall"]["correct"], a["overall"]["n"]] for arm, a in report["accuracy"].items()},
+        "noninferiority": local["noninferiority"],
+        "retention_upper": {arm: r["upper"] for arm, r in local["retention"].items()},
+        "verdict_passed": local["verdict"]["passed"],
+        "written_over_theory": {arm: c["written_over_theory"] for arm, c in local["communication"].items()},
+        "diloco_over_control_bytes": local["diloco_over_control_bytes"],
+        "loop_seconds": {arm: t["loop_seconds"] for arm, t in report["training"].items()},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", type=Path, default=ROOT / "plans" / "local-diloco.toml")
     parser.add_argument("--model-dir", type=Path, default=ROOT / "seeds" / "tiny")
     parser.add_argument("--rate", default="200mbit")
+    parser.add_argument("--report", type=Path, help="a recorded report of the plan, on loopback (make run)")
     args = parser.parse_args()
     from experiment.core.plan import load_plan
 
@@ -137,6 +158,8 @@ def main() -> int:
         "diloco_over_control_loop_seconds": round(max(rows[1]["loop_seconds"]) / max(rows[0]["loop_seconds"]), 4),
         "diloco_over_control_written_bytes": round(sum(rows[1]["written_bytes"]) / sum(rows[0]["written_bytes"]), 4),
     }
+    if args.report is not None:
+        document["make_run_report"] = _experiment(args.report)
     print(json.dumps(document, indent=2))
     return 0
 

@@ -26,6 +26,7 @@ SLOW_FIRST = (
     SERVING_TESTS,
     "tests/integration/agent/test_link_faults.py",
     "tests/integration/test_training.py",
+    "tests/integration/agent/test_local_sgd.py",
     "tests/integration/coordinator/test_faults.py",
     "tests/integration/test_diloco.py",
 )

@@ -54,7 +54,6 @@ def grouped_bars(
     ylabel: str,
     ylim: tuple[float, float] | None = (0, 1),
     colours: Colours | None = None,
-    log: bool = False,
 ) -> str:
     """One bar per series inside each group (e.g. accuracy per family, one bar per arm); ``ylim`` None lets the
     axis follow the values."""
@@ -66,8 +65,6 @@ def grouped_bars(
     axes.set_xticks(range(len(groups)), groups)
     if ylim is not None:
         axes.set_ylim(*ylim)
-    if log:
-        axes.set_yscale("log")
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.legend(fontsize="small", ncols=max(len(series), 1), loc="upper center", bbox_to_anchor=(0.5, -0.12))
@@ -243,8 +240,8 @@ def report_figures(report: Report) -> dict[str, str]:
 
 
 def communication(arms: Mapping[str, Communication]) -> str:
-    """Per arm, the bytes a rank wrote while training (each rank's bar) beside the ring all-reduce's theory, on a
-    log axis: the control and DiLoCo differ by the factor the method exists for."""
+    """Per arm, the bytes a rank wrote while training (each rank's bar) beside the ring all-reduce's theory: the
+    control and DiLoCo differ by the factor the method exists for."""
     names = list(arms)
     ranks = max(arms[arm].ranks for arm in names)
     series: dict[str, list[float]] = {"theory": [arms[arm].theory_bytes_per_rank for arm in names]}
@@ -252,5 +249,4 @@ def communication(arms: Mapping[str, Communication]) -> str:
         series[f"rank {rank} wrote"] = [
             float((arms[arm].written_bytes or [0] * ranks)[rank]) if rank < arms[arm].ranks else 0.0 for arm in names
         ]
-    svg = grouped_bars("Bytes each rank sent while training", names, series, "bytes", ylim=None, log=True)
-    return svg
+    return grouped_bars("Bytes each rank sent while training", names, series, "bytes", ylim=None)

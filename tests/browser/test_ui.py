@@ -30,12 +30,15 @@ from tests.support.scenarios import (
     LOCAL_PLAN,
     create_experiment,
     experiment_through_testing,
+    local_sgd_through_testing,
     operate,
     sha,
     train_result,
 )
 
 REPORT = Path(__file__).parent / "data" / "report-local.json"
+# What the coordinator recorded for `make run PLAN=plans/local-diloco.toml`.
+REPORT_LOCAL_SGD = Path(__file__).parent / "data" / "report-local-diloco.json"
 PHASES = ("single", "pair", "failure")
 SERVED = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
 
@@ -443,3 +446,29 @@ def test_a_report_in_another_shape_is_named_and_linked_not_an_error(
     expect(problem.get_by_role("link", name="the report JSON")).to_have_attribute(
         "href", f"/api/experiments/{experiment}/report"
     )
+
+
+def test_a_local_sgd_report_shows_its_own_verdict_the_bytes_per_arm_and_both_loss_curves(
+    page: Page, coordinator: CoordinatorProcess
+) -> None:
+    agents = [host_agent(coordinator, f"host-{letter}") for letter in "abcd"]
+    experiment = local_sgd_through_testing(coordinator, agents)
+    report = json.loads(REPORT_LOCAL_SGD.read_text())
+    off_thread(record_report, coordinator.database_url, coordinator.home, experiment, report)
+    page.goto(f"/experiments/{experiment}/report")
+    local = report["local_sgd"]
+    expect(page.get_by_test_id("verdict")).to_have_text("PASSED" if local["verdict"]["passed"] else "NOT PASSED")
+    test = local["noninferiority"]
+    claim = page.get_by_test_id("noninferiority")
+    expect(claim).to_contain_text(f"answers {test['wins']} right that {test['control']}")
+    expect(claim).to_contain_text(f"p {test['p_value']:.3g}")
+    communication = page.get_by_test_id("communication")
+    for arm, row in local["communication"].items():
+        cells = communication.get_by_role("row").filter(has_text=arm).get_by_role("cell")
+        expect(cells.nth(1)).to_have_text(str(row["synchronizations"]))
+        expect(cells.nth(2)).to_have_text(f"{row['theory_bytes_per_rank']:,.0f}")
+    expect(page.get_by_text("Primary contract")).to_have_count(0)
+    # Accuracy by family and by wording, both arms' loss curves, update times, and the bytes against the theory.
+    expect(page.locator("figure svg")).to_have_count(5)
+    expect(page.locator("figure").filter(has_text="Bytes each rank wrote")).to_be_visible()
+    screenshot(page, "report-local-sgd")

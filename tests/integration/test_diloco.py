@@ -163,16 +163,6 @@ def test_a_diloco_arm_trains_four_workers_that_meet_only_at_the_outer_steps(trai
         assert result["communication"]["outer_allreduce_bytes"] == outer_steps * 4 * plan.seed.parameters
 
 
-def test_a_diloco_run_stopped_mid_way_resumes_at_an_outer_step_to_the_same_parameters(
-    diloco_home: Path, trained: Path, small_seed: Seed, tmp_path: Path
-) -> None:
-    home = _copy(diloco_home, tmp_path)
-    _train(home, small_seed, "--stop-after", "3")  # past the outer step and checkpoint at 2
-    resumed = _train(home, small_seed)
-    assert {events[0]["resumed_from_step"] for events in resumed} == {2}
-    assert {_result(home, r)["parameter_digest"] for r in range(WORKERS)} == {_result(trained, 0)["parameter_digest"]}
-
-
 def _refused(home: Path, seed: Seed, says: str) -> None:
     """Every rank exits 2 naming ``says``, and the home holds the same files as before."""
     before = {p.relative_to(home).as_posix(): p.stat().st_mtime_ns for p in home.rglob("*")}
@@ -182,15 +172,20 @@ def _refused(home: Path, seed: Seed, says: str) -> None:
     assert {p.relative_to(home).as_posix(): p.stat().st_mtime_ns for p in home.rglob("*")} == before
 
 
-def test_a_resume_with_another_h_or_without_the_outer_state_is_refused_and_changes_nothing(
-    diloco_home: Path, small_seed: Seed, tmp_path: Path
+def test_a_diloco_run_stopped_mid_way_resumes_at_an_outer_step_and_refuses_another_h_or_no_outer_state(
+    diloco_home: Path, trained: Path, small_seed: Seed, tmp_path: Path
 ) -> None:
     home = _copy(diloco_home, tmp_path / "stopped")
-    _train(home, small_seed, "--stop-after", "2")
+    _train(home, small_seed, "--stop-after", "3")  # past the outer step and checkpoint at 2
     # The same checkpoints under a plan with another H: the run's binding differs, and no rank resumes.
     other = _prepared(tmp_path / "other", small_seed, sync_every=1)
     shutil.copytree(home / "runs", other / "runs")
     _refused(other, small_seed, "binding")
     # A checkpoint whose outer state is gone is not the run's full state.
-    (training.run_dir(home, ARM, 1) / "checkpoints" / "step-000002" / training.OUTER).unlink()
-    _refused(home, small_seed, training.OUTER)
+    missing = shutil.copytree(home, tmp_path / "missing" / "home")
+    (training.run_dir(missing, ARM, 1) / "checkpoints" / "step-000002" / training.OUTER).unlink()
+    _refused(missing, small_seed, training.OUTER)
+    # Untouched, the stopped run resumes at the outer step to the uninterrupted run's parameters.
+    resumed = _train(home, small_seed)
+    assert {events[0]["resumed_from_step"] for events in resumed} == {2}
+    assert {_result(home, r)["parameter_digest"] for r in range(WORKERS)} == {_result(trained, 0)["parameter_digest"]}

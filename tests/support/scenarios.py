@@ -114,3 +114,32 @@ def experiment_through_testing(coordinator: Operated, a: FakeAgent, b: FakeAgent
         agent.evaluated(job, [answer(0, True)])
     assert coordinator.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
     return experiment_id
+
+
+DILOCO_PLAN = ROOT / "plans" / "local-diloco.toml"
+
+
+def local_sgd_through_testing(coordinator: Operated, agents: list[FakeAgent]) -> str:
+    """A tested experiment of the local-SGD plan (autopilot off): prepared on the first agent, ddp-4 and diloco-4
+    each trained as a gang of the four agents, the selection committed by REST, and the three test evaluations
+    recorded; its id."""
+    experiment_id = str(create_experiment(coordinator, DILOCO_PLAN, autopilot=False)["id"])
+    prepare = agents[0].take("prepare")
+    agents[0].finish(prepare, result={"prepared_identity": sha("prepared")})
+    advanced = operate(coordinator, f"/api/experiments/{experiment_id}/advance", {})
+    assert advanced["action"] == "queued train ddp-4, train diloco-4", advanced
+    for arm in ("ddp-4", "diloco-4"):
+        ranks = [agent.take("train") for agent in agents]
+        assert [(job.arm, job.rank) for job in ranks] == [(arm, rank) for rank in range(len(agents))], ranks
+        for agent, job in zip(agents, ranks, strict=True):
+            agent.finish(job, result=train_result(arm))
+    body = {"arms": {arm: {"step": FINAL_STEP, "model_identity": sha(arm)} for arm in ("ddp-4", "diloco-4")}}
+    selected = operate(coordinator, f"/api/experiments/{experiment_id}/selection", body)
+    assert selected["state"] == "selected", selected
+    advanced = operate(coordinator, f"/api/experiments/{experiment_id}/advance", {})
+    assert advanced["action"].startswith("queued evaluate test"), advanced
+    for _ in load_plan(DILOCO_PLAN).arm_names():
+        agent, job = next((agent, job) for agent in agents if (job := agent.try_take("evaluate")) is not None)
+        agent.evaluated(job, [answer(0, True)])
+    assert coordinator.get(f"/api/experiments/{experiment_id}")["state"] == "tested"
+    return experiment_id
