@@ -23,7 +23,6 @@ bytes ratio and the wall time of each arm's loop.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -35,16 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-NAMESPACES = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]
+from bench.hostset import hosts, rate_bits  # noqa: E402  (ROOT on the path first)
+
 PORT = 29556
-
-
-def _rate_bits(rate: str) -> float:
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for unit, factor in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * factor
-    raise ValueError(rate)
 
 
 def _train(topology: dict[str, Any], home: Path, model_dir: Path, arm: str, ranks: int) -> list[dict[str, Any]]:
@@ -86,7 +78,7 @@ def _row(arm: str, results: list[dict[str, Any]], synchronizations: int, paramet
         for r in results
     ]
     loop = [round(r["loop_seconds"], 2) for r in results]
-    bound = theory * 8 / _rate_bits(rate)
+    bound = theory * 8 / rate_bits(rate)
     return {
         "arm": arm,
         "ranks": ranks,
@@ -131,25 +123,18 @@ def main() -> int:
     control, diloco = plan.arm("control"), plan.arm("diloco")
     ranks = plan.world_size(control)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="coop-local-sgd-") as scratch:
-        prefix = f"coop-bench-{os.getpid()}"
-        up = [*NAMESPACES, "up", "--prefix", prefix, "--hosts", str(ranks), "--rate", args.rate]
-        topology = json.loads(subprocess.run(up, check=True, capture_output=True, text=True).stdout)
-        try:
-            home = Path(scratch) / "home"
-            for host in topology["hosts"]:  # each host prepares its own copy, as an agent does
-                coop = [sys.executable, "-m", "experiment.cli", "prepare", "--plan", str(args.plan)]
-                coop += ["--home", str(home / host["name"]), "--model-dir", str(args.model_dir)]
-                subprocess.run(coop, check=True, capture_output=True, cwd=ROOT)
-            for arm in (control, diloco):
-                every = plan.arm_plan(arm).sync_every or 1
-                results = _train(topology, home, args.model_dir.resolve(), arm, ranks)
-                row = _row(arm, results, plan.training.updates // every, plan.seed.parameters, args.rate)
-                print(json.dumps({"event": "measured", **row}), file=sys.stderr, flush=True)
-                rows.append(row)
-        finally:
-            with contextlib.suppress(subprocess.CalledProcessError):
-                subprocess.run([*NAMESPACES, "down", "--prefix", prefix], check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="coop-local-sgd-") as scratch, hosts(ranks, args.rate) as topology:
+        home = Path(scratch) / "home"
+        for host in topology["hosts"]:  # each host prepares its own copy, as an agent does
+            coop = [sys.executable, "-m", "experiment.cli", "prepare", "--plan", str(args.plan)]
+            coop += ["--home", str(home / host["name"]), "--model-dir", str(args.model_dir)]
+            subprocess.run(coop, check=True, capture_output=True, cwd=ROOT)
+        for arm in (control, diloco):
+            every = plan.arm_plan(arm).sync_every or 1
+            results = _train(topology, home, args.model_dir.resolve(), arm, ranks)
+            row = _row(arm, results, plan.training.updates // every, plan.seed.parameters, args.rate)
+            print(json.dumps({"event": "measured", **row}), file=sys.stderr, flush=True)
+            rows.append(row)
     document = {
         "bench": "local-sgd",
         "plan": args.plan.name,

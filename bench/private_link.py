@@ -21,7 +21,6 @@ the buckets give.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -35,16 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-NAMESPACES = [sys.executable, str(ROOT / "scripts" / "namespaces.py")]
+from bench.hostset import hosts, rate_bits  # noqa: E402  (ROOT on the path first)
+
 PORT = 29555
-
-
-def _rate_bits(rate: str) -> float:
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for unit, factor in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * factor
-    raise ValueError(rate)
 
 
 # A rank (run inside its host's namespace) -----------------------------------------------------------------
@@ -147,7 +139,7 @@ def _row(rate: str | None, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_over_theory": [round(s / theory, 4) for s in sent],
     }
     if rate is not None:
-        comm = theory * 8 / _rate_bits(rate)
+        comm = theory * 8 / rate_bits(rate)
         row |= {
             "comm_seconds_at_rate": round(comm, 4),
             "pair_over_compute_plus_comm": round(pair / (compute + comm), 4),
@@ -172,17 +164,11 @@ def main() -> int:
         coop = [sys.executable, "-m", "experiment.cli", "prepare", "--plan", str(args.plan), "--home", str(home)]
         subprocess.run([*coop, "--model-dir", str(args.model_dir)], check=True, capture_output=True, cwd=ROOT)
         for rate in rates:
-            prefix = f"coop-bench-{os.getpid()}"
-            up = [*NAMESPACES, "up", "--prefix", prefix, *(["--rate", rate] if rate else [])]
-            topology = json.loads(subprocess.run(up, check=True, capture_output=True, text=True).stdout)
-            try:
+            with hosts(2, rate) as topology:
                 for bucket in buckets:
                     row = _row(rate, _pair(topology, home, args.model_dir.resolve(), args.updates, bucket))
                     print(json.dumps({"event": "measured", **row}), file=sys.stderr, flush=True)
                     rows.append(row)
-            finally:
-                with contextlib.suppress(subprocess.CalledProcessError):
-                    subprocess.run([*NAMESPACES, "down", "--prefix", prefix], check=True, capture_output=True)
     print(
         json.dumps({"bench": "private-link", "plan": args.plan.name, "updates": args.updates, "rows": rows}, indent=2)
     )

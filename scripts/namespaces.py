@@ -157,30 +157,11 @@ def _up(prefix: str, rate: str | None, count: int) -> Topology:
         _run("ip", "link", "set", "to-operator", "master", "public", "up", namespace=coordinator)
         _run("ip", "addr", "add", f"{public[254]}/{public.prefixlen}", "dev", operator)
         _run("ip", "link", "set", operator, "up")
-        for host in hosts:
-            port = f"to-{host.name}"
-            _run(
-                "ip", "link", "add", port, "netns", coordinator, "type", "veth",
-                "peer", "name", PUBLIC_INTERFACE, "netns", host.namespace,
-            )  # fmt: skip
-            _run("ip", "link", "set", port, "master", "public", "up", namespace=coordinator)
-            _run(
-                "ip", "addr", "add", f"{host.public_address}/{public.prefixlen}", "dev", PUBLIC_INTERFACE,
-                namespace=host.namespace,
-            )  # fmt: skip
-            _run("ip", "link", "set", PUBLIC_INTERFACE, "up", namespace=host.namespace)
         _run("ip", "link", "add", "private", "type", "bridge", namespace=switch)
         _run("ip", "link", "set", "private", "up", namespace=switch)
         for host in hosts:
-            port = f"to-{host.name}"
-            _run(
-                "ip", "link", "add", port, "netns", switch, "type", "veth",
-                "peer", "name", PRIVATE_INTERFACE, "netns", host.namespace,
-            )  # fmt: skip
-            _run("ip", "link", "set", port, "master", "private", "up", namespace=switch)
-            address = f"{host.private_address}/{private.prefixlen}"
-            _run("ip", "addr", "add", address, "dev", PRIVATE_INTERFACE, namespace=host.namespace)
-            _run("ip", "link", "set", PRIVATE_INTERFACE, "up", namespace=host.namespace)
+            _plug(host, coordinator, "public", PUBLIC_INTERFACE, f"{host.public_address}/{public.prefixlen}")
+            _plug(host, switch, "private", PRIVATE_INTERFACE, f"{host.private_address}/{private.prefixlen}")
             if rate is not None:
                 shape(host.namespace, PRIVATE_INTERFACE, rate)
     except Exception:
@@ -188,6 +169,18 @@ def _up(prefix: str, rate: str | None, count: int) -> Topology:
         _remove_operator_link(operator)
         raise
     return Topology(prefix, subnet, coordinator, str(public[1]), operator, str(public[254]), hosts, rate)
+
+
+def _plug(host: Host, namespace: str, bridge: str, interface: str, address: str) -> None:
+    """A veth from ``bridge`` in ``namespace`` to the host, whose end is ``interface`` with ``address``, up."""
+    port = f"to-{host.name}"
+    _run(
+        "ip", "link", "add", port, "netns", namespace, "type", "veth",
+        "peer", "name", interface, "netns", host.namespace,
+    )  # fmt: skip
+    _run("ip", "link", "set", port, "master", bridge, "up", namespace=namespace)
+    _run("ip", "addr", "add", address, "dev", interface, namespace=host.namespace)
+    _run("ip", "link", "set", interface, "up", namespace=host.namespace)
 
 
 def _remove_operator_link(interface: str) -> None:

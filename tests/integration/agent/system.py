@@ -107,6 +107,21 @@ class System:
             resumed.add(int(started["body"]["resumed_from_step"]))
         return resumed
 
+    def kill_rank(self, arm: str, rank: int) -> tuple[str, str]:
+        """Kill the host of ``arm``'s training rank (kill_host), wait for its gang to be lost, and bring the host back
+        with its work dir (and its checkpoints); returns the train job's id and the host."""
+        job = next(j for j in self.jobs() if j["kind"] == "train" and j["arm"] == arm)
+        (attempt,) = [x for x in self.server.get(f"/api/jobs/{job['id']}/attempts") if x["rank"] == rank]
+        host = self.host_of(attempt)
+        kill_host(self.agents[host])
+        wait_for(
+            lambda: any(x["state"] == "lost" for x in self.server.get(f"/api/jobs/{job['id']}/attempts")),
+            60,
+            f"the gang of {arm} to be lost",
+        )
+        self.agents[host].start()
+        return job["id"], host
+
     def model_identity(self, arm: str) -> str:
         """The arm's final parameter digest, as the coordinator recorded it."""
         arms = {a["name"]: a for a in self.server.get(f"/api/experiments/{self.experiment['id']}/arms")}

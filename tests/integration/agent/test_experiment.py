@@ -88,19 +88,10 @@ def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Fau
         wait_for(lambda: any(a.spool().get("pending", 0) > 0 for a in run.agents.values()), 60, "spooled events")
         run.server.start()
         wait_for(lambda: len(run.rank_steps("clean-pair", 1)) >= 5, 600, "the pair to pass its first checkpoint")
-        pair = next(j for j in run.server.jobs(run.experiment["id"]) if j["arm"] == "clean-pair")
-        (rank1,) = [x for x in run.server.get(f"/api/jobs/{pair['id']}/attempts") if x["rank"] == 1]
-        killed = run.host_of(rank1)
-        system.kill_host(run.agents[killed])
-        wait_for(
-            lambda: any(x["state"] == "lost" for x in run.server.get(f"/api/jobs/{pair['id']}/attempts")),
-            60,
-            "the killed rank's lease to expire",
-        )
-        run.agents[killed].start()  # the host comes back with its work dir (and its checkpoints)
+        pair, killed = run.kill_rank("clean-pair", 1)
         cut = _cut_during_the_pair_phase(run)
         run.wait_state({"reported"}, 1200)
-        yield run, Faults(pair["id"], killed, cut)
+        yield run, Faults(pair, killed, cut)
     finally:
         run.stop()
 

@@ -46,18 +46,9 @@ def reported(
         run = system.start(tmp, small_seed, topology, COUNTS, lease_seconds=10, base=PLAN)
         try:
             wait_for(lambda: len(run.rank_steps("diloco-4", 3)) >= 6, 900, "DiLoCo past its first checkpoint")
-            job = next(j for j in run.jobs() if j["kind"] == "train" and j["arm"] == "diloco-4")
-            (rank3,) = [x for x in run.server.get(f"/api/jobs/{job['id']}/attempts") if x["rank"] == 3]
-            killed = run.host_of(rank3)
-            system.kill_host(run.agents[killed])
-            wait_for(
-                lambda: any(x["state"] == "lost" for x in run.server.get(f"/api/jobs/{job['id']}/attempts")),
-                60,
-                "the gang to be lost",
-            )
-            run.agents[killed].start()  # the host comes back with its work dir (and its checkpoints)
+            job, killed = run.kill_rank("diloco-4", 3)
             run.wait_state({"reported"}, 900)
-            yield run, job["id"], killed
+            yield run, job, killed
         finally:
             run.stop()
 
