@@ -59,6 +59,7 @@ class Topology:
     prefix: str
     subnet: int
     coordinator_namespace: str
+    switch_namespace: str  # the bridge of the hosts' shared private link
     coordinator_address: str
     operator_interface: str  # on this machine
     operator_address: str
@@ -168,7 +169,7 @@ def _up(prefix: str, rate: str | None, count: int) -> Topology:
         down(prefix)
         _remove_operator_link(operator)
         raise
-    return Topology(prefix, subnet, coordinator, str(public[1]), operator, str(public[254]), hosts, rate)
+    return Topology(prefix, subnet, coordinator, switch, str(public[1]), operator, str(public[254]), hosts, rate)
 
 
 def _plug(host: Host, namespace: str, bridge: str, interface: str, address: str) -> None:

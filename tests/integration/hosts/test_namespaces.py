@@ -1,4 +1,4 @@
-"""The two-host setup on one machine (scripts/namespaces.py): who reaches whom, the shaped private link, a cut link,
+"""The hosts on one machine (scripts/namespaces.py): who reaches whom, the shaped shared private link, a cut link,
 and that nothing is left behind. They need root, as CI and `make test` have."""
 
 from __future__ import annotations
@@ -67,6 +67,21 @@ def test_each_host_reaches_the_coordinator_and_its_peer_privately_and_nothing_el
     assert "tbf" in shaped and "rate 200Mbit" in shaped
 
 
+def test_four_hosts_share_one_private_link_each_end_shaped() -> None:
+    with hosts("four", rate="200mbit", count=4) as made:
+        members = made["hosts"]
+        assert [h["name"] for h in members] == ["host-a", "host-b", "host-c", "host-d"]
+        for host in members:
+            assert all(_reaches(host["namespace"], peer["private_address"]) for peer in members if peer is not host)
+            shaped = subprocess.run(
+                ["ip", "netns", "exec", host["namespace"], "tc", "qdisc", "show", "dev", host["private_interface"]],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            assert "rate 200Mbit" in shaped, (host["name"], shaped)
+
+
 def test_a_cut_link_blocks_until_it_is_mended(topology: dict[str, Any]) -> None:
     a, b = topology["hosts"]
     prefix = topology["prefix"]
@@ -84,7 +99,8 @@ def test_down_removes_the_namespaces_their_processes_and_the_operators_link() ->
     refused = subprocess.run([*SCRIPT, "up", "--prefix", prefix], capture_output=True, text=True)
     assert refused.returncode == 2 and "exist already" in refused.stderr
     removed = json.loads(namespaces("down", "--prefix", prefix))["removed"]
-    assert sorted(removed) == sorted([made["coordinator_namespace"], *(h["namespace"] for h in made["hosts"])])
+    switch, hosts_ = made["switch_namespace"], [h["namespace"] for h in made["hosts"]]
+    assert sorted(removed) == sorted([made["coordinator_namespace"], switch, *hosts_])
     assert sleeper.wait(timeout=10) == -9  # killed, not left running in a namespace nobody can name
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert prefix not in listed
