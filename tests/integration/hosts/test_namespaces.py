@@ -47,6 +47,12 @@ def _reaches(namespace: str, address: str) -> bool:
     return done.stdout.strip() == "open"
 
 
+def _qdisc(host: dict[str, Any]) -> str:
+    """What shapes the host's end of the private link (tc's words)."""
+    command = ["ip", "netns", "exec", host["namespace"], "tc", "qdisc", "show", "dev", host["private_interface"]]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def test_each_host_reaches_the_coordinator_and_its_peer_privately_and_nothing_else(topology: dict[str, Any]) -> None:
     a, b = topology["hosts"]
     assert a["public_address"] != b["public_address"] and "127." not in a["public_address"] + b["public_address"]
@@ -58,12 +64,7 @@ def test_each_host_reaches_the_coordinator_and_its_peer_privately_and_nothing_el
     # The coordinator is not on the private link, and no namespace routes out of its set.
     assert not _reaches(topology["coordinator_namespace"], a["private_address"])
     assert not _reaches(a["namespace"], "192.0.2.1")  # TEST-NET-1: would need a default route
-    shaped = subprocess.run(
-        ["ip", "netns", "exec", a["namespace"], "tc", "qdisc", "show", "dev", a["private_interface"]],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    shaped = _qdisc(a)
     assert "tbf" in shaped and "rate 200Mbit" in shaped
 
 
@@ -73,13 +74,7 @@ def test_four_hosts_share_one_private_link_each_end_shaped() -> None:
         assert [h["name"] for h in members] == ["host-a", "host-b", "host-c", "host-d"]
         for host in members:
             assert all(_reaches(host["namespace"], peer["private_address"]) for peer in members if peer is not host)
-            shaped = subprocess.run(
-                ["ip", "netns", "exec", host["namespace"], "tc", "qdisc", "show", "dev", host["private_interface"]],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            assert "rate 200Mbit" in shaped, (host["name"], shaped)
+            assert "rate 200Mbit" in _qdisc(host), host["name"]
 
 
 def test_a_cut_link_blocks_until_it_is_mended(topology: dict[str, Any]) -> None:
