@@ -83,10 +83,12 @@ def _resumed(generation: list[TrainAttempt]) -> int | None:
 
 
 def arm_faults(
-    path: Path, arm: str, attempts: list[TrainAttempt], final_resumed: list[int], require: Require
+    path: Path, arm: str, attempts: list[TrainAttempt], final_resumed: list[int], updates: int, require: Require
 ) -> list[TrainingFault]:
     """The faults of ``arm``'s job. Its last generation succeeded on every rank, and where it began to train it
-    resumed from the step each rank's own result says (``final_resumed``, by rank)."""
+    resumed from the step each rank's own result says (``final_resumed``, by rank), or from the final update: the
+    run had finished in an earlier generation, lost before it reported, and its result is that run's
+    (experiment.learning.training reports it again, unchanged)."""
     generations = _generations([a for a in attempts if a.arm == arm])
     require(bool(generations), path, arm, "has no attempts")
     last = generations[-1]
@@ -98,7 +100,7 @@ def arm_faults(
     )
     for attempt, resumed in zip(last, final_resumed, strict=True):
         require(
-            attempt.resumed_from_step in (None, resumed),
+            attempt.resumed_from_step in (None, resumed, updates),
             path,
             f"{arm}.generation[{attempt.generation}].rank[{attempt.rank}].resumed_from_step",
             f"is not the rank's result's ({resumed})",

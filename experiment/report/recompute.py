@@ -200,6 +200,7 @@ def _check_runs(
         results = [_check_rank(run, prepared, selection.arms[arm], world, docs) for run in runs]
         first = results[0]
         update_seconds = [r.seconds for r in first.journal]
+        resumed = [r.resumed_from_step for r in results]
         interface = first.communication.get("interface") if world > 1 else None
         summary[arm] = ArmTraining(
             ranks=len(results),
@@ -222,7 +223,7 @@ def _check_runs(
             else 2 * (world - 1) / world * 4 * plan.seed.parameters,
             faults=None
             if attempts is None
-            else arm_faults(bundle / ATTEMPTS, arm, attempts, [r.resumed_from_step for r in results], _require),
+            else arm_faults(bundle / ATTEMPTS, arm, attempts, resumed, plan.training.updates, _require),
             written_bytes=_written(results),
         )
     return summary

@@ -12,6 +12,7 @@ from experiment.report.attempts import StepHeard, TrainAttempt, arm_faults
 
 T0 = datetime.datetime(2026, 12, 3, 12, 0, tzinfo=datetime.UTC)
 WHERE = Path("attempts.json")
+UPDATES = 8  # the record's run: generation 3 trains to update 8
 
 
 def require(condition: bool, where: Path | str, field: str, problem: str) -> None:
@@ -48,7 +49,7 @@ RECORD = [
 
 
 def test_each_generation_that_did_not_succeed_costs_its_updates_past_the_resume_and_its_unkept_time() -> None:
-    first, second = arm_faults(WHERE, "clean-pair", RECORD, [4, 4], require)
+    first, second = arm_faults(WHERE, "clean-pair", RECORD, [4, 4], UPDATES, require)
     # Heard to reach 5, and the next generation that trained resumed from 4: one update recomputed. From the first
     # claim (0 s) to the next generation's first (20 s), less the kept updates 1-4 at their slower rank's 1.5 s.
     assert (first.generation, first.ended, first.reached_step, first.resumed_from_step) == (
@@ -64,13 +65,27 @@ def test_each_generation_that_did_not_succeed_costs_its_updates_past_the_resume_
 
 
 def test_an_arm_that_succeeded_at_once_has_no_faults() -> None:
-    assert arm_faults(WHERE, "clean-pair", RECORD[-2:], [4, 4], require) == []
+    assert arm_faults(WHERE, "clean-pair", RECORD[-2:], [4, 4], UPDATES, require) == []
 
 
 def test_the_record_must_end_where_the_ranks_own_results_say() -> None:
     with pytest.raises(CoopError, match=r"generation\[3\]\.rank\[1\]\.resumed_from_step: is not the rank's result's"):
-        arm_faults(WHERE, "clean-pair", RECORD, [4, 0], require)
+        arm_faults(WHERE, "clean-pair", RECORD, [4, 0], UPDATES, require)
     with pytest.raises(CoopError, match=r"clean-pair.generation\[2\]: is not every rank succeeded"):
-        arm_faults(WHERE, "clean-pair", RECORD[:4], [4, 4], require)
+        arm_faults(WHERE, "clean-pair", RECORD[:4], [4, 4], UPDATES, require)
     with pytest.raises(CoopError, match="clean-pair: has no attempts"):
-        arm_faults(WHERE, "clean-pair", [], [4, 4], require)
+        arm_faults(WHERE, "clean-pair", [], [4, 4], UPDATES, require)
+
+
+def test_a_run_that_finished_in_a_lost_generation_is_reported_again_from_its_final_update() -> None:
+    """Generation 1 trained all 8 updates (heard to 6) but was lost before it reported; generation 2 resumed from
+    the final checkpoint, and its result is generation 1's (resumed from 0): nothing was recomputed."""
+    record = [
+        attempt(1, 0, "lost", 0.0, 0, range(1, 7)),
+        attempt(2, 0, "succeeded", 30.0, UPDATES),
+    ]
+    (fault,) = arm_faults(WHERE, "clean-pair", record, [0], UPDATES, require)
+    assert (fault.reached_step, fault.resumed_from_step, fault.updates_recomputed) == (6, UPDATES, 0)
+    assert fault.seconds_lost == 30.0 - 6 * 1.0
+    with pytest.raises(CoopError, match="is not the rank's result's"):
+        arm_faults(WHERE, "clean-pair", [record[0], attempt(2, 0, "succeeded", 30.0, 5)], [0], UPDATES, require)

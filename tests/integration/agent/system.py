@@ -88,8 +88,9 @@ class System:
         attempts = read_attempts(folder)
         assert attempts is not None
         results = sorted((folder / layout.arm_runs(arm)).glob("rank-*/result.json"))
-        resumed = [json.loads(path.read_bytes())["resumed_from_step"] for path in results]
-        return arm_faults(folder / layout.ATTEMPTS, arm, attempts, resumed, _require)
+        ranks = [json.loads(path.read_bytes()) for path in results]
+        resumed = [rank["resumed_from_step"] for rank in ranks]
+        return arm_faults(folder / layout.ATTEMPTS, arm, attempts, resumed, len(ranks[0]["journal"]), _require)
 
     def agent_id(self, name: str) -> str:
         agent: str = next(a["id"] for a in self.server.get("/api/agents") if a["name"] == name)

@@ -23,7 +23,7 @@ from experiment.report.attempts import arm_faults, read_attempts
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
 from tests.support.agent import FakeAgent, rejection
-from tests.support.scenarios import bearer, prepared_experiment, select_and_advance, sha, train_result
+from tests.support.scenarios import FINAL_STEP, bearer, prepared_experiment, select_and_advance, sha, train_result
 from tests.support.waiting import wait_for
 
 
@@ -203,7 +203,7 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation_and_th
         )
         assert [r.arm for r in recorded].count("clean-pair") == 4 and len(recorded) == 6
         claimed = {x["number"]: datetime.fromisoformat(x["created_at"]) for x in pair if x["rank"] == 0}
-        (fault,) = arm_faults(tmp_path / ATTEMPTS, "clean-pair", recorded, [0, 0], require)
+        (fault,) = arm_faults(tmp_path / ATTEMPTS, "clean-pair", recorded, [0, 0], FINAL_STEP, require)
         assert (fault.generation, fault.ended, fault.reached_step, fault.resumed_from_step) == (
             1,
             ["succeeded", "lost"],
@@ -213,4 +213,4 @@ def test_a_retried_gang_rank_replaces_the_evidence_of_the_lost_generation_and_th
         assert fault.updates_recomputed == 3
         assert fault.seconds_lost == pytest.approx((claimed[2] - claimed[1]).total_seconds(), abs=0.002)
         single = next(r.arm for r in recorded if r.arm != "clean-pair")
-        assert arm_faults(tmp_path / ATTEMPTS, single, recorded, [0], require) == []
+        assert arm_faults(tmp_path / ATTEMPTS, single, recorded, [0], FINAL_STEP, require) == []
