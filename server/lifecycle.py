@@ -313,10 +313,16 @@ def report_state(plan: Plan) -> ExperimentState:
     return E.SERVING if plan.serves() else E.TESTED
 
 
+def report_follows(plan: Plan) -> str:
+    """What the report waits for, in words (for refusals)."""
+    return "the serving phase" if plan.serves() else "the test evaluations"
+
+
 def guard_report(job: Proposal) -> None:
     if job.state != report_state(job.plan):
-        after = "the serving phase" if job.plan.serves() else "the test evaluations"
-        raise Refused("report-requires-test-evaluations", f"the report follows {after}; now {job.state}")
+        raise Refused(
+            "report-requires-test-evaluations", f"the report follows {report_follows(job.plan)}; now {job.state}"
+        )
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,15 @@ from experiment.core.plan import Plan
 from experiment.serving.servingrecord import PHASES
 from server import experiments, kinds, models
 from server.kinds import Order
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState, Refused, report_state
+from server.lifecycle import (
+    EXPERIMENT_FINAL,
+    JOB_ACTIVE,
+    ExperimentState,
+    JobState,
+    Refused,
+    report_follows,
+    report_state,
+)
 from server.settings import Settings
 
 E = ExperimentState
@@ -149,7 +157,7 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; its report can no longer change")
     plan = experiments.plan_of(experiment)
-    after = "the serving phase" if plan.serves() else "the test evaluations"
+    after = report_follows(plan)
     if state != report_state(plan):
         raise Refused("report-not-ready", f"the report is computed after {after}; the experiment is {state}")
     jobs = await jobs_of(session, experiment.id)
