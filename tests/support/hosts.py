@@ -22,6 +22,17 @@ def cut_link(topology: dict[str, Any], host: str, link: str, seconds: float) -> 
     return subprocess.Popen(argv)
 
 
+@contextlib.contextmanager
+def link_down(topology: dict[str, Any], host: str, link: str) -> Iterator[None]:
+    """``host``'s ``link`` down once this is entered (the command has returned), up again when it exits."""
+    where = ["--prefix", topology["prefix"], "--host", host, "--link", link]
+    namespaces("cut", *where)
+    try:
+        yield
+    finally:
+        namespaces("mend", *where)
+
+
 def namespaces(command: str, *args: str) -> str:
     return subprocess.run([*SCRIPT, command, *args], check=True, capture_output=True, text=True).stdout
 

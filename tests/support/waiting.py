@@ -11,8 +11,10 @@ T = TypeVar("T")
 PAUSE = 0.1  # seconds between two polls
 
 
-def wait_for(predicate: Callable[[], T | None], seconds: float, what: str | Callable[[], str]) -> T:
-    """The first truthy value ``predicate`` returns, polled every PAUSE seconds; fails after ``seconds`` naming
+def wait_for(
+    predicate: Callable[[], T | None], seconds: float, what: str | Callable[[], str], pause: float = PAUSE
+) -> T:
+    """The first truthy value ``predicate`` returns, polled every ``pause`` seconds; fails after ``seconds`` naming
     ``what`` it waited for (a callable ``what`` is read only then, so it may describe the state at the failure)."""
     deadline = time.monotonic() + seconds
     while True:
@@ -22,4 +24,4 @@ def wait_for(predicate: Callable[[], T | None], seconds: float, what: str | Call
         if time.monotonic() >= deadline:
             described = what() if callable(what) else what
             raise AssertionError(f"timed out after {seconds:g} s waiting for {described}")
-        time.sleep(PAUSE)
+        time.sleep(pause)

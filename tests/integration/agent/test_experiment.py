@@ -13,6 +13,7 @@ import io
 import json
 import sqlite3
 import tarfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,10 +29,11 @@ from experiment.core.ledger import decode_ledger, verify_ledger
 from experiment.report.recompute import compute
 from experiment.seed import seedmodel
 from tests.integration.agent import system
+from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import COUNTS, System
 from tests.integration.serving.support import needs_vllm
 from tests.support import ROOT
-from tests.support.hosts import cut_link, hosts
+from tests.support.hosts import hosts, link_down
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -51,20 +53,41 @@ SERVING_CUT_SECONDS = 6.0
 
 
 def _cut_during_the_pair_phase(run: System) -> str:
-    """Once the pair phase's benchmark has its first answer, the host serving the other replica loses its public
-    link for SERVING_CUT_SECONDS; returns that host. The benchmark's own host reads its progress from its spool."""
+    """Once the pair phase's benchmark has its first answer, the host serving the other replica loses its public link
+    for SERVING_CUT_SECONDS; returns that host. The benchmark is frozen (SIGSTOP) from its first answer seen until the
+    link is down, so that the rest of its workload meets the cut however fast the replicas answer. The benchmark's
+    own host reads its progress from its spool."""
+
+    def progress(name: str) -> list[dict[str, Any]]:
+        return [p for p in run.agents[name].spooled_bodies("benchmark") if p.get("phase") == "pair"]
 
     def benchmarking() -> str | None:
-        for name, agent in run.agents.items():
-            progress = agent.spooled_bodies("benchmark")
-            if any(p.get("phase") == "pair" and p.get("completed", 0) >= 1 for p in progress):
-                return name
-        return None
+        return next((name for name in run.agents if any(p["completed"] >= 1 for p in progress(name))), None)
 
-    host = wait_for(benchmarking, 1200, "the pair phase's first answer")
+    host = wait_for(benchmarking, 1200, "the pair phase's first answer", pause=0.02)
+    benchmark = _benchmark_process(run.agents[host], "pair")
+    benchmark.suspend()
     other = next(name for name in run.agents if name != host)
-    cut_link(run.topology, other, "public", SERVING_CUT_SECONDS).wait(timeout=60)
+    with link_down(run.topology, other, "public"):
+        try:
+            time.sleep(0.5)  # the agent spools what the benchmark printed before it was frozen
+            (total,) = {p["total"] for p in progress(host)}
+            done = max(p["done"] for p in progress(host))
+            assert done < total, f"the pair phase had answered all {total} requests before it was frozen"
+        finally:
+            benchmark.resume()
+        time.sleep(SERVING_CUT_SECONDS)
     return other
+
+
+def _benchmark_process(agent: AgentProcess, phase: str) -> psutil.Process:
+    """The agent's running ``coop benchmark --phase <phase>``."""
+    assert agent.process is not None
+    for child in psutil.Process(agent.process.pid).children(recursive=True):
+        argv = child.cmdline()
+        if "benchmark" in argv and "--phase" in argv and argv[argv.index("--phase") + 1] == phase:
+            return child
+    raise AssertionError(f"{agent.name} runs no benchmark of the {phase} phase")
 
 
 @pytest.fixture(scope="module")
