@@ -4,9 +4,10 @@
 #     bash bench/gpu-check.sh > bench/results/gpu-check.json
 # Here, on a CPU, the same steps on a small model of the same family:
 #     bash bench/gpu-check.sh --dry-run
-# It uses the image's own torch (a CUDA build on a GPU machine) and downloads nothing. The project's other
-# packages are imported from the interpreter; any that are missing are installed from bench/wheels/ (carried
-# with the working tree, filled beforehand by `pip download -d bench/wheels <package>...`), never from an index.
+# It uses the image's own torch (a CUDA build on a GPU machine) and downloads nothing. On a GPU machine every wheel
+# in bench/wheels/ (carried with the working tree, filled beforehand by `pip download -d bench/wheels` with the
+# project's pins, e.g. transformers and msgspec) is installed into a folder of its own ahead of the image's
+# packages; the project's other packages must be the image's. The dry run uses the project's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,26 +19,27 @@ else
     python=python3
 fi
 
-needed=(transformers safetensors tokenizers numpy msgspec psutil rich)
-missing=()
-for module in "${needed[@]}"; do
-    "$python" -c "import $module" 2>/dev/null || missing+=("$module")
-done
-if ((${#missing[@]})); then
-    if [[ ! -d bench/wheels ]]; then
-        echo "gpu-check: $python lacks ${missing[*]}, and there is no bench/wheels/ to install them from" >&2
-        exit 2
-    fi
-    echo "{\"event\": \"gpu-check-install\", \"from\": \"bench/wheels\", \"packages\": \"${missing[*]}\"}" >&2
-    "$python" -m pip install --quiet --no-index --find-links bench/wheels "${missing[@]}"
-fi
-
 if [[ " $* " != *" --dry-run "* ]]; then
     # A CUDA torch, or nothing to check.
     "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
         echo "gpu-check: $python's torch sees no CUDA device; on a CPU use --dry-run" >&2
         exit 2
     }
+    if compgen -G "bench/wheels/*.whl" >/dev/null; then
+        site=$(mktemp -d)
+        echo "{\"event\": \"gpu-check-install\", \"from\": \"bench/wheels\", \"into\": \"$site\"}" >&2
+        "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" bench/wheels/*.whl
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+
+missing=()
+for module in transformers safetensors tokenizers numpy scipy msgspec psutil rich; do
+    "$python" -c "import $module" 2>/dev/null || missing+=("$module")
+done
+if ((${#missing[@]})); then
+    echo "gpu-check: $python lacks ${missing[*]}; put their wheels in bench/wheels/" >&2
+    exit 2
 fi
 
 exec "$python" bench/gpu_check.py "$@"

@@ -1,17 +1,22 @@
 """The one prepared GPU check: the CUDA path of a reference run, on a random Llama shaped like SmolLM2-1.7B.
 
-Run by ``bench/gpu-check.sh`` on a lent GPU machine (at most 8 minutes on one H200, nothing downloaded). Each step
+Run by ``bench/gpu-check.sh`` on a lent GPU machine (about 4 minutes on one H200, nothing downloaded). Each step
 is one question the CPU tests cannot answer, and its answer is a figure or a pass/fail in the JSON it prints:
 
 1. versions: torch, CUDA, NCCL and the GPU;
-2. deterministic mode fails a cuBLAS matmul without ``CUBLAS_WORKSPACE_CONFIG`` and passes with the project's;
+2. a cuBLAS matmul passes in the project's deterministic mode (and whether deterministic mode without
+   ``CUBLAS_WORKSPACE_CONFIG`` refuses it, as a fact of this torch and CUDA);
 3. the model's parameter count is the reference seed's;
-4. the real training step (``Trainer`` on the reference plan, world of one) for 3 updates on 1,024-token
-   documents: seconds per update, peak memory against the preflight rule, and a replay's parameters bit-identical;
+4. the real training step (``Trainer`` on the reference plan, world of one) for 3 updates of 8 documents of 1,024
+   tokens: seconds per update, peak memory (reserved) against the preflight rule, and a replay's parameters
+   bit-identical;
 5. the same step under DDP with a process group of one, so that ``no_sync`` and the buckets run: peak memory
-   against the rule for a rank of a pair;
-6. checkpoint save and verify: seconds, the host's peak RSS, and the stored tensor names the seed's;
-7. batched evaluation at 16 against one prompt at a time, in the plan's numerics: token agreement, no NaN row.
+   against the rule for a rank of a pair (a torch older than the project's pin, which lacks DDP's
+   ``forward_sync_buffers``, wraps with ``broadcast_buffers=False``, the same forward pass);
+6. where the peak falls: one document of each length, forward and backward, then AdamW's step, each phase's peak
+   above the memory held before it;
+7. checkpoint save and verify: seconds, the host's peak RSS, and the stored tensor names the seed's;
+8. batched evaluation at 16 against one prompt at a time, in the plan's numerics: token agreement, no NaN row.
 
 The card is capped at an L40S's memory. ``--dry-run`` runs the same steps on a CPU with a small model of the
 same family (the full shape is only counted, on the meta device), so that the script itself is tested here; the
@@ -21,6 +26,8 @@ CUDA-only step (2) says it was skipped. Progress goes to stderr as JSON lines; t
 from __future__ import annotations
 
 import argparse
+import gc
+import inspect
 import json
 import math
 import os
@@ -40,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from experiment.core import determinism  # noqa: E402
@@ -74,6 +82,7 @@ DRY_RUN_SHAPE = SMOLLM2_1_7B | {
     "num_key_value_heads": 4,
 }
 UPDATES = 3
+PROFILE_TOKENS = (256, 1024)  # the document lengths of step 6 (at most the plan's longest)
 EVAL_PROMPTS = 32
 EVAL_BATCH = 16
 
@@ -115,6 +124,14 @@ def clock(device: torch.device) -> float:
 
 def peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def peak_reserved(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def reset_peak(device: torch.device) -> None:
@@ -168,7 +185,7 @@ def deterministic_mode(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"skipped": "needs a CUDA device"}
     bare = {k: v for k, v in os.environ.items() if k != determinism.VARIABLE}
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     for name, setup in (
         ("without_workspace", "torch.use_deterministic_algorithms(True)"),
         ("with_project_setting", "determinism.make_deterministic('cuda', 1)"),
@@ -176,7 +193,8 @@ def deterministic_mode(device: torch.device) -> dict[str, Any]:
         code = _MATMUL.format(root=str(ROOT), setup=setup)
         done = subprocess.run([sys.executable, "-c", code], env=bare, capture_output=True, text=True, timeout=120)
         outcomes[name] = {"exit": done.returncode, "last_words": (done.stderr.strip().splitlines() or [""])[-1][:300]}
-    outcomes["ok"] = outcomes["without_workspace"]["exit"] != 0 and outcomes["with_project_setting"]["exit"] == 0
+    outcomes["bare_mode_refused_the_matmul"] = outcomes["without_workspace"]["exit"] != 0
+    outcomes["ok"] = outcomes["with_project_setting"]["exit"] == 0
     return outcomes
 
 
@@ -202,10 +220,15 @@ def shape_check(shape: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def documents(shape: dict[str, Any], count: int, tokens: int) -> list[Document]:
-    """Random documents of ``tokens`` tokens, the answer (the labelled part) their last eighth."""
+    """``count`` random documents of ``tokens`` tokens."""
+    return documents_of(shape, [tokens] * count)
+
+
+def documents_of(shape: dict[str, Any], lengths: list[int]) -> list[Document]:
+    """Random documents of these lengths in tokens, the answer (the labelled part) their last eighth."""
     rng = random.Random(20261203)
     found = []
-    for position in range(count):
+    for position, tokens in enumerate(lengths):
         ids = [rng.randrange(3, shape["vocab_size"]) for _ in range(tokens)]
         answer = tokens // 8
         labels = [-100] * (tokens - answer) + ids[tokens - answer :]
@@ -221,7 +244,7 @@ def train(
     seconds = []
     with training.Trainer(plan, world, device, model, docs) as trainer:
         if wrap:
-            trainer.network = training.wrap_ddp(model, device)
+            trainer.network = wrap_ddp(model, device)
         batches = [list(range(u * 8, (u + 1) * 8)) for u in range(UPDATES)]
         for step, batch in enumerate(batches, start=1):
             began = clock(device)
@@ -231,11 +254,25 @@ def train(
         return seconds, distributed.parameter_digest(model)
 
 
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``training.wrap_ddp``; on a torch older than the project's pin (no ``forward_sync_buffers``), the same wrapper
+    with ``broadcast_buffers=False``, which skips the same per-forward buffer broadcast."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return training.wrap_ddp(model, device)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=training.BUCKET_CAP_MB,
+    )
+
+
 def training_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: int) -> dict[str, Any]:
     docs = documents(shape, 8 * UPDATES, tokens)
     reset_peak(device)
     seconds, digest = train(plan, build(shape, device), docs, device, wrap=False)
-    peak = peak_memory(device)
+    peak, reserved = peak_memory(device), peak_reserved(device)
     _, replayed = train(plan, build(shape, device), docs, device, wrap=False)
     rule = preflight.memory_needed(plan, 1)
     return {
@@ -243,10 +280,11 @@ def training_step(plan: Plan, shape: dict[str, Any], device: torch.device, token
         "seconds_per_update": seconds,
         "median_seconds": sorted(seconds)[len(seconds) // 2],
         "peak_memory_bytes": peak,
+        "peak_reserved_bytes": reserved,
         "preflight_bytes": rule,
-        "within_preflight": peak is None or peak <= rule,
+        "within_preflight": reserved is None or reserved <= rule,
         "replay_bit_identical": digest == replayed,
-        "ok": digest == replayed and (peak is None or peak <= rule),
+        "ok": digest == replayed and (reserved is None or reserved <= rule),
     }
 
 
@@ -259,20 +297,93 @@ def ddp_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: in
     try:
         reset_peak(device)
         seconds, _ = train(plan, build(shape, device), documents(shape, 8 * UPDATES, tokens), device, wrap=True)
-        peak = peak_memory(device)
+        peak, reserved = peak_memory(device), peak_reserved(device)
     finally:
         dist.destroy_process_group()
     rule = preflight.memory_needed(plan, 2)
     return {
         "backend": backend,
+        "torch_has_forward_sync_buffers": "forward_sync_buffers"
+        in inspect.signature(DistributedDataParallel.__init__).parameters,
         "seconds_per_update": seconds,
         "peak_memory_bytes": peak,
+        "peak_reserved_bytes": reserved,
         "preflight_bytes": rule,
-        "ok": peak is None or peak <= rule,
+        "ok": reserved is None or reserved <= rule,
     }
 
 
 # 6 ------------------------------------------------------------------------------------------------------------
+
+
+def memory_profile(plan: Plan, shape: dict[str, Any], device: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]:
+    """Where the peak falls, on a world of one: updates of one document of each length, then of two documents of the
+    longest length (the second backward meets the first's gradients), plain and under DDP (a process group of one,
+    the first document under no_sync). The first update of each makes AdamW's moments."""
+    longest = max(lengths)
+    docs = documents_of(shape, [*lengths, longest, longest])
+    one_each = [[position] for position in range(len(lengths)) for _ in range(2)]
+    two = [[len(lengths), len(lengths) + 1]] * 2
+    found = {
+        "one_document": profile_updates(plan, shape, device, docs, one_each, wrap=False),
+        "two_documents": profile_updates(plan, shape, device, docs, two, wrap=False),
+    }
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        found["two_documents_ddp"] = profile_updates(plan, shape, device, docs, two, wrap=True)
+    finally:
+        dist.destroy_process_group()
+    return {"parameters": llama_parameters(shape), **found, "ok": True}
+
+
+def profile_updates(
+    plan: Plan,
+    shape: dict[str, Any],
+    device: torch.device,
+    docs: list[Document],
+    batches: list[list[int]],
+    wrap: bool,
+) -> list[dict[str, Any]]:
+    """For each update: the memory held before it, the peak above that of its forwards and backwards, the memory
+    held before its optimizer step and the step's peak above that."""
+
+    def above(peak: int | None, held: int | None) -> int | None:
+        return None if peak is None or held is None else peak - held
+
+    world = distributed.World(rank=0, size=1, master_addr="127.0.0.1", master_port=0)
+    model = build(shape, device)
+    updates = []
+    with training.Trainer(plan, world, device, model, docs) as trainer:
+        if wrap:
+            trainer.network = wrap_ddp(model, device)
+        for step, batch in enumerate(batches, start=1):
+            reset_peak(device)
+            held = allocated(device)
+            trainer.accumulate(batch)
+            backward_peak = peak_memory(device)
+            reset_peak(device)
+            before_step = allocated(device)
+            trainer.step(step)
+            updates.append(
+                {
+                    "update": step,
+                    "document_tokens": [len(docs[p].input_ids) for p in batch],
+                    "held_before_bytes": held,
+                    "forward_backward_above_held_bytes": above(backward_peak, held),
+                    "held_before_step_bytes": before_step,
+                    "optimizer_step_above_held_bytes": above(peak_memory(device), before_step),
+                }
+            )
+    del trainer, model
+    gc.collect()
+    return updates
+
+
+# 7 ------------------------------------------------------------------------------------------------------------
 
 
 def seed_layout(model: torch.nn.Module) -> seedmodel.TensorLayout:
@@ -318,7 +429,7 @@ def checkpoint_step(plan: Plan, shape: dict[str, Any], device: torch.device, wor
     }
 
 
-# 7 ------------------------------------------------------------------------------------------------------------
+# 8 ------------------------------------------------------------------------------------------------------------
 
 
 def evaluation_step(plan: Plan, shape: dict[str, Any], device: torch.device, max_new_tokens: int) -> dict[str, Any]:
@@ -368,6 +479,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="a CPU and a small model of the same family")
     parser.add_argument("--work", type=Path, help="where the checkpoint is written (default: a temporary folder)")
+    parser.add_argument("--steps", help="a comma-separated subset of the steps, by name (default: every step)")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu-check: no CUDA device is visible; use --dry-run on a CPU", file=sys.stderr)
@@ -389,18 +501,32 @@ def main() -> int:
             ("shape", lambda: shape_check(shape, plan)),
             ("training_step", lambda: training_step(plan, shape, device, tokens)),
             ("ddp_group_of_one", lambda: ddp_step(plan, shape, device, tokens)),
+            (
+                "memory_profile",
+                lambda: memory_profile(plan, shape, device, (32, 128) if args.dry_run else PROFILE_TOKENS),
+            ),
             ("checkpoint", lambda: checkpoint_step(plan, shape, device, Path(work))),
             ("evaluation", lambda: evaluation_step(plan, shape, device, 96 if device.type == "cuda" else 24)),
         ]
+        if args.steps:
+            chosen = args.steps.split(",")
+            unknown = sorted(set(chosen) - {name for name, _ in steps})
+            if unknown:
+                print(f"gpu-check: no step named {', '.join(unknown)}", file=sys.stderr)
+                return 2
+            steps = [(name, step) for name, step in steps if name in chosen]
         for number, (name, step) in enumerate(steps, start=1):
             emit({"event": "gpu-check", "step": name, "done": number - 1, "total": len(steps)})
+            gc.collect()  # what an earlier step left in a reference cycle is not counted against this one
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            held = allocated(device)
             began = time.monotonic()
             try:
                 result[name] = step() | {"step_seconds": round(time.monotonic() - began, 3)}
             except Exception as exc:  # every step reports: one failure hides no other
                 result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            result[name]["held_at_start_bytes"] = held
     failed = [name for name, value in result.items() if isinstance(value, dict) and value.get("ok") is False]
     result["failed"] = failed
     print(json.dumps(result, indent=2, default=lambda v: v if math.isfinite(v) else str(v)))

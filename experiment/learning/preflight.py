@@ -1,9 +1,12 @@
 """What a rank needs before it trains, checked before its first update: GPU memory and disk.
 
-The protocol's memory rule (PROTOCOL.md): float32 weights, gradients and AdamW's two moments take
-16 bytes a parameter, plus the plan's headroom. A rank of a DDP group also holds DDP's gradient buckets, one more
-float32 copy of the gradients (4 bytes a parameter). A checkpoint holds the float32 weights and both moments,
-12 bytes a parameter, and a run keeps every checkpoint of the plan's ``checkpoint_steps``.
+The memory rule: float32 weights, gradients and AdamW's two moments take 16 bytes a parameter, and an update of more
+than one document holds a second float32 gradient's worth while a later document's backward adds to the first's
+(4 bytes a parameter more, measured on an H200 by bench/gpu_check.py: bench/results/gpu-check-h200.json), plus the
+plan's headroom. PROTOCOL.md's rule counts the 16 bytes only, which the measured peak exceeds. A rank of a DDP group
+also holds DDP's gradient buckets, one more float32 copy of the gradients (4 bytes a parameter). A checkpoint holds the
+float32 weights and both moments, 12 bytes a parameter, and a run keeps every checkpoint of the plan's
+``checkpoint_steps``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from experiment.core.errors import CoopError
 from experiment.core.plan import CHECKPOINT_BYTES_PER_PARAMETER, Plan
 
 GIB = 2**30
-TRAINING_BYTES_PER_PARAMETER = 16  # weights, gradients, AdamW's exp_avg and exp_avg_sq, float32
+# float32: weights, gradients, AdamW's exp_avg and exp_avg_sq, and a later document's gradients before they are added
+TRAINING_BYTES_PER_PARAMETER = 20
 BUCKET_BYTES_PER_PARAMETER = 4  # DDP's gradient buckets, float32
 
 
