@@ -318,8 +318,8 @@ def ddp_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: in
 
 def memory_profile(plan: Plan, shape: dict[str, Any], device: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]:
     """Where the peak falls, on a world of one: updates of one document of each length, then of two documents of the
-    longest length (the second backward meets the first's gradients), plain and under DDP (a process group of one,
-    the first document under no_sync). The first update of each makes AdamW's moments."""
+    longest length (the second runs its forward and backward on top of the first's gradients), plain and under DDP
+    (a process group of one, the first document under no_sync). The first update of each makes AdamW's moments."""
     longest = max(lengths)
     docs = documents_of(shape, [*lengths, longest, longest])
     one_each = [[position] for position in range(len(lengths)) for _ in range(2)]

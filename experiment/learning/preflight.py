@@ -1,9 +1,10 @@
 """What a rank needs before it trains, checked before its first update: GPU memory and disk.
 
-The memory rule: float32 weights, gradients and AdamW's two moments take 16 bytes a parameter, and an update of more
-than one document holds a second float32 gradient's worth while a later document's backward adds to the first's
-(4 bytes a parameter more, measured on an H200 by bench/gpu_check.py: bench/results/gpu-check-h200.json), plus the
-plan's headroom. PROTOCOL.md's rule counts the 16 bytes only, which the measured peak exceeds. A rank of a DDP group
+The memory rule: float32 weights, gradients and AdamW's two moments take 16 bytes a parameter, and each later
+document of an update runs its forward and backward on top of the gradients the first left (4 bytes a parameter
+more, and the plan's headroom the rest: 7.4 GB for the 1.7B seed under bfloat16 autocast, nearly independent of
+the document's length, measured on an H200 by bench/gpu_check.py in bench/results/gpu-check-h200.json).
+PROTOCOL.md's rule counts the 16 bytes only, which the measured peak exceeds. A rank of a DDP group
 also holds DDP's gradient buckets, one more float32 copy of the gradients (4 bytes a parameter). A checkpoint holds the
 float32 weights and both moments, 12 bytes a parameter, and a run keeps every checkpoint of the plan's
 ``checkpoint_steps``.
@@ -20,7 +21,7 @@ from experiment.core.errors import CoopError
 from experiment.core.plan import CHECKPOINT_BYTES_PER_PARAMETER, Plan
 
 GIB = 2**30
-# float32: weights, gradients, AdamW's exp_avg and exp_avg_sq, and a later document's gradients before they are added
+# float32 weights, gradients, AdamW's exp_avg and exp_avg_sq; and a later document's forward and backward
 TRAINING_BYTES_PER_PARAMETER = 20
 BUCKET_BYTES_PER_PARAMETER = 4  # DDP's gradient buckets, float32
 

@@ -81,7 +81,7 @@ def test_memory_preflight_covers_the_peaks_measured_on_a_gpu() -> None:
     pair = preflight.memory_needed(plan, world_size=2)
     assert measured["training_step"]["peak_reserved_bytes"] <= single
     assert measured["ddp_group_of_one"]["peak_reserved_bytes"] <= pair <= measured["memory_cap_bytes"]
-    # Where the peak comes from: a second document's backward holds a gradient's worth more than the first's.
+    # Where the peak comes from: the second document's forward and backward run on top of the first's gradients.
     first, second = (u["forward_backward_above_held_bytes"] for u in measured["memory_profile"]["two_documents"])
     (one,) = {u["forward_backward_above_held_bytes"] for u in measured["memory_profile"]["one_document"][2:]}
     assert first == second == one + 4 * plan.seed.parameters
