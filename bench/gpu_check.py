@@ -26,6 +26,7 @@ CUDA-only step (2) says it was skipped. Progress goes to stderr as JSON lines; t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def llama_parameters(shape: dict[str, Any]) -> int:
     head = hidden // heads
     attention = 2 * hidden * hidden + 2 * hidden * kv_heads * head  # q and o; k and v
     layer = attention + 3 * hidden * inner + 2 * hidden  # gate, up and down; two norms
-    return shape["vocab_size"] * hidden + shape["num_hidden_layers"] * layer + hidden
+    return int(shape["vocab_size"] * hidden + shape["num_hidden_layers"] * layer + hidden)
 
 
 def config(shape: dict[str, Any]) -> LlamaConfig:
@@ -113,7 +114,8 @@ def build(shape: dict[str, Any], device: torch.device, seed: int = 0) -> torch.n
     """A randomly initialised model, the same one for the same seed (the replay's start)."""
     torch.manual_seed(seed)
     with device:
-        return LlamaForCausalLM(config(shape))
+        model: torch.nn.Module = LlamaForCausalLM(config(shape))
+    return model
 
 
 def clock(device: torch.device) -> float:
@@ -288,18 +290,25 @@ def training_step(plan: Plan, shape: dict[str, Any], device: torch.device, token
     }
 
 
-def ddp_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def group_of_one(device: torch.device) -> Iterator[str]:
+    """A process group of this process alone (NCCL on a GPU, gloo on a CPU); yields its backend."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: int) -> dict[str, Any]:
+    with group_of_one(device) as backend:
         reset_peak(device)
         seconds, _ = train(plan, build(shape, device), documents(shape, 8 * UPDATES, tokens), device, wrap=True)
         peak, reserved = peak_memory(device), peak_reserved(device)
-    finally:
-        dist.destroy_process_group()
     rule = preflight.memory_needed(plan, 2)
     return {
         "backend": backend,
@@ -328,15 +337,8 @@ def memory_profile(plan: Plan, shape: dict[str, Any], device: torch.device, leng
         "one_document": profile_updates(plan, shape, device, docs, one_each, wrap=False),
         "two_documents": profile_updates(plan, shape, device, docs, two, wrap=False),
     }
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with group_of_one(device):
         found["two_documents_ddp"] = profile_updates(plan, shape, device, docs, two, wrap=True)
-    finally:
-        dist.destroy_process_group()
     return {"parameters": llama_parameters(shape), **found, "ok": True}
 
 
