@@ -1,14 +1,18 @@
-"""The coordinator suite runs once on SQLite and once on Postgres.
+"""The coordinator suite runs once on SQLite (a fresh copy of one migrated file for each test) and once on Postgres
+(one database, emptied before each test).
 
 Postgres is skipped only when no server answers and CI is unset; in CI an unreachable server fails."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from server import migrate
 from server.settings import Settings, sqlite_url
@@ -17,7 +21,8 @@ from tests.support import database
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgres"])
-def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def migrated_database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The session's migrated database: a SQLite file (copied for each test) or a Postgres database (emptied)."""
     if request.param == "sqlite":
         url = sqlite_url(tmp_path_factory.mktemp("sqlite") / "coordinator.sqlite3")
         migrate.upgrade(url)
@@ -34,6 +39,20 @@ def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         yield created
     finally:
         database.drop_postgres_database(admin, created)
+
+
+@pytest.fixture
+def database_url(migrated_database: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """On SQLite, a copy of the migrated file for this test alone, so that nothing a test leaves behind (a
+    connection an app stopped in-process did not close, holding the write lock) reaches the next; on Postgres, the
+    session's database."""
+    if not migrated_database.startswith("sqlite"):
+        return migrated_database
+    copy = tmp_path_factory.mktemp("sqlite") / "coordinator.sqlite3"
+    source = make_url(migrated_database).database or ""
+    with contextlib.closing(sqlite3.connect(source)) as template, contextlib.closing(sqlite3.connect(copy)) as target:
+        template.backup(target)
+    return sqlite_url(copy)
 
 
 @pytest.fixture
