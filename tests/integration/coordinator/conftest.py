@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from server import migrate
+from server import db, migrate
 from server.settings import Settings, sqlite_url
 from tests.integration.coordinator import support
 from tests.support import database
@@ -46,7 +46,7 @@ def database_url(migrated_database: str, tmp_path_factory: pytest.TempPathFactor
     """On SQLite, a copy of the migrated file for this test alone, so that nothing a test leaves behind (a
     connection an app stopped in-process did not close, holding the write lock) reaches the next; on Postgres, the
     session's database."""
-    if not migrated_database.startswith("sqlite"):
+    if not db.is_sqlite(migrated_database):
         return migrated_database
     copy = tmp_path_factory.mktemp("sqlite") / "coordinator.sqlite3"
     source = make_url(migrated_database).database or ""
