@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--plans-dir", type=Path, default=jobs.ROOT / "plans", help="where a plan's relative replay folder lies"
     )
+    run.add_argument(
+        "--reference-home",
+        type=Path,
+        help="the previous reference run's replay and retention files (a plan whose replay source is reference-home)",
+    )
     run.add_argument("--heartbeat-seconds", type=float, default=10.0)
     run.add_argument("--claim-wait-seconds", type=float, default=20.0, help="long poll of each claim")
     run.add_argument("--batch-seconds", type=float, default=1.0, help="the longest an event waits to be sent")
@@ -113,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         work_dir=args.work_dir.resolve(),
         model_dir=args.model_dir.resolve(),
         plans_dir=args.plans_dir.resolve(),
+        reference_home=args.reference_home.resolve() if args.reference_home else None,
         heartbeat_seconds=args.heartbeat_seconds,
         claim_wait_seconds=args.claim_wait_seconds,
         batch_seconds=args.batch_seconds,

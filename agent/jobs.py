@@ -6,6 +6,7 @@ is a handler here, its wire types (experiment/wire.py) and the coordinator's ent
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -22,7 +23,7 @@ from agent.services import Launch, Services
 from experiment import wire
 from experiment.core import layout
 from experiment.core.canonical import write_new_bytes
-from experiment.core.errors import CoopError
+from experiment.core.errors import EXIT_LINK, CoopError
 from experiment.core.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,8 @@ class Workspace:
     model_dir: Path
     # Relative replay folders of a plan (plans/local.toml: "local-reference") resolve against this folder.
     plans_dir: Path
+    # The previous reference run's published data, which a plan whose replay source is "reference-home" reads.
+    reference_home: Path | None = None
 
     @property
     def home(self) -> Path:
@@ -91,6 +94,16 @@ class CommandEnded(CoopError):
     def __init__(self, outcome: Literal["failed", "lost", "cancelled"], exit_code: int | None, reason: str) -> None:
         super().__init__(reason)
         self.outcome, self.exit_code, self.reason = outcome, exit_code, reason[:4000]
+
+
+def failure_outcome(exit_code: int, world_size: int) -> Literal["failed", "lost"]:
+    """How a command that did not succeed ended its attempt. A rank whose gang lost a peer or its link is lost, not
+    failed, and the coordinator retries the gang from the checkpoint its ranks share: a gloo rank says so by exiting
+    EXIT_LINK; an NCCL rank is ended by its watchdog with SIGABRT (experiment.learning.distributed's
+    NCCL_ERROR_HANDLING), since NCCL raises nothing that Python could catch."""
+    if exit_code == EXIT_LINK or (world_size > 1 and exit_code == -signal.SIGABRT):
+        return "lost"
+    return "failed"
 
 
 class Host(Protocol):
@@ -176,7 +189,16 @@ class Prepare(Handler[wire.PrepareSpec, wire.PrepareResult]):
         write_plan(run.committed("plan"), run.ws)
 
     def argv(self, run: Run[wire.PrepareSpec]) -> list[str]:
-        return coop("prepare", "--plan", run.ws.plan, "--home", run.ws.home, "--model-dir", run.ws.model_dir)
+        argv = coop("prepare", "--plan", run.ws.plan, "--home", run.ws.home, "--model-dir", run.ws.model_dir)
+        plan = run.plan()
+        if plan.replay.source == "repository":
+            return argv
+        if run.ws.reference_home is None:
+            raise CoopError(
+                f"plan {plan.name} reads {plan.replay.replay.path} and {plan.replay.retention.path} from a reference "
+                "home, and this agent has none: start it with --reference-home DIR"
+            )
+        return [*argv, "--reference-home", str(run.ws.reference_home)]
 
     def collect(self, run: Run[wire.PrepareSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.PrepareResult]:
         return Outcome(wire.PrepareResult(prepared_identity=last_event(events, "prepared")["prepared_identity"]))

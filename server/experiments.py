@@ -19,7 +19,7 @@ from experiment import wire
 from experiment.core import layout
 from experiment.core.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.core.errors import CoopError
-from experiment.core.plan import Plan, parse_plan, plan_identity, seed_identity
+from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged, seed_identity
 from server import blobs, commitments, evidence, models, queue
 from server.errors import NotFound
 from server.lifecycle import (
@@ -74,6 +74,7 @@ async def arms_of(session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, 
 async def create(session: AsyncSession, body: wire.ExperimentCreate) -> models.Experiment:
     """The experiment and its arms, in draft (phases.create commits it)."""
     plan = parse_plan(body.plan_toml.encode(), "in the request body")
+    require_staged(plan)  # what prepare checks the seed and the reference home against is fixed before the commit
     experiment = models.Experiment(
         name=plan.name,
         state=E.DRAFT,

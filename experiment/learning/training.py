@@ -105,8 +105,8 @@ SOCKET_INTERFACE = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 def communication_profile(device: torch.device, backend: str) -> dict[str, Any]:
     """How a rank's collectives run: the interface they are pinned to (None: the backend chooses), NCCL's version
-    on CUDA, and every NCCL_* and GLOO_* variable. Recorded beside the numerical profile, not in the binding, since
-    an interface's name may differ between hosts."""
+    on CUDA, and every NCCL_*, TORCH_NCCL_* and GLOO_* variable (NCCL's error handling among them). Recorded beside
+    the numerical profile, not in the binding, since an interface's name may differ between hosts."""
     nccl = None
     if device.type == "cuda":
         version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
@@ -115,7 +115,9 @@ def communication_profile(device: torch.device, backend: str) -> dict[str, Any]:
         "interface": os.environ.get(SOCKET_INTERFACE[backend]),
         "nccl": nccl,
         "environment": {
-            name: value for name, value in sorted(os.environ.items()) if name.startswith(("NCCL_", "GLOO_"))
+            name: value
+            for name, value in sorted(os.environ.items())
+            if name.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_"))
         },
     }
 

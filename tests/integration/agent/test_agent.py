@@ -22,6 +22,7 @@ import pytest
 from agent.client import upload_key
 from experiment import wire
 from experiment.seed import seedmodel
+from tests.conftest import stage_reference_home, write_reference_home_plan
 from tests.integration.agent.support import AgentProcess
 from tests.support.agent import FakeAgent, rejection
 from tests.support.processes import QUICK, CoordinatorProcess, free_port
@@ -106,6 +107,28 @@ def test_agent_runs_prepare_and_its_events_and_result_arrive(
     assert "prepared/manifest.json" in evidence and "seed/tokenizer.json" in evidence
     assert agent.spool()["acknowledged"] == len(sequences) + len(evidence) + 1
     assert agent.spooled_events() == len(events)
+
+
+def test_a_host_without_the_plans_reference_home_fails_prepare_saying_so_and_writes_nothing(
+    coordinator: CoordinatorProcess,
+    start_agent: Callable[[str], AgentProcess],
+    small_seed: tuple[Path, seedmodel.Snapshot],
+    tmp_path: Path,
+) -> None:
+    plan = write_reference_home_plan(
+        tmp_path / "plan.toml", small_seed[1], stage_reference_home(tmp_path / "reference-home")
+    )
+    experiment = coordinator.create_experiment(plan)
+    job = _prepare_job(coordinator, experiment["id"])
+    agent = start_agent("host-a")  # given no --reference-home
+    attempt = wait_for(
+        lambda: (a := _attempt(coordinator, job["id"])) is not None and _ended(a), 90, "the prepare attempt to end"
+    )
+    assert attempt["state"] == "failed", agent.log()
+    assert "reads train-replay.jsonl and retention-probes.jsonl from a reference home" in attempt["reason"]
+    assert "--reference-home" in attempt["reason"]
+    assert not (agent.work_dir / "experiments" / experiment["id"] / "home").exists()
+    assert coordinator.get(f"/api/experiments/{experiment['id']}")["prepared_identity"] is None
 
 
 def test_spool_keeps_events_and_result_while_the_coordinator_is_down_and_across_an_agent_restart(

@@ -9,6 +9,7 @@ all-reduce on the private link between the two hosts."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import sqlite3
@@ -28,6 +29,7 @@ from experiment.core.canonical import canonical_bytes, sha256_bytes
 from experiment.core.ledger import decode_ledger, verify_ledger
 from experiment.report.recompute import compute
 from experiment.seed import seedmodel
+from tests.conftest import stage_reference_home
 from tests.integration.agent import system
 from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import COUNTS, System
@@ -104,7 +106,11 @@ def finished(
 def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Faults]]:
     # A short lease, so that a vanished host is declared lost within seconds; not shorter, since two vLLM
     # replicas, a benchmark and the coordinator on 2 busy cores have delayed heartbeats past a 4 s lease.
-    run = system.start(tmp, (TINY, seedmodel.snapshot_of(TINY)), topology, COUNTS, lease_seconds=12)
+    # The plan is the reference's kind: its replay and retention files come from a reference home that each agent
+    # is given, their hashes recorded in the plan before it is committed.
+    reference_home = stage_reference_home(tmp / "reference-home")
+    seed = (TINY, seedmodel.snapshot_of(TINY))
+    run = system.start(tmp, seed, topology, COUNTS, lease_seconds=12, reference_home=reference_home)
     try:
         wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 3, 600, "the singles to train a few steps")
         run.server.stop()  # the agents keep training and spool their events
@@ -136,6 +142,16 @@ def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finishe
     assert not any(address.startswith("127.") for address, _ in registered.values())
     pair_masters = {a["master_addr"] for a in run.attempts("train", "clean-pair")}
     assert pair_masters <= {h["private_address"] for h in run.topology["hosts"]}
+    # The plan read its replay and retention files from the hosts' reference home, checked against the hashes it
+    # recorded before it was committed, and the prepared manifest names those bytes.
+    plan = ledger[0]["body"]["plan"]
+    assert plan["replay"]["source"] == "reference-home"
+    home = run.agents["host-a"].work_dir / "experiments" / experiment_id / "home" / "prepared" / "manifest.json"
+    sources = json.loads(home.read_bytes())["sources"]
+    reference_home = run.server.home.parent / "reference-home"
+    for role, name in (("replay", "train-replay.jsonl"), ("retention", "retention-probes.jsonl")):
+        truth = hashlib.sha256((reference_home / name).read_bytes()).hexdigest()
+        assert sources[role] == {"path": name, "sha256": truth} and plan["replay"][role]["sha256"] == truth
     # Only one host prepared; the other fetched and verified the prepared inputs before its first job.
     assert len({a["agent_id"] for a in run.attempts("prepare")}) == 1
     assert all(

@@ -160,3 +160,14 @@ def test_a_local_sgd_experiment_trains_four_rank_gangs_and_serves_nothing(api: A
         api.client.post(f"/api/experiments/{experiment_id}/report", headers=bearer(api.operator)), "report-not-ready"
     )
     assert api.get(f"/api/experiments/{experiment_id}/jobs") == before
+
+
+def test_an_unstaged_plan_is_refused_naming_its_missing_hashes_and_nothing_is_recorded(api: Api) -> None:
+    before = api.get("/api/experiments")
+    plan = (ROOT / "plans" / "reference.toml").read_text()
+    created = api.client.post("/api/experiments", json={"plan_toml": plan}, headers=bearer(api.operator))
+    assert created.status_code == 400, created.text
+    detail = created.json()["detail"]
+    for field in ("seed.files", "seed.tokenizer_identity", "replay.replay.sha256", "replay.retention.sha256"):
+        assert field in detail, detail
+    assert api.get("/api/experiments") == before
