@@ -142,13 +142,18 @@ def _clock(device: torch.device) -> float:
 
 
 def document_loss_sum(model: torch.nn.Module, document: Document, device: torch.device, autocast: str) -> torch.Tensor:
-    """Summed token cross-entropy in FP32 over the labelled (answer) tokens of one document."""
+    """Summed token cross-entropy in FP32 over the labelled (answer) tokens of one document.
+
+    The vocabulary's logits are computed only where a label follows (the position before each answer token): the
+    prompt's positions add nothing to the loss or its gradient, and their logits (49,152 a position for SmolLM2)
+    were an eighth of a 135M model's update on a CPU."""
     input_ids = torch.tensor([document.input_ids], dtype=torch.long, device=device)
     labels = torch.tensor(document.labels[1:], dtype=torch.long, device=device)
+    labelled = torch.nonzero(labels != -100).flatten()
     cast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast == "bf16" else contextlib.nullcontext()
     with cast:
-        logits = model(input_ids=input_ids).logits
-    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels, ignore_index=-100, reduction="sum")
+        logits = model(input_ids=input_ids, logits_to_keep=labelled).logits
+    return torch.nn.functional.cross_entropy(logits[0].float(), labels[labelled], reduction="sum")
 
 
 class Update(msgspec.Struct, frozen=True):
