@@ -202,5 +202,8 @@ def stage_packaged_seed(seed: SeedPlan, snapshot: Snapshot, cache: Path) -> Path
         with tempfile.TemporaryDirectory(prefix=".import-", dir=cache) as scratch:
             import_gguf(path, Path(scratch) / "seed", seed.gguf_sha256, snapshot)
             (Path(scratch) / "seed").rename(folder)
-    verify_seed(folder, snapshot)
+    try:
+        verify_seed(folder, snapshot)
+    except CoopError as exc:
+        raise CoopError(f"{exc}: {folder} is not the plan's seed; remove it, and stage again to import anew") from exc
     return folder

