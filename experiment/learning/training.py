@@ -146,7 +146,7 @@ def document_loss_sum(model: torch.nn.Module, document: Document, device: torch.
 
     The vocabulary's logits are computed only where a label follows (the position before each answer token): the
     prompt's positions add nothing to the loss or its gradient, and their logits (49,152 a position for SmolLM2)
-    were an eighth of a 135M model's update on a CPU."""
+    would cost an eighth of a 135M model's update on a CPU."""
     input_ids = torch.tensor([document.input_ids], dtype=torch.long, device=device)
     labels = torch.tensor(document.labels[1:], dtype=torch.long, device=device)
     labelled = torch.nonzero(labels != -100).flatten()
