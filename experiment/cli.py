@@ -10,16 +10,15 @@ from pathlib import Path
 from typing import TypeAlias
 
 import msgspec
-import transformers
 
+# Only what the parser and every command need is imported here: a command imports its own parts (torch,
+# transformers, litestar) when it runs, so that `coop --help` and a refused argument answer at once.
 from experiment.core.canonical import identity, sha256_file
 from experiment.core.errors import EXIT_LINK, CoopError, LinkError
 from experiment.core.plan import load_plan, plan_identity
 from experiment.core.progress import Events
-from experiment.learning import corpus, evaluation, selection, training
-from experiment.report import bundle, recompute
-from experiment.seed import seedimport, seedmodel, tinyseed
-from experiment.serving import benchmark, probe, replica, servingrecord
+from experiment.serving import replica, servingrecord
+from experiment.serving.servingtoken import TOKEN_ENV, read_token
 
 
 def _plan_show(args: argparse.Namespace) -> None:
@@ -31,6 +30,8 @@ def _plan_show(args: argparse.Namespace) -> None:
 
 
 def _seed_build(args: argparse.Namespace) -> None:
+    from experiment.seed import tinyseed
+
     tinyseed.run_with_pinned_kernels()  # the same bytes from every x86 machine with AVX2 (see CPU_KERNELS)
     config = tinyseed.SMALL if args.small else tinyseed.FULL
     with Events() as events:
@@ -46,12 +47,17 @@ def _seed_build(args: argparse.Namespace) -> None:
 
 
 def _seed_snapshot(args: argparse.Namespace) -> None:
+    from experiment.seed import seedmodel
+
     snapshot = seedmodel.snapshot_of(args.dir)
     with Events() as events:
         events.emit({"event": "seed-snapshot", "dir": str(args.dir), "snapshot": msgspec.to_builtins(snapshot)})
 
 
 def _seed_import(args: argparse.Namespace) -> None:
+    from experiment.learning import corpus
+    from experiment.seed import seedimport
+
     expected_sha256, expected = None, None
     if args.plan is not None:
         plan = load_plan(args.plan)
@@ -74,6 +80,8 @@ def _seed_import(args: argparse.Namespace) -> None:
 
 
 def _reference_snapshot(args: argparse.Namespace) -> None:
+    from experiment.learning import corpus
+
     plan = load_plan(args.plan)
     digests = corpus.reference_snapshot(plan, args.dir)
     lines = ["[replay]", 'source = "reference-home"']
@@ -84,6 +92,9 @@ def _reference_snapshot(args: argparse.Namespace) -> None:
 
 
 def _seed_stage(args: argparse.Namespace) -> None:
+    from experiment.learning import corpus
+    from experiment.seed import seedimport
+
     plan = load_plan(args.plan)
     with Events() as events:
         events.emit({"event": "staging", "plan": plan.name, "package": plan.seed.gguf_package})
@@ -92,6 +103,8 @@ def _seed_stage(args: argparse.Namespace) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
+    from experiment.learning import corpus
+
     plan = load_plan(args.plan)
     with Events() as events:
         manifest = corpus.prepare(plan, args.plan, args.home, args.model_dir, args.reference_home, events.emit)
@@ -120,11 +133,15 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from experiment.learning import training
+
     with Events() as events:
         training.train(args.home, args.model_dir, args.arm, events.emit, stop_after=args.stop_after)
 
 
 def _evaluate(args: argparse.Namespace) -> None:
+    from experiment.learning import evaluation
+
     with Events() as events:
         evaluation.evaluate(
             args.home, args.model_dir, args.arm, args.role, args.selection, events.emit, stop_after=args.stop_after
@@ -132,6 +149,8 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _select(args: argparse.Namespace) -> None:
+    from experiment.learning import corpus, selection
+
     chosen, path = selection.select(corpus.load_prepared(args.home), args.model_dir)
     with Events() as events:
         events.emit(
@@ -145,12 +164,16 @@ def _select(args: argparse.Namespace) -> None:
 
 
 def _bundle(args: argparse.Namespace) -> None:
+    from experiment.report import bundle
+
     written = bundle.export_bundle(args.home, args.model_dir, args.out)
     with Events() as events:
         events.emit({"event": "bundled", "out": str(args.out), "files": len(written)})
 
 
 def _report(args: argparse.Namespace) -> None:
+    from experiment.report import recompute
+
     judged, verdict = recompute.write_report(args.home, args.output).verdict()
     with Events() as events:
         events.emit(
@@ -168,6 +191,8 @@ def _report(args: argparse.Namespace) -> None:
 
 
 def _checkpoint_verify(args: argparse.Namespace) -> None:
+    from experiment.learning import corpus, selection
+
     candidate = selection.candidate_for(corpus.load_prepared(args.home), args.arm, args.model_dir)
     with Events() as events:
         events.emit({"event": "verified", "candidate": msgspec.to_builtins(candidate)})
@@ -189,13 +214,17 @@ def _replica(args: argparse.Namespace) -> None:
 
 
 def _probe(args: argparse.Namespace) -> None:
-    token = probe.read_token(args.token_file)
+    from experiment.serving import probe
+
+    token = read_token(args.token_file)
     with Events() as events:
         probe.run(args.home, args.model_dir, args.replica, args.bind, args.port, token, events.emit, args.expect)
 
 
 def _benchmark(args: argparse.Namespace) -> None:
-    token = probe.read_token(args.token_file)
+    from experiment.serving import benchmark
+
+    token = read_token(args.token_file)
     with Events() as events:
         benchmark.run_phase(
             args.home, args.endpoint, args.phase, token, args.output, events.emit, stop_after=args.stop_after
@@ -328,7 +357,7 @@ def _serving_commands(commands: Commands) -> None:
     front.add_argument("--replica", required=True, help="the replica's URL, e.g. http://127.0.0.1:8000")
     front.add_argument("--bind", default="127.0.0.1")
     front.add_argument("--port", type=int, required=True)
-    front.add_argument("--token-file", type=Path, help=f"the serving token; default: ${probe.TOKEN_ENV}")
+    front.add_argument("--token-file", type=Path, help=f"the serving token; default: ${TOKEN_ENV}")
     front.add_argument(
         "--expect",
         type=Path,
@@ -341,7 +370,7 @@ def _serving_commands(commands: Commands) -> None:
     bench.add_argument("--endpoint", action="append", required=True, help="a probe URL; repeat for two")
     bench.add_argument("--phase", choices=servingrecord.PHASES, required=True)
     bench.add_argument("--home", type=Path, required=True)
-    bench.add_argument("--token-file", type=Path, help=f"the serving token; default: ${probe.TOKEN_ENV}")
+    bench.add_argument("--token-file", type=Path, help=f"the serving token; default: ${TOKEN_ENV}")
     bench.add_argument("--output", type=Path, required=True, help="the phase's JSON (a new file)")
     bench.add_argument(
         "--stop-after", type=int, help="failure phase: completions after which the supervisor stops a replica"
@@ -351,6 +380,8 @@ def _serving_commands(commands: Commands) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import transformers
+
     transformers.logging.disable_progress_bar()  # our own events report progress
     try:
         args.handler(args)

@@ -112,7 +112,8 @@ else
 fi
 
 "$bin/coop-server" migrate > /dev/null
-operator=$("$bin/coop-server" token create --role operator --name operator 2> /dev/null)
+# The operator's token, kept for after the run (signing in, halting, exporting): readable by this user only.
+(umask 077 && "$bin/coop-server" token create --role operator --name operator > "$run/operator.token" 2> /dev/null)
 # shellcheck disable=SC2086 # the TLS flags are words
 $(on coordinator) "$bin/coop-server" serve --host "$coordinator_address" --port "$port" $serve_tls \
   > "$run/coordinator.log" 2>&1 &
@@ -129,6 +130,8 @@ for _ in range(300):
 sys.exit(1)
 PY
 log "coordinator at $url (SQLite under $COOP_HOME)"
+signin="sign in: $url/login with the token in $run/operator.token"
+log "$signin"
 
 for host in "${names[@]}"; do
   token_file=$run/$host.token
@@ -142,13 +145,15 @@ for host in "${names[@]}"; do
 done
 log "agents ${names[*]} started at ${address[*]} (logs in $run)"
 
-export COOP_COORDINATOR=$url COOP_TOKEN=$operator
+export COOP_COORDINATOR=$url COOP_TOKEN=$(cat "$run/operator.token")
 experiment=$("$bin/coop-server" experiment create --plan "$plan" | "$bin/python" -c 'import json,sys; print(json.load(sys.stdin)["id"])')
 log "experiment $experiment created from $plan (autopilot on)"
 "$bin/coop-server" experiment watch "$experiment"
 report=$(ls "$COOP_HOME"/reports/"$experiment"/*/attempt-*/report.json | tail -n 1)
 log "done: report $report (and report.html beside it; the evidence bundle in $(dirname "$report")/evidence)"
 echo "web UI: $url/   answers: $url/api/experiments/$experiment/answers?role=test"
+echo "$signin"
+echo "operate: coop-server experiment list|show|halt|export --coordinator $url --token-file $run/operator.token"
 if [ "${COOP_EXIT_WHEN_DONE:-0}" = 1 ]; then
   exit 0
 fi

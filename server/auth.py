@@ -88,14 +88,20 @@ async def _check(
         raise Unauthenticated("the bearer token is unknown or revoked")
     roles = (role,) if isinstance(role, str) else tuple(role or ())
     if roles and principal.role not in roles:
-        raise Forbidden(
-            f"this request needs an {' or '.join(roles)} token; {principal.name!r} is an {principal.role} token"
-        )
+        raise Forbidden(f"this request needs {_either(roles)} token; {principal.name!r} is {_a(principal.role)} token")
     connection.state.principal = principal
     if principal.role == "agent":
         connection.state.agent = await session.scalar(
             select(models.Agent).where(models.Agent.token_id == principal.token_id)
         )
+
+
+def _a(role: str) -> str:
+    return f"an {role}" if role[0] in "aeiou" else f"a {role}"
+
+
+def _either(roles: tuple[str, ...]) -> str:
+    return " or ".join(_a(role) for role in roles)
 
 
 def provide_principal(request: Request[Any, Any, Any]) -> Principal:

@@ -1,4 +1,6 @@
-"""The ``coop-server`` command: migrate, serve, tokens and ledger verification."""
+"""The ``coop-server`` command: migrate, serve, tokens, ledger verification, and an operator's or analyst's
+experiment commands over the REST API. Each command imports its own parts when it runs, so that ``--help`` and a
+refused argument answer at once."""
 
 from __future__ import annotations
 
@@ -12,22 +14,28 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from experiment.core.errors import CoopError
-from experiment.core.ledger import verify_ledger
-from server import commitments, db, migrate, operator, tls, tokens
+from server.roles import ROLES
 from server.settings import Settings, from_env
+
+if TYPE_CHECKING:
+    from server import operator
 
 
 def _prepare_home(settings: Settings) -> None:
+    from server import db
+
     if db.is_sqlite(settings.database_url):
         settings.home.mkdir(parents=True, exist_ok=True)
 
 
 async def _create_token(settings: Settings, role: str, name: str) -> str:
+    from server import db, tokens
+
     engine = db.create_engine(settings.database_url)
     try:
         async with db.session_maker(engine)() as session, session.begin():
@@ -37,6 +45,8 @@ async def _create_token(settings: Settings, role: str, name: str) -> str:
 
 
 async def _revoke_token(settings: Settings, name: str) -> None:
+    from server import db, tokens
+
     engine = db.create_engine(settings.database_url)
     try:
         async with db.session_maker(engine)() as session, session.begin():
@@ -46,6 +56,9 @@ async def _revoke_token(settings: Settings, name: str) -> None:
 
 
 async def _verify(settings: Settings, experiment_id: uuid.UUID) -> int:
+    from experiment.core.ledger import verify_ledger
+    from server import commitments, db
+
     engine = db.create_engine(settings.database_url)
     try:
         async with db.session_maker(engine)() as session:
@@ -70,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--keyfile", type=Path, help="the PEM private key of --certfile, unencrypted")
     token = commands.add_parser("token", help="manage bearer tokens").add_subparsers(dest="action", required=True)
     create = token.add_parser("create", help="create a token and print it once")
-    create.add_argument("--role", choices=tokens.ROLES, required=True)
+    create.add_argument(
+        "--role", choices=ROLES, required=True, help="operator: runs experiments; agent: a host; reader: reads only"
+    )
     create.add_argument("--name", required=True)
     revoke = token.add_parser("revoke", help="revoke a token by name")
     revoke.add_argument("--name", required=True)
@@ -84,11 +99,11 @@ def _experiment_parser(commands: Any) -> None:
     experiment = commands.add_parser(
         "experiment",
         help="operate an experiment through the coordinator's REST API",
-        description="Coordinator URL from --coordinator or COOP_COORDINATOR; operator token from COOP_TOKEN "
-        "or --token-file.",
+        description="Coordinator URL from --coordinator or COOP_COORDINATOR; token from --token-file or COOP_TOKEN: "
+        "an operator's to act, any role's to read (list, show, export) where reads are not public.",
     )
     experiment.add_argument("--coordinator", default=os.environ.get("COOP_COORDINATOR", "http://127.0.0.1:8000"))
-    experiment.add_argument("--token-file", type=Path, help="a file holding the operator token (else COOP_TOKEN)")
+    experiment.add_argument("--token-file", type=Path, help="a file holding the token (else COOP_TOKEN)")
     experiment.add_argument(
         "--ca-file",
         type=Path,
@@ -105,9 +120,24 @@ def _experiment_parser(commands: Any) -> None:
     pilot.add_argument("switch", choices=("on", "off"))
     follow = actions.add_parser("watch", help="follow an experiment until it ends, then print its verdict")
     follow.add_argument("experiment_id", type=uuid.UUID)
+    actions.add_parser("list", help="every experiment: id, state, name, created")
+    actions.add_parser("show", help="one experiment, its arms and, once reported, its verdict").add_argument(
+        "experiment_id", type=uuid.UUID
+    )
+    actions.add_parser("halt", help="halt an experiment: its open jobs are cancelled").add_argument(
+        "experiment_id", type=uuid.UUID
+    )
+    export = actions.add_parser("export", help="download the evidence bundle that `coop report --home` reads")
+    export.add_argument("experiment_id", type=uuid.UUID)
+    export.add_argument("--out", type=Path, required=True, help="the tar to write (never overwritten)")
+
+
+READS = {"list", "show", "export"}  # public reads unless the coordinator's reads are switched off
 
 
 def _operator(args: argparse.Namespace) -> operator.Operator:
+    from server import operator
+
     if args.token_file is not None:
         try:
             token = args.token_file.read_text().strip()
@@ -115,20 +145,37 @@ def _operator(args: argparse.Namespace) -> operator.Operator:
             raise CoopError(f"cannot read token file {args.token_file}: {exc.strerror}") from exc
     else:
         token = os.environ.get("COOP_TOKEN", "")
-    if not token:
-        raise CoopError("an operator token is needed: set COOP_TOKEN or pass --token-file")
+    if not token and args.action not in READS:
+        raise CoopError(f"`experiment {args.action}` needs an operator token: pass --token-file or set COOP_TOKEN")
     verify: ssl.SSLContext | bool = True
     if args.ca_file is not None:
         try:
             verify = ssl.create_default_context(cafile=str(args.ca_file))
         except (OSError, ssl.SSLError) as exc:
             raise CoopError(f"cannot use the CA file {args.ca_file}: {exc}") from None
-    return operator.Operator(args.coordinator, token, verify)
+    return operator.Operator(args.coordinator, token or None, verify)
 
 
 def _experiment(args: argparse.Namespace) -> int:
+    from server import operator
+
     client = _operator(args)
-    if args.action == "create":
+    if args.action == "list":
+        for line in operator.listing(client.experiments()):
+            print(line)
+    elif args.action == "show":
+        print(msgspec.json.encode(client.experiment(args.experiment_id)).decode())
+        for arm in client.arms(args.experiment_id):
+            print(msgspec.json.encode(arm).decode())
+        if client.experiment(args.experiment_id).state == "reported":
+            for line in operator.verdict_lines(client.report(args.experiment_id)):
+                print(line)
+    elif args.action == "halt":
+        print(msgspec.json.encode(client.halt(args.experiment_id)).decode())
+    elif args.action == "export":
+        size = client.export(args.experiment_id, args.out)
+        print(json.dumps({"experiment": str(args.experiment_id), "out": str(args.out), "bytes": size}))
+    elif args.action == "create":
         print(msgspec.json.encode(client.create(args.plan, args.autopilot)).decode())
     elif args.action == "advance":
         print(msgspec.json.encode(client.advance(args.experiment_id)).decode())
@@ -148,6 +195,8 @@ GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def _serve(args: argparse.Namespace, settings: Settings) -> None:
+    from server import tls
+
     if (args.certfile is None) != (args.keyfile is None):
         raise CoopError("TLS needs both --certfile and --keyfile")
     # Checked before anything starts: a wrong file is one message and exit 2, not a traceback from uvicorn.
@@ -155,6 +204,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> None:
 
     import uvicorn
 
+    from server import migrate
     from server.app import create_app
 
     if args.migrate:
@@ -180,6 +230,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     settings = from_env()
     _prepare_home(settings)
     if args.command == "migrate":
+        from server import db, migrate
+
         migrate.upgrade(settings.database_url)
         print(json.dumps({"migrated": True, "database": db.describe(settings.database_url)}))
     elif args.command == "serve":

@@ -6,9 +6,12 @@ terminal, JSON-lines events otherwise, then the primary verdict with its three c
 
 from __future__ import annotations
 
+import filecmp
 import json
+import os
 import ssl
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -26,11 +29,19 @@ FINAL = {"reported", "failed", "halted"}
 
 
 class Operator:
-    def __init__(self, base_url: str, token: str, verify: ssl.SSLContext | bool = True) -> None:
-        """``verify``: the context an https coordinator's certificate is checked with (True: the system's CAs)."""
-        self.http = httpx.Client(
-            base_url=base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, verify=verify
-        )
+    def __init__(self, base_url: str, token: str | None, verify: ssl.SSLContext | bool = True) -> None:
+        """``token``: None reads without one (public reads). ``verify``: the context an https coordinator's
+        certificate is checked with (True: the system's CAs)."""
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, verify=verify)
+
+    def _refusal(self, method: str, path: str, response: httpx.Response) -> CoopError:
+        try:
+            problem = response.json()
+            detail = f"{problem.get('detail')}" + (f" (rule {problem['rule']})" if problem.get("rule") else "")
+        except ValueError:
+            detail = response.text[:500]
+        return CoopError(f"{method} {path}: HTTP {response.status_code}: {detail}")
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         try:
@@ -38,13 +49,50 @@ class Operator:
         except httpx.TransportError as exc:
             raise CoopError(f"the coordinator at {self.http.base_url} did not answer: {exc}") from exc
         if response.status_code >= 400:
-            try:
-                problem = response.json()
-                detail = f"{problem.get('detail')}" + (f" (rule {problem['rule']})" if problem.get("rule") else "")
-            except ValueError:
-                detail = response.text[:500]
-            raise CoopError(f"{method} {path}: HTTP {response.status_code}: {detail}")
+            raise self._refusal(method, path, response)
         return response.json()
+
+    def experiments(self) -> list[wire.Experiment]:
+        return msgspec.convert(self._json("GET", "/api/experiments"), type=list[wire.Experiment])
+
+    def arms(self, experiment_id: uuid.UUID) -> list[wire.Arm]:
+        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/arms"), type=list[wire.Arm])
+
+    def halt(self, experiment_id: uuid.UUID) -> wire.Experiment:
+        return msgspec.convert(self._json("POST", f"/api/experiments/{experiment_id}/halt"), type=wire.Experiment)
+
+    def export(self, experiment_id: uuid.UUID, out: Path) -> int:
+        """The evidence tar into ``out``, which is never overwritten: a file there already must hold the same
+        bytes (an export repeated), else it is refused. Returns the tar's size."""
+        path = f"/api/experiments/{experiment_id}/evidence.tar"
+        if not out.parent.is_dir():
+            raise CoopError(f"cannot write {out}: {out.parent} is not a folder")
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", delete=False) as partial:
+            try:
+                with self.http.stream("GET", path, timeout=60.0) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise self._refusal("GET", path, response)
+                    for chunk in response.iter_bytes():
+                        partial.write(chunk)
+            except httpx.TransportError as exc:
+                Path(partial.name).unlink()
+                raise CoopError(f"the coordinator at {self.http.base_url} did not answer: {exc}") from exc
+            except CoopError:
+                Path(partial.name).unlink()
+                raise
+        written = Path(partial.name)
+        try:
+            os.link(written, out)  # never replaces: fails if ``out`` exists
+        except FileExistsError:
+            same = out.is_file() and filecmp.cmp(written, out, shallow=False)
+            if not same:
+                raise CoopError(
+                    f"{out} already holds another file; it is never overwritten: choose another --out"
+                ) from None
+        finally:
+            written.unlink()
+        return out.stat().st_size
 
     def create(self, plan: Path, autopilot: bool) -> wire.Experiment:
         try:
@@ -83,6 +131,14 @@ class Operator:
     def report(self, experiment_id: uuid.UUID) -> dict[str, Any]:
         reply: dict[str, Any] = self._json("GET", f"/api/experiments/{experiment_id}/report")
         return reply
+
+
+def listing(experiments: list[wire.Experiment]) -> list[str]:
+    """One line an experiment, newest last: id, state, name, when it was created."""
+    return [
+        f"{e.id}  {e.state:<10} {e.name}  {e.created_at.isoformat(timespec='seconds')}"
+        for e in sorted(experiments, key=lambda e: e.created_at)
+    ]
 
 
 def _label(job: wire.Job) -> str:

@@ -7,7 +7,6 @@ import hashlib
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import Literal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -15,9 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.errors import CoopError
 from server import models
+from server.roles import ROLES, Role
 
-Role = Literal["operator", "agent"]
-ROLES: tuple[Role, ...] = ("operator", "agent")
 PREFIX = "coop_"
 
 
@@ -37,7 +35,7 @@ def digest(secret: str) -> str:
 async def create(session: AsyncSession, role: str, name: str) -> str:
     """A new token's secret; only its digest is stored, so this is the one time anyone sees it."""
     if role not in ROLES:
-        raise CoopError(f"unknown role {role!r}; a token is for an operator or an agent")
+        raise CoopError(f"unknown role {role!r}; a token is for one of {', '.join(ROLES)}")
     secret = PREFIX + secrets.token_urlsafe(32)
     session.add(models.Token(name=name, role=role, secret_sha256=digest(secret)))
     try:
@@ -51,7 +49,9 @@ async def lookup(session: AsyncSession, secret: str) -> Principal | None:
     token = await session.scalar(select(models.Token).where(models.Token.secret_sha256 == digest(secret)))
     if token is None or token.revoked_at is not None:
         return None
-    role: Role = "operator" if token.role == "operator" else "agent"
+    role = next((known for known in ROLES if known == token.role), None)
+    if role is None:
+        return None  # a role this coordinator does not know grants nothing
     return Principal(token.id, token.name, role)
 
 

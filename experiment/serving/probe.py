@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import signal
 import time
 from collections import OrderedDict
@@ -35,7 +34,6 @@ from experiment.seed import seedmodel
 from experiment.serving import agreement
 
 MAX_BODY_BYTES = 1024
-TOKEN_ENV = "COOP_SERVING_TOKEN"
 REPLICA_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 IDENTITY_TASKS = 8  # dev tasks (both wordings of every family) a replica answers as evaluated before it serves
 REPLICA_WAIT_SECONDS = 900.0  # how long the probe waits for its replica to start before it gives up
@@ -113,20 +111,6 @@ class RetryCache(Generic[T]):
 
     def discard(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
-
-
-def read_token(token_file: Path | None) -> str:
-    """The serving token: the file's content, else ``COOP_SERVING_TOKEN``."""
-    if token_file is not None:
-        try:
-            token = token_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CoopError(f"cannot read the serving token file {token_file}: {exc}") from exc
-    else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if len(token) < 16:
-        raise CoopError(f"the serving token (--token-file or {TOKEN_ENV}) must be at least 16 characters")
-    return token
 
 
 class ReplicaError(Exception):

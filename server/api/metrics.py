@@ -1,8 +1,8 @@
-"""``GET /metrics``: the coordinator's Prometheus metrics (server.metrics), for an operator token.
+"""``GET /metrics``: the coordinator's Prometheus metrics (server.metrics), for an operator or a reader token.
 
-An operator token, not a public read: the scrape names every agent and when it was last heard from, and
-Prometheus sends a bearer token from a file (``authorization: credentials_file``), so a token of its own, made
-with ``coop-server token create --role operator --name prometheus``, can be revoked alone."""
+Not a public read: the scrape names every agent and when it was last heard from. Prometheus sends a bearer token
+from a file (``authorization: credentials_file``): a reader token of its own, made with
+``coop-server token create --role reader --name prometheus``, reads and can be revoked alone."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from server.metrics import Metrics, jobs_by_state, last_contacts
     tags=("metrics",),
     media_type="text/plain",
     response_description="Prometheus' text exposition format (OpenMetrics when the Accept header asks for it)",
-    **spec.private_read("operator"),
+    **spec.private_read("operator", "reader"),
 )
 async def scrape(
     request: Request[Any, Any, Any],

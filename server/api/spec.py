@@ -9,6 +9,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
 
 from experiment import wire
+from server.roles import ROLES
 
 # The handler option that names an agent upload (events, result, blob).
 UPLOAD = "upload"
@@ -23,7 +24,7 @@ PLAN = 2 * KIB * KIB
 _PROBLEMS = {
     400: "The request is malformed; the detail names the field",
     401: "No bearer token, or an unknown or revoked one (reads too, when the coordinator's reads are not public)",
-    403: "A token of another role, or an agent acting on another agent's attempt",
+    403: "A token of another role (a reader's on any write), or an agent acting on another agent's attempt",
     404: "No such experiment, job, attempt or blob",
     409: "Refused by the protocol: the rule names the step or state that forbids it",
     413: "The body is larger than this route's limit",
@@ -31,8 +32,10 @@ _PROBLEMS = {
 
 SECURITY_SCHEMES = Components(
     security_schemes={
-        role: SecurityScheme(type="http", scheme="bearer", description=f"an {role} token (coop-server token create)")
-        for role in ("operator", "agent")
+        role: SecurityScheme(
+            type="http", scheme="bearer", description=f"a token of role {role} (coop-server token create)"
+        )
+        for role in ROLES
     }
 )
 
@@ -45,16 +48,17 @@ def _responses(*codes: int) -> dict[int, ResponseSpec]:
 
 
 def read(*, found: bool = True) -> dict[str, Any]:
-    """A public read (a token of either role when reads are not public); ``found``: it names a row (404)."""
+    """A public read (a token of any role when reads are not public); ``found``: it names a row (404)."""
     return {
         "responses": _responses(400, 401, *((404,) if found else ())),
-        "security": [{}, {"operator": []}, {"agent": []}],
+        "security": [{}, *({role: []} for role in ROLES)],
     }
 
 
-def private_read(role: str) -> dict[str, Any]:
-    """A read that needs a ``role`` token whatever COOP_PUBLIC_READ says (the coordinator's own metrics)."""
-    return {"opt": {"role": role}, "responses": _responses(401, 403), "security": [{role: []}]}
+def private_read(*roles: str) -> dict[str, Any]:
+    """A read that needs a token of one of ``roles`` whatever COOP_PUBLIC_READ says (the coordinator's own
+    metrics)."""
+    return {"opt": {"role": roles}, "responses": _responses(401, 403), "security": [{role: []} for role in roles]}
 
 
 def write(

@@ -1,6 +1,7 @@
-"""Who uses the web UI: anyone may read (as the REST reads, unless COOP_PUBLIC_READ is off); an operator
-signs in with an operator token, whose id the encrypted session cookie keeps and every request checks again
-(a revoked token ends the session). Actions are HTML form posts behind that session and a CSRF token."""
+"""Who uses the web UI: anyone may read (as the REST reads, unless COOP_PUBLIC_READ is off); an operator or a
+reader signs in with a token of that role, whose id the encrypted session cookie keeps and every request checks
+again (a revoked token ends the session). Actions are HTML form posts behind an operator's session and a CSRF
+token; a signed-in reader reads and is refused every action."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import auth, models
-from server.errors import Unauthenticated
+from server.errors import Forbidden, Unauthenticated
+from server.roles import Role
 from server.tokens import Principal
 
 # Handler options: an action changes something and needs a signed-in operator; a public page (sign-in)
@@ -31,7 +33,10 @@ class SignInRequired(Unauthenticated):
     """Answered with a redirect to the sign-in page."""
 
 
-async def _viewer(connection: ASGIConnection) -> Principal | None:  # type: ignore[type-arg]
+SIGNS_IN: tuple[Role, ...] = ("operator", "reader")
+
+
+async def _signed_in(connection: ASGIConnection) -> Principal | None:  # type: ignore[type-arg]
     raw = connection.session.get(TOKEN_ID)
     if not isinstance(raw, str):
         return None
@@ -39,16 +44,19 @@ async def _viewer(connection: ASGIConnection) -> Principal | None:  # type: igno
     # The request's own session (and transaction), as the API's guard does.
     session = ctx.database.provide_session(connection.app.state, connection.scope)
     token = await session.get(models.Token, uuid.UUID(raw))
-    if token is None or token.revoked_at is not None or token.role != "operator":
+    role = next((known for known in SIGNS_IN if known == token.role), None) if token is not None else None
+    if token is None or token.revoked_at is not None or role is None:
         connection.clear_session()
         return None
-    return Principal(token.id, token.name, "operator")
+    return Principal(token.id, token.name, role)
 
 
 async def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
-    viewer = await _viewer(connection)
-    connection.state.viewer = viewer
-    if viewer is not None or handler.opt.get("public"):
+    principal = await _signed_in(connection)
+    connection.state.signed_in = principal
+    if handler.opt.get("action") and principal is not None and principal.role != "operator":
+        raise Forbidden(f"{principal.name!r} is a {principal.role} token, which reads only: sign in as an operator")
+    if principal is not None or handler.opt.get("public"):
         return
     if handler.opt.get("action"):
         raise SignInRequired("sign in with an operator token to do this")
@@ -60,9 +68,16 @@ def sign_in(request: WebRequest, principal: Principal) -> None:
     request.set_session({TOKEN_ID: str(principal.token_id)})
 
 
-def viewer(request: WebRequest) -> Principal | None:
-    found = request.state.get("viewer")
+def signed_in(request: WebRequest) -> Principal | None:
+    """Whoever signed in: an operator or a reader."""
+    found = request.state.get("signed_in")
     return found if isinstance(found, Principal) else None
+
+
+def viewer(request: WebRequest) -> Principal | None:
+    """The signed-in operator, who may act; None for a reader or nobody."""
+    found = signed_in(request)
+    return found if found is not None and found.role == "operator" else None
 
 
 def operator(request: WebRequest) -> Principal:

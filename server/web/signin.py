@@ -1,4 +1,4 @@
-"""Signing in with an operator token (checked as the API checks bearer tokens) and signing out."""
+"""Signing in with an operator or a reader token (checked as the API checks bearer tokens) and signing out."""
 
 from __future__ import annotations
 
@@ -40,8 +40,11 @@ class SignInPages(Controller):
         db_session: NamedDependency[AsyncSession],
     ) -> Redirect | Template:
         principal = await tokens.lookup(db_session, data.token.strip())
-        if principal is None or principal.role != "operator":
-            problem = "That is not an operator token, or it was revoked. Create one with coop-server token create."
+        if principal is None or principal.role not in access.SIGNS_IN:
+            problem = (
+                "That is not an operator or a reader token, or it was revoked. "
+                "Create one with coop-server token create."
+            )
             return render.page(request, "login.html", status_code=401, next=_local(data.next), problem=problem)
         access.sign_in(request, principal)
         audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")

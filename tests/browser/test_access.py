@@ -16,9 +16,9 @@ from server.app import create_app
 from server.settings import Settings, sqlite_url
 from tests.browser.conftest import screenshot
 from tests.browser.support import off_thread
-from tests.support.database import with_session
+from tests.support.database import make_token, with_session
 from tests.support.processes import CoordinatorProcess
-from tests.support.scenarios import LOCAL_PLAN, create_experiment
+from tests.support.scenarios import LOCAL_PLAN, bearer, create_experiment
 
 
 def _csrf(http: httpx.Client) -> str:
@@ -92,3 +92,30 @@ def test_read_pages_work_without_javascript(browser: Browser, coordinator: Coord
         screenshot(page, "no-javascript")
     finally:
         context.close()
+
+
+def test_a_reader_signs_in_to_read_the_pages_and_is_refused_every_action(tmp_path: Path) -> None:
+    def run() -> None:
+        url = sqlite_url(tmp_path / "coordinator.sqlite3")
+        migrate.upgrade(url)
+        reader = make_token(url, "reader", "analyst")
+        operator = make_token(url, "operator", "operator")
+        with TestClient(create_app(Settings(home=tmp_path, database_url=url, public_read=False))) as client:
+            body = {"plan_toml": LOCAL_PLAN.read_text(), "commit": True, "autopilot": False}
+            experiment = client.post("/api/experiments", json=body, headers=bearer(operator)).json()["id"]
+            csrf = _csrf(client)
+            signed_in = client.post(
+                "/login", data={"token": reader, "next": "/agents", "_csrf_token": csrf}, follow_redirects=False
+            )
+            assert signed_in.status_code == 303 and signed_in.headers["location"] == "/agents"
+            assert client.get("/agents").status_code == 200
+            overview = client.get(f"/experiments/{experiment}")
+            assert overview.status_code == 200 and f'action="/experiments/{experiment}/advance"' not in overview.text
+            for action in (f"/experiments/{experiment}/advance", f"/experiments/{experiment}/autopilot"):
+                refused = client.post(action, data={"_csrf_token": csrf, "on": "off"}, follow_redirects=False)
+                assert refused.status_code == 403 and "reader token, which reads only" in refused.text
+            state = client.get(f"/api/experiments/{experiment}", headers=bearer(reader)).json()
+            assert state["state"] == "committed" and state["autopilot"] is False
+            assert client.get("/api/agents").status_code == 401  # the session is no bearer token
+
+    off_thread(run)

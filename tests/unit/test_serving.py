@@ -19,8 +19,9 @@ from experiment.core.plan import ServingPlan
 from experiment.seed import seedmodel
 from experiment.serving import replica
 from experiment.serving.benchmark import PhaseRun, Router
-from experiment.serving.probe import CacheConflict, ProbeService, ReplicaError, RetryCache, read_token
+from experiment.serving.probe import CacheConflict, ProbeService, ReplicaError, RetryCache
 from experiment.serving.servingrecord import Attempt, Completion, metrics
+from experiment.serving.servingtoken import read_token
 from tests.support import ROOT
 from tests.support.processes import free_port
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment import wire
 from server import models
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
@@ -78,3 +79,59 @@ def test_every_state_change_leaves_an_audit_row_and_a_heartbeat_none(api: Api) -
         return int(await session.scalar(select(func.count()).select_from(models.IdempotentRequest)) or 0)
 
     assert with_session(api.url, count) == 1
+
+
+def _row_counts(url: str) -> dict[str, int]:
+    async def count(session: AsyncSession) -> dict[str, int]:
+        return {
+            table.name: int(await session.scalar(select(func.count()).select_from(table)) or 0)
+            for table in models.UUIDv7AuditBase.metadata.sorted_tables
+            if table.name != "alembic_version"
+        }
+
+    return with_session(url, count)
+
+
+def test_a_reader_reads_every_route_and_metrics_and_writes_nothing(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    with running(make_settings(public_read=False)) as client:
+        api = Api(client, database_url)
+        reader = bearer(make_token(database_url, "reader", "analyst"))
+        a = api.agent("a")
+        experiment = api.create_experiment()["id"]
+        job = a.claim()
+        assert job is not None
+        attempt = a.start(job)
+        a.events(job, 1, wire.Event("step", {"done": 1, "total": 2}))
+        ids = {
+            "experiment_id": experiment,
+            "job_id": str(job.job_id),
+            "attempt_id": str(attempt.id),
+            "sha256": "0" * 64,
+        }
+        before = _row_counts(database_url)
+        schema = client.get("/schema/openapi.json", headers=reader).json()
+        reads = writes = 0
+        for template, operations in schema["paths"].items():
+            path = template.format(**ids)
+            for method in operations:
+                if method in {"parameters", "summary", "description"}:
+                    continue
+                answer = client.request(method.upper(), path, headers=reader, json={})
+                if method in {"get", "head"}:
+                    reads += 1
+                    # A reader reads everything; only the placeholder blob and the report not yet written are absent.
+                    expected = {404} if "{sha256}" in template or template.endswith("/report") else {200}
+                    assert answer.status_code in expected, (method, template, answer.text)
+                    if template != "/health":  # liveness is open to all
+                        assert client.request(method.upper(), path).status_code == 401, (method, template)
+                else:
+                    writes += 1
+                    assert answer.status_code == 403, (method, template, answer.text)
+                    assert "'analyst' is a reader token" in answer.json()["detail"]
+        assert reads >= 15 and writes >= 15
+        assert _row_counts(database_url) == before  # not even an audit row
+        scrape = client.get("/metrics", headers=reader)
+        assert scrape.status_code == 200 and "coop_jobs" in scrape.text
+        assert client.get("/metrics").status_code == 401
