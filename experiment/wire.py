@@ -46,7 +46,7 @@ ExperimentState = Literal[
 JobState = Literal["queued", "leased", "running", "succeeded", "failed", "lost", "cancelled"]
 JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"]
 Role = Literal["dev", "test"]
-TokenRole = Literal["operator", "agent"]
+TokenRole = Literal["operator", "agent", "reader"]
 # "lost": the agent lost track of the command (it restarted while the command ran); the job is retried.
 Outcome = Literal["succeeded", "failed", "cancelled", "lost"]
 MeasurementKind = Literal["step", "resources"]
@@ -496,13 +496,49 @@ class HeartbeatRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # Reads -----------------------------------------------------------------------------------------
 
 
-class Measurement(msgspec.Struct, frozen=True):
+# Pages: a listing's rows in a stable order, ``limit`` at a time; ``next`` is the cursor to pass as ``after=`` for the
+# rows that follow (None on the last page). Rows recorded later, as a running attempt's measurements, come after.
+
+
+class StepMeasurement(msgspec.Struct, frozen=True, tag_field="kind", tag="step"):
+    """One update of a train rank's step journal, recorded as the rank reported it (``at``: when it did)."""
+
     attempt_id: uuid.UUID
     number: int
     rank: int
-    kind: MeasurementKind
-    position: int
-    body: dict[str, Any]
+    step: int
+    at: datetime.datetime
+    record: StepRecord
+
+
+class ResourceMeasurement(msgspec.Struct, frozen=True, tag_field="kind", tag="resources"):
+    """One resource sample of a train rank's process, ``index`` in its attempt, taken during update ``step``
+    (None for a sample only its attempt's result carried)."""
+
+    attempt_id: uuid.UUID
+    number: int
+    rank: int
+    index: int
+    step: int | None
+    at: datetime.datetime
+    sample: ResourceSample
+
+
+Measurement = StepMeasurement | ResourceMeasurement
+
+
+class MeasurementPage(msgspec.Struct, frozen=True):
+    """Measurements in the order they were recorded."""
+
+    items: list[Measurement]
+    next: str | None
+
+
+class EventPage(msgspec.Struct, frozen=True):
+    """An attempt's events in the order they were recorded."""
+
+    items: list[RecordedEvent]
+    next: str | None
 
 
 class RecordedAnswer(msgspec.Struct, frozen=True):
@@ -514,12 +550,14 @@ class RecordedAnswer(msgspec.Struct, frozen=True):
 
 
 class AnswerPage(msgspec.Struct, frozen=True):
-    """One page of answers in task order; ``total`` counts every answer the filters match."""
+    """Answers in arm, role and task order; ``total`` counts every answer the filters match, ``offset`` is the
+    first item's place among them."""
 
     items: list[RecordedAnswer]
     total: int
     limit: int
     offset: int
+    next: str | None
 
 
 class ServingResult(msgspec.Struct, frozen=True):

@@ -124,7 +124,7 @@ def _experiment_parser(commands: Any) -> None:
     actions.add_parser("show", help="one experiment, its arms and, once reported, its verdict").add_argument(
         "experiment_id", type=uuid.UUID
     )
-    actions.add_parser("halt", help="halt an experiment: its open jobs are cancelled").add_argument(
+    actions.add_parser("halt", help="halt an experiment: none of its jobs is handed out again").add_argument(
         "experiment_id", type=uuid.UUID
     )
     export = actions.add_parser("export", help="download the evidence bundle that `coop report --home` reads")

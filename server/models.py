@@ -159,7 +159,8 @@ class Event(UUIDv7AuditBase):
 
 
 class Measurement(UUIDv7AuditBase):
-    """A step journal entry or resource sample, from an attempt's result."""
+    """A step journal entry or resource sample: recorded from the attempt's events while it runs, and from its
+    result those the events did not carry."""
 
     __tablename__ = "measurements"
     __table_args__ = (UniqueConstraint("attempt_id", "kind", "position"),)
@@ -167,6 +168,8 @@ class Measurement(UUIDv7AuditBase):
     kind: Mapped[str] = mapped_column(String(40))
     # Order within the attempt and kind: the journal's step, the sample's index.
     position: Mapped[int] = mapped_column(Integer)
+    # The update it belongs to: a journal entry's own, the one a sample was taken in (None when not known).
+    step: Mapped[int | None] = mapped_column(Integer, default=None)
     at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
     body: Mapped[Json] = mapped_column(JsonB)
 

@@ -122,8 +122,8 @@ class Operator:
         current = [a for a in attempts if a["number"] == job.attempts_made and a["rank"] == 0]
         if not current:
             return 0, 0
-        events = self._json("GET", f"/api/attempts/{current[0]['id']}/events")
-        steps = [e["body"] for e in events if e["kind"] == "step"]
+        events = self._json("GET", f"/api/attempts/{current[0]['id']}/events?kind=step")["items"]
+        steps = [e["body"] for e in events]
         if not steps:
             return 0, 0
         return int(steps[-1].get("done", 0)), int(steps[-1].get("total", 0))

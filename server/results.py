@@ -1,5 +1,5 @@
-"""What attempts measured and produced, as rows to filter: step journals and resource samples, evaluated
-answers and serving phases; written once from an attempt's result and read back by the API."""
+"""What attempts produced, as rows to filter: evaluated answers and serving phases, written once from an attempt's
+result (with its measurements: server.measurements) and read back by the API."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
 from experiment import wire
 from experiment.core import layout
-from server import blobs, models
+from server import blobs, cursors, measurements, models
 from server.errors import BadRequest
 from server.lifecycle import Refused
 from server.settings import Settings
@@ -31,18 +31,7 @@ async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt
     if body.outcome != "succeeded" and (body.answers or body.serving or body.evidence):
         raise BadRequest("answers, serving phases and evidence accompany a succeeded result only")
     now = datetime.datetime.now(datetime.UTC)
-    session.add_all(
-        models.Measurement(
-            attempt_id=attempt.id, kind="step", position=entry.step, at=now, body=msgspec.to_builtins(entry)
-        )
-        for entry in body.journal
-    )
-    session.add_all(
-        models.Measurement(
-            attempt_id=attempt.id, kind="resources", position=index, at=now, body=msgspec.to_builtins(sample)
-        )
-        for index, sample in enumerate(body.resource_samples)
-    )
+    await measurements.record_result(session, attempt, body.journal, body.resource_samples, now)
 
 
 def record_serving(
@@ -136,38 +125,6 @@ async def _record_answers(
 # Reads -------------------------------------------------------------------------------------------
 
 
-async def measurements(
-    session: AsyncSession, *, job_id: uuid.UUID | None = None, attempt_id: uuid.UUID | None = None, kind: str | None
-) -> list[wire.Measurement]:
-    """A job's (every attempt and rank) or one attempt's measurements, in attempt, rank and step order."""
-    chosen: list[tuple[InstrumentedAttribute[Any], object]] = [
-        (models.Attempt.job_id, job_id),
-        (models.Measurement.attempt_id, attempt_id),
-        (models.Measurement.kind, kind),
-    ]
-    statement = (
-        select(models.Measurement, models.Attempt)
-        .join(models.Attempt, models.Attempt.id == models.Measurement.attempt_id)
-        .where(*(column == value for column, value in chosen if value is not None))
-    )
-    rows = await session.execute(
-        statement.order_by(
-            models.Attempt.number, models.Attempt.rank, models.Measurement.kind, models.Measurement.position
-        )
-    )
-    return [
-        wire.Measurement(
-            attempt_id=attempt.id,
-            number=attempt.number,
-            rank=attempt.rank,
-            kind=row.kind,  # type: ignore[arg-type]
-            position=row.position,
-            body=row.body,
-        )
-        for row, attempt in rows
-    ]
-
-
 @dataclass(frozen=True)
 class AnswerFilter:
     arm: str | None = None
@@ -189,33 +146,55 @@ class AnswerFilter:
         ]
 
 
+ANSWER_ORDER = (models.Answer.arm, models.Answer.role, models.Answer.task_index)
+
+
+def recorded_answer(row: models.Answer) -> wire.RecordedAnswer:
+    return wire.RecordedAnswer(
+        experiment_id=row.experiment_id,
+        attempt_id=row.attempt_id,
+        arm=row.arm,
+        role=row.role,  # type: ignore[arg-type]
+        answer=msgspec.convert(row.body, type=wire.Answer),
+    )
+
+
 async def answers(
-    session: AsyncSession, experiment_id: uuid.UUID, where: AnswerFilter, limit: int, offset: int
+    session: AsyncSession,
+    experiment_id: uuid.UUID,
+    where: AnswerFilter,
+    limit: int,
+    offset: int = 0,
+    after: str | None = None,
 ) -> wire.AnswerPage:
+    """A page of the answers ``where`` matches, in arm, role and task order: after the ``after`` cursor's (the API's
+    pages), or from ``offset`` (the web UI's numbered pages)."""
     if not 1 <= limit <= MAX_PAGE:
         raise BadRequest(f"limit must be between 1 and {MAX_PAGE}, not {limit}")
     if offset < 0:
         raise BadRequest(f"offset must not be negative, not {offset}")
     conditions = where.conditions(experiment_id)
     total = await session.scalar(select(func.count(models.Answer.id)).where(*conditions))
-    rows = await session.scalars(
-        select(models.Answer)
-        .where(*conditions)
-        .order_by(models.Answer.arm, models.Answer.role, models.Answer.task_index)
-        .limit(limit)
-        .offset(offset)
+    statement = select(models.Answer).where(*conditions)
+    if after is not None:
+        previous = await cursors.row(session, statement, models.Answer.id, after)
+        before = tuple_(*ANSWER_ORDER) <= tuple_(previous.arm, previous.role, previous.task_index)
+        offset = int(await session.scalar(select(func.count(models.Answer.id)).where(*conditions, before)) or 0)
+    rows = list(await session.scalars(statement.order_by(*ANSWER_ORDER).offset(offset).limit(limit + 1)))
+    return wire.AnswerPage(
+        items=[recorded_answer(row) for row in rows[:limit]],
+        total=int(total or 0),
+        limit=limit,
+        offset=offset,
+        next=cursors.encode(rows[limit - 1].id) if len(rows) > limit else None,
     )
-    items = [
-        wire.RecordedAnswer(
-            experiment_id=row.experiment_id,
-            attempt_id=row.attempt_id,
-            arm=row.arm,
-            role=row.role,  # type: ignore[arg-type]
-            answer=msgspec.convert(row.body, type=wire.Answer),
-        )
-        for row in rows
-    ]
-    return wire.AnswerPage(items=items, total=int(total or 0), limit=limit, offset=offset)
+
+
+async def every_answer(
+    session: AsyncSession, experiment_id: uuid.UUID, where: AnswerFilter
+) -> list[wire.RecordedAnswer]:
+    rows = await session.scalars(select(models.Answer).where(*where.conditions(experiment_id)).order_by(*ANSWER_ORDER))
+    return [recorded_answer(row) for row in rows]
 
 
 async def serving_results(session: AsyncSession, experiment_id: uuid.UUID) -> list[wire.ServingResult]:

@@ -9,7 +9,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import evidence, idempotency, kinds, models, queue, reactions, views
+from server import evidence, idempotency, kinds, measurements, models, queue, reactions, views
 from server.idempotency import Stored
 from server.settings import Settings
 
@@ -41,6 +41,7 @@ async def events(
             )
             for event in body.events
         )
+        await measurements.record_events(session, attempt, body.events, received)
         return 201, msgspec.json.encode(wire.EventBatchReply(attempt.id, body.sequence, len(body.events)))
 
     return await idempotency.once(session, checked, idempotency.payload_digest(msgspec.to_builtins(body)), work)

@@ -540,11 +540,33 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
     )
 
 
+class _LiveSamples:
+    """The resource samples a run reports as events while it goes on, each with the update it was taken in, so that
+    the coordinator shows them before the run's result arrives."""
+
+    def __init__(self, run: _Run, sampler: Sampler, emit: Emit) -> None:
+        self._run, self._sampler, self._emit = run, sampler, emit
+        self._reported = 0
+
+    def report(self, step: int) -> None:
+        taken = self._sampler.samples[self._reported :]
+        for index, sample in enumerate(taken, start=self._reported):
+            where = {"event": "resources", "arm": self._run.arm, "rank": self._run.world.rank, "step": step}
+            self._emit(where | {"index": index} | msgspec.to_builtins(sample))
+        self._reported += len(taken)
+
+
 def _updates(
-    run: _Run, progress: _Progress, trainer: Trainer, record: RunRecord, emit: Emit, stop_after: int | None
+    run: _Run,
+    progress: _Progress,
+    trainer: Trainer,
+    record: RunRecord,
+    samples: _LiveSamples,
+    emit: Emit,
+    stop_after: int | None,
 ) -> bool:
-    """Every update left, journaled and reported, with a checkpoint where the plan has one. False: ``stop_after``
-    ended the run early."""
+    """Every update left, journaled and reported (its journal entry and the resource samples taken during it), with
+    a checkpoint where the plan has one. False: ``stop_after`` ended the run early."""
     deadline = datetime.fromisoformat(record.deadline_at)
     for step in range(progress.resumed_from_step + 1, run.plan.training.updates + 1):
         if datetime.now(UTC) > deadline:
@@ -558,10 +580,11 @@ def _updates(
                 "rank": run.world.rank,
                 "done": step,
                 "total": run.plan.training.updates,
-                **{k: v for k, v in msgspec.to_builtins(entry).items() if "positions" not in k},
+                **msgspec.to_builtins(entry),
                 **({"outer_steps": trainer.outer_steps(step)} if trainer.outer is not None else {}),
             }
         )
+        samples.report(step)
         if step in run.plan.training.checkpoint_steps:
             _checkpoint(run, progress, trainer, step, emit)
         if stop_after is not None and step >= stop_after:
@@ -695,11 +718,13 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
         network_start = network_counters()
         with Sampler() as sampler:
             loop_start = _clock(run.device)
-            if not _updates(run, progress, trainer, record, emit, stop_after):
+            samples = _LiveSamples(run, sampler, emit)
+            if not _updates(run, progress, trainer, record, samples, emit, stop_after):
                 return None
             final_digest = distributed.parameter_digest(progress.model)
             distributed.agree(run.world, "final parameter digest", final_digest, run.device)
             loop_seconds = _clock(run.device) - loop_start
+        samples.report(run.plan.training.updates)  # the last, taken as the sampler stopped
         result = _result(run, progress, trainer, final_digest, loop_seconds, network_start, sampler)
         _complete(run, result, emit)
         return result

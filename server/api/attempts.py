@@ -7,12 +7,12 @@ from typing import Annotated
 
 from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, HeaderParameter, JSONBody
+from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, models, queue, uploads, views
+from server import audit, cursors, models, queue, uploads, views
 from server.api import spec
 from server.errors import NotFound
 from server.idempotency import Stored
@@ -22,6 +22,9 @@ from server.tokens import Principal
 IdempotencyKey = Annotated[
     str | None, HeaderParameter(name="Idempotency-Key", description="job:attempt:sequence ('result' for results)")
 ]
+
+
+MAX_EVENTS = 10_000  # a page of events; a long run's are read in pages
 
 
 def _stored(stored: Stored) -> Response[bytes]:
@@ -43,14 +46,28 @@ class AttemptController(Controller):
 
     @get("/{attempt_id:uuid}/events", operation_id="listAttemptEvents", **spec.read())
     async def list_events(
-        self, attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
-    ) -> list[wire.RecordedEvent]:
-        rows = await db_session.scalars(
-            select(models.Event)
-            .where(models.Event.attempt_id == attempt_id)
-            .order_by(models.Event.sequence, models.Event.id)
+        self,
+        attempt_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        kind: Annotated[str | None, QueryParameter(max_length=100)] = None,
+        after: Annotated[str | None, QueryParameter(max_length=64)] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=MAX_EVENTS)] = MAX_EVENTS,
+    ) -> wire.EventPage:
+        """The attempt's events (what its command printed, its state changes) in the order recorded; ``after``: the
+        next cursor of the page before, to follow a running attempt."""
+        if await db_session.get(models.Attempt, attempt_id) is None:
+            raise NotFound(f"attempt {attempt_id} does not exist")
+        listing = select(models.Event).where(
+            models.Event.attempt_id == attempt_id, *(() if kind is None else (models.Event.kind == kind,))
         )
-        return [views.event(row) for row in rows]
+        if after is not None:
+            previous = await cursors.row(db_session, listing, models.Event.id, after)
+            listing = listing.where(models.Event.id > previous.id)
+        rows = list(await db_session.scalars(listing.order_by(models.Event.id).limit(limit + 1)))
+        return wire.EventPage(
+            items=[views.event(row) for row in rows[:limit]],
+            next=cursors.encode(rows[limit - 1].id) if len(rows) > limit else None,
+        )
 
     @post("/{attempt_id:uuid}/start", operation_id="startAttempt", **spec.write("agent"))
     async def start(

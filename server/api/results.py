@@ -1,4 +1,5 @@
-"""What attempts recorded: step journals and resource samples, answers and serving results."""
+"""What attempts recorded: step journals and resource samples, answers and serving results; the long listings page
+with a cursor (``after=``), and answers and measurements come as CSV too, with the same filters."""
 
 from __future__ import annotations
 
@@ -8,12 +9,23 @@ from typing import Annotated
 from litestar import Controller, get
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, QueryParameter
+from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, models, results
+from server import experiments, measurements, models, results, tables
 from server.api import spec
 from server.errors import NotFound
+
+Cursor = Annotated[str | None, QueryParameter(max_length=64, description="the next cursor of the page before")]
+MeasurementLimit = Annotated[int, QueryParameter(ge=1, le=measurements.MAX_PAGE)]
+AnswerLimit = Annotated[int, QueryParameter(ge=1, le=results.MAX_PAGE)]
+Variant = Annotated[int | None, QueryParameter(ge=0, le=wire.INT32_MAX)]
+CSV = "text/csv; charset=utf-8"
+
+
+def _csv(lines: object, name: str) -> Stream:
+    return Stream(lines, media_type=CSV, headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})  # type: ignore[arg-type]
 
 
 class ResultController(Controller):
@@ -26,11 +38,27 @@ class ResultController(Controller):
         job_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
         kind: FromQuery[wire.MeasurementKind | None] = None,
-    ) -> list[wire.Measurement]:
-        """Every attempt's and rank's step journal and resource samples, in attempt, rank and step order."""
+        after: Cursor = None,
+        limit: MeasurementLimit = measurements.MAX_PAGE,
+    ) -> wire.MeasurementPage:
+        """Every attempt's and rank's step records and resource samples, in the order recorded: a running
+        attempt's as its ranks report them."""
         if await db_session.get(models.Job, job_id) is None:
             raise NotFound(f"job {job_id} does not exist")
-        return await results.measurements(db_session, job_id=job_id, kind=kind)
+        return await measurements.page(db_session, job_id=job_id, kind=kind, after=after, limit=limit)
+
+    @get("/jobs/{job_id:uuid}/measurements.csv", operation_id="jobMeasurementsCsv", media_type=CSV, **spec.read())
+    async def job_measurements_csv(
+        self,
+        job_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        kind: FromQuery[wire.MeasurementKind | None] = None,
+    ) -> Stream:
+        """The job's measurements as CSV: a row each, a step record's or a resource sample's columns filled."""
+        if await db_session.get(models.Job, job_id) is None:
+            raise NotFound(f"job {job_id} does not exist")
+        every = await measurements.every(db_session, job_id=job_id, kind=kind)
+        return _csv(tables.measurements(every), f"measurements-{job_id}")
 
     @get("/attempts/{attempt_id:uuid}/measurements", operation_id="listAttemptMeasurements", **spec.read())
     async def attempt_measurements(
@@ -38,10 +66,12 @@ class ResultController(Controller):
         attempt_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
         kind: FromQuery[wire.MeasurementKind | None] = None,
-    ) -> list[wire.Measurement]:
+        after: Cursor = None,
+        limit: MeasurementLimit = measurements.MAX_PAGE,
+    ) -> wire.MeasurementPage:
         if await db_session.get(models.Attempt, attempt_id) is None:
             raise NotFound(f"attempt {attempt_id} does not exist")
-        return await results.measurements(db_session, attempt_id=attempt_id, kind=kind)
+        return await measurements.page(db_session, attempt_id=attempt_id, kind=kind, after=after, limit=limit)
 
     @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers", **spec.read())
     async def answers(
@@ -51,15 +81,32 @@ class ResultController(Controller):
         role: FromQuery[wire.Role | None] = None,
         arm: FromQuery[wire.ArmName | None] = None,
         family: FromQuery[wire.Family | None] = None,
-        variant: Annotated[int | None, QueryParameter(ge=0, le=wire.INT32_MAX)] = None,
+        variant: Variant = None,
         correct: FromQuery[bool | None] = None,
-        limit: Annotated[int, QueryParameter(ge=1, le=results.MAX_PAGE)] = 100,
-        offset: Annotated[int, QueryParameter(ge=0, le=wire.INT32_MAX)] = 0,
+        after: Cursor = None,
+        limit: AnswerLimit = 100,
     ) -> wire.AnswerPage:
-        """Every recorded answer (the protocol publishes all final-test answers), in task order, paginated."""
+        """Every recorded answer (the protocol publishes all final-test answers), in arm, role and task order."""
         await experiments.load(db_session, experiment_id)
         where = results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
-        return await results.answers(db_session, experiment_id, where, limit, offset)
+        return await results.answers(db_session, experiment_id, where, limit, after=after)
+
+    @get("/experiments/{experiment_id:uuid}/answers.csv", operation_id="answersCsv", media_type=CSV, **spec.read())
+    async def answers_csv(
+        self,
+        experiment_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+        role: FromQuery[wire.Role | None] = None,
+        arm: FromQuery[wire.ArmName | None] = None,
+        family: FromQuery[wire.Family | None] = None,
+        variant: Variant = None,
+        correct: FromQuery[bool | None] = None,
+    ) -> Stream:
+        """Every answer the filters match, as CSV (the answer's text and check; its token ids only in the JSON)."""
+        await experiments.load(db_session, experiment_id)
+        where = results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
+        every = await results.every_answer(db_session, experiment_id, where)
+        return _csv(tables.answers(every), f"answers-{experiment_id}")
 
     @get("/experiments/{experiment_id:uuid}/serving-results", operation_id="listServingResults", **spec.read())
     async def serving_results(

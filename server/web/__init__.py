@@ -23,6 +23,7 @@ from server.web.jobs import JobPages
 from server.web.overview import OverviewPages
 from server.web.render import template_config
 from server.web.report import ReportPages
+from server.web.resources import ResourcePages
 from server.web.serving import ServingPages
 from server.web.signin import SignInPages
 from server.web.training import TrainingPages
@@ -63,6 +64,7 @@ def routes(settings: Settings) -> list[ControllerRouterHandler]:
             EvaluationPages,
             ServingPages,
             ReportPages,
+            ResourcePages,
             SignInPages,
         ],
         middleware=[

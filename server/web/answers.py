@@ -1,4 +1,5 @@
-"""Evaluation reads for the UI: accuracy by arm x family x wording, one answer, and its prepared task."""
+"""Evaluation reads for the UI: accuracy by arm x family x wording, one answer, every arm's answer to one task, and
+the prepared task."""
 
 from __future__ import annotations
 
@@ -85,6 +86,33 @@ async def answer(
     return row, msgspec.convert(row.body, type=wire.Answer)
 
 
+@dataclass(frozen=True)
+class ArmAnswer:
+    arm: str
+    row: models.Answer
+    answer: wire.Answer
+
+
+async def task_answers(
+    session: AsyncSession, experiment_id: uuid.UUID, arms: Sequence[str], role: str, task_id: str
+) -> list[ArmAnswer]:
+    """Every recorded answer to the task, one per arm, in ``arms``' order (the plan's, baseline first); NotFound
+    where no arm answered it."""
+    rows = await session.scalars(
+        select(models.Answer).where(
+            models.Answer.experiment_id == experiment_id,
+            models.Answer.role == role,
+            models.Answer.task_id == task_id,
+        )
+    )
+    found = {row.arm: row for row in rows}
+    if not found:
+        raise NotFound(f"no arm's {role} answer to task {task_id} is recorded")
+    # An arm the plan does not name (recorded by an older plan's jobs) still shows, after the plan's.
+    order = [arm for arm in arms if arm in found] + sorted(found.keys() - set(arms))
+    return [ArmAnswer(arm, found[arm], msgspec.convert(found[arm].body, type=wire.Answer)) for arm in order]
+
+
 class PreparedTask(msgspec.Struct, frozen=True):
     """The fields of a prepared task line (experiment.learning.corpus.TaskItem) the answer page shows."""
 
@@ -111,5 +139,8 @@ async def prepared_task(
         line = next((line for number, line in enumerate(lines) if number == index), None)
     if line is None:
         return None
-    task = msgspec.json.decode(line, type=PreparedTask)
+    try:
+        task = msgspec.json.decode(line, type=PreparedTask)
+    except msgspec.MsgspecError:
+        return None  # a role file in another shape: the pages show the prompt's token ids instead
     return task if task.id == task_id else None

@@ -20,6 +20,12 @@ def _lines(title: str, series: Series, xlabel: str, ylabel: str) -> str:
     return figures.lines(title, {name: list(points) for name, points in series}, xlabel, ylabel)
 
 
+def lines(title: str, by_name: Mapping[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str) -> str | None:
+    """One line per name; None when no name has a point."""
+    series = tuple((name, tuple(points)) for name, points in by_name.items() if points)
+    return _lines(title, series, xlabel, ylabel) if series else None
+
+
 def losses(by_arm: Mapping[str, Sequence[tuple[int, float]]]) -> str | None:
     """Training loss per update, one line per arm; None before any update is recorded."""
     series = tuple((arm, tuple((float(s), loss) for s, loss in points)) for arm, points in by_arm.items() if points)

@@ -1,10 +1,11 @@
-"""Evaluations: accuracy by arm x family x wording, and every recorded answer with its prompt, output and check."""
+"""Evaluations: accuracy by arm x family x wording, every recorded answer with its prompt, output and check, and
+every arm's answer to one task side by side."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, get_args
+from typing import Annotated, Any, get_args
 from urllib.parse import urlencode
 
 from litestar import Controller, get
@@ -93,6 +94,28 @@ class EvaluationPages(Controller):
             families=FAMILIES,
             outcomes=tuple(OUTCOMES),
         )
+
+    @get("/tasks/{role:str}/{task_id:str}")
+    async def task(
+        self,
+        request: WebRequest,
+        experiment_id: FromPath[uuid.UUID],
+        role: FromPath[str],
+        task_id: FromPath[str],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+    ) -> Template:
+        """Every arm's answer to one task side by side, under its prompt and expected answer."""
+        if role not in ROLES:
+            raise BadRequest(f"role {role!r} is not one of {', '.join(repr(r) for r in ROLES)}")
+        experiment = await experiments.load(db_session, experiment_id)
+        found = await answers.task_answers(
+            db_session, experiment_id, experiments.plan_of(experiment).arm_names(), role, task_id
+        )
+        first = found[0].answer
+        task = await answers.prepared_task(db_session, settings, experiment_id, role, first.index, task_id)
+        page: dict[str, Any] = {"role": role, "first": first, "given": found, "task": task}
+        return render.page(request, "task.html", tab="evaluations", experiment=experiment, **page)
 
     @get("/answers/{arm:str}/{role:str}/{task_id:str}")
     async def answer(

@@ -101,7 +101,8 @@ class Timeline:
     seconds: float  # from the first claim to the last end
 
 
-def _unit(seconds: float) -> tuple[float, str]:
+def unit(seconds: float) -> tuple[float, str]:
+    """The unit a span of ``seconds`` reads best in on a figure's time axis: its size in seconds, and its name."""
     if seconds > 3 * 3600:
         return 3600.0, "hours"
     if seconds > 180:
@@ -125,7 +126,7 @@ def timeline(
     lanes = sorted({bar[0] for bar in bars}, key=lambda lane: (lane == COORDINATOR, lane))
     origin = min(bar[1] for bar in bars)
     seconds = (max(bar[2] for bar in bars) - origin).total_seconds()
-    scale, unit = _unit(seconds)
+    scale, named = unit(seconds)
     spans = [
         Span(lane, (start - origin).total_seconds() / scale, (end - origin).total_seconds() / scale, group, broken)
         for lane, start, end, group, broken in sorted(bars, key=lambda bar: (lanes.index(bar[0]), bar[1]))
@@ -133,7 +134,7 @@ def timeline(
     svg = charts.timeline(
         "Attempts on each host",
         spans,
-        f"{unit} since the first claim",
+        f"{named} since the first claim",
         groups=KINDS,
         failed_label="failed or lost",
     )

@@ -1,48 +1,70 @@
-"""Jobs: the experiment's queue (each job's phase or rank, hosts and duration) with a timeline of the hosts' work,
-each job's attempts (lost kept apart from failed) with the live tail of an attempt's log, and the operator's
-cancel (a running replica is stopped from the serving page)."""
+"""Jobs: the experiment's queue (each job's phase or rank, hosts and duration) with a live timeline of the hosts'
+work, each job's attempts (lost kept apart from failed) with the live tail of an attempt's log and the whole log as
+a download, and the operator's cancel (a running replica is stopped from the serving page)."""
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from litestar import Controller, get, post
+import anyio.to_thread
+from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, experiments, queue, reactions
+from server import audit, experiments, models, queue, reactions
+from server.errors import NotFound
 from server.lifecycle import JOB_FINAL, JobState, Refused
 from server.settings import Settings
 from server.web import access, jobrows, queries, render
 from server.web.access import WebRequest
 from server.web.forms import Confirmation
 
+TIMELINE_SECONDS = 5  # how often the page asks for the hosts' timeline again
+
 
 def _final(job_state: str) -> bool:
     return JobState(job_state) in JOB_FINAL
 
 
-async def _queue(db_session: AsyncSession, experiment_id: uuid.UUID, *, hosts: bool = False) -> dict[str, Any]:
-    """The queue's rows; with ``hosts``, the timeline of every attempt on each host too (the whole page draws it,
-    the polled fragment does not: a figure every two seconds for each viewer is too much drawing)."""
-    experiment = await experiments.load(db_session, experiment_id)
-    jobs = await queries.jobs(db_session, experiment_id)
-    attempts = await queries.experiment_attempts(db_session, experiment_id)
-    changes = await queries.job_changes(db_session, experiment_id)
-    at = render.now()
-    rows = jobrows.rows(jobs, attempts, changes, at)
-    found: dict[str, Any] = {
-        "experiment": experiment,
+@dataclass(frozen=True)
+class _Work:
+    """What the queue and the timeline are drawn from, read once per request."""
+
+    experiment: models.Experiment
+    jobs: list[models.Job]
+    attempts: list[queries.AttemptRow]
+    changes: dict[uuid.UUID, list[queries.StateChange]]
+
+
+async def _work(db_session: AsyncSession, experiment_id: uuid.UUID) -> _Work:
+    return _Work(
+        await experiments.load(db_session, experiment_id),
+        await queries.jobs(db_session, experiment_id),
+        await queries.experiment_attempts(db_session, experiment_id),
+        await queries.job_changes(db_session, experiment_id),
+    )
+
+
+def _queue(work: _Work) -> dict[str, Any]:
+    """The queue's rows, polled every two seconds."""
+    rows = jobrows.rows(work.jobs, work.attempts, work.changes, render.now())
+    return {
+        "experiment": work.experiment,
         "waiting": [row for row in rows if not _final(row.job.state)],
         "finished": [row for row in rows if _final(row.job.state)],
     }
-    if hosts:
-        found["timeline"] = jobrows.timeline(jobs, attempts, changes, at)
-    return found
+
+
+async def _timeline(work: _Work) -> dict[str, Any]:
+    """Every attempt on each host as a figure: polled less often than the queue, and drawn in a worker thread, since
+    a figure takes a while to draw and would hold up every other request (an unchanged one comes from the cache)."""
+    drawn = await anyio.to_thread.run_sync(jobrows.timeline, work.jobs, work.attempts, work.changes, render.now())
+    return {"experiment": work.experiment, "timeline": drawn, "every": TIMELINE_SECONDS}
 
 
 async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUID | None) -> dict[str, Any]:
@@ -60,6 +82,7 @@ async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUI
         "attempts": attempts,
         "shown": shown,
         "log": await queries.log_tail(db_session, shown.attempt.id) if shown is not None else [],
+        "log_size": await queries.log_size(db_session, shown.attempt.id) if shown is not None else 0,
         "live": not _final(job.state),
     }
 
@@ -71,13 +94,21 @@ class JobPages(Controller):
     async def jobs(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        return render.page(request, "jobs.html", tab="jobs", **await _queue(db_session, experiment_id, hosts=True))
+        work = await _work(db_session, experiment_id)
+        return render.page(request, "jobs.html", tab="jobs", **_queue(work) | await _timeline(work))
 
     @get("/experiments/{experiment_id:uuid}/jobs/live")
     async def jobs_live(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        return render.fragment(request, "fragments/jobs.html", **await _queue(db_session, experiment_id))
+        return render.fragment(request, "fragments/jobs.html", **_queue(await _work(db_session, experiment_id)))
+
+    @get("/experiments/{experiment_id:uuid}/jobs/timeline")
+    async def timeline(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
+        work = await _work(db_session, experiment_id)
+        return render.fragment(request, "fragments/timeline.html", **await _timeline(work))
 
     @get("/jobs/{job_id:uuid}")
     async def job(
@@ -98,6 +129,23 @@ class JobPages(Controller):
         attempt: FromQuery[uuid.UUID | None] = None,
     ) -> Template:
         return render.fragment(request, "fragments/job.html", **await _job(db_session, job_id, attempt))
+
+    @get("/jobs/{job_id:uuid}/attempts/{attempt_id:uuid}/log")
+    async def log(
+        self, job_id: FromPath[uuid.UUID], attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Response[bytes]:
+        """The attempt's whole log as a text file, in the lines the page's tail shows."""
+        job = await queries.job(db_session, job_id)
+        attempt = await queries.attempt(db_session, attempt_id)
+        if attempt.job_id != job.id:
+            raise NotFound(f"attempt {attempt_id} is not an attempt of job {job_id}")
+        lines = await queries.log(db_session, attempt.id)
+        name = f"{job.kind}-{job.id}-attempt-{attempt.number}-rank-{attempt.rank}.log"
+        return Response(
+            content="".join(f"{line.printed}\n" for line in lines).encode(),
+            media_type="text/plain; charset=utf-8",
+            headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        )
 
     @post("/jobs/{job_id:uuid}/cancel", opt=access.ACTION)
     async def cancel(

@@ -1,4 +1,5 @@
-"""The experiments: the list, creating one from a plan, and each one's overview (states, ledger, deadline, cost)."""
+"""The experiments: the list, creating one from a plan, and each one's overview (states, ledger, deadline, cost) with
+the operator's actions on it: advance, autopilot and halt."""
 
 from __future__ import annotations
 
@@ -140,6 +141,44 @@ class OverviewPages(Controller):
         audit.record(db_session, operator, "experiment.advance", f"experiment:{experiment.id}", queued=message)
         await db_session.commit()
         access.notify(request, message)
+        return Redirect(back, status_code=303)
+
+    @post("/experiments/{experiment_id:uuid}/halt", opt=access.ACTION)
+    async def halt(
+        self,
+        request: WebRequest,
+        experiment_id: FromPath[uuid.UUID],
+        data: URLEncodedBody[Confirmation],
+        db_session: NamedDependency[AsyncSession],
+    ) -> Redirect | Template:
+        """As the API's halt: the experiment ends as halted, which is final."""
+        operator = access.operator(request)
+        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        back = f"/experiments/{experiment_id}"
+        if data.confirm != "yes":
+            return render.page(
+                request,
+                "confirm.html",
+                tab="overview",
+                experiment=experiment,
+                title=f"Halt {experiment.name}?",
+                explanation=(
+                    f"The experiment ends as halted, from {experiment.state}, as the API's halt ends it: no agent is "
+                    "handed another of its jobs, no phase follows and no report is computed. The ledger, answers "
+                    "and evidence stay as recorded."
+                ),
+                action=f"{back}/halt",
+                fields={},
+                button="Halt experiment",
+                back=back,
+            )
+        try:
+            experiments.halt(db_session, experiment, f"halted by {operator.name}")
+        except Refused as exc:
+            return await access.refused(request, db_session, exc.detail, back)
+        audit.record(db_session, operator, "experiment.halt", f"experiment:{experiment.id}")
+        await db_session.commit()
+        access.notify(request, f"halted {experiment.name}")
         return Redirect(back, status_code=303)
 
     @post("/experiments/{experiment_id:uuid}/autopilot", opt=access.ACTION)

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import experiments, models
 from server.errors import NotFound
 from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState
+from server.web import render
 
 LOG_LINES = 80
 
@@ -177,6 +178,11 @@ class LogLine:
     kind: str
     text: str
 
+    @property
+    def printed(self) -> str:
+        """The line as the job page shows it and the downloaded log holds it."""
+        return f"{render.stamp(self.at)} {self.kind:<10} {self.text}"
+
 
 def _fields(body: dict[str, Any]) -> str:
     return msgspec.json.encode({k: v for k, v in body.items() if k != "event"}).decode()
@@ -202,6 +208,19 @@ async def log_tail(session: AsyncSession, attempt_id: uuid.UUID, lines: int = LO
         .limit(lines)
     )
     return [LogLine(row.at, row.kind, _line(row)) for row in reversed(list(rows))]
+
+
+async def log(session: AsyncSession, attempt_id: uuid.UUID) -> list[LogLine]:
+    """Every event of the attempt, oldest first, in the tail's order: the whole log the tail ends."""
+    rows = await session.scalars(
+        select(models.Event).where(models.Event.attempt_id == attempt_id).order_by(models.Event.at, models.Event.id)
+    )
+    return [LogLine(row.at, row.kind, _line(row)) for row in rows]
+
+
+async def log_size(session: AsyncSession, attempt_id: uuid.UUID) -> int:
+    counted = await session.scalar(select(func.count(models.Event.id)).where(models.Event.attempt_id == attempt_id))
+    return int(counted or 0)
 
 
 # Agents ------------------------------------------------------------------------------------------------

@@ -52,6 +52,14 @@ def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+def size(count: float) -> str:
+    """A number of bytes in binary units: 812 B, 37.5 MiB, 4.02 GiB."""
+    for scale, unit, spec in ((2**30, "GiB", ".2f"), (2**20, "MiB", ".1f"), (2**10, "KiB", ".1f")):
+        if abs(count) >= scale:
+            return f"{count / scale:{spec}} {unit}"
+    return f"{count:.0f} B"
+
+
 def _environment() -> jinja2.Environment:
     environment = jinja2.Environment(
         # The report's shared partials (the local-SGD verdict) come from experiment.report's own templates.
@@ -63,7 +71,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    environment.filters.update(duration=duration, ago=ago, stamp=stamp, percent=percent)
+    environment.filters.update(duration=duration, ago=ago, stamp=stamp, percent=percent, bytes=size)
     environment.globals["now"] = now
     return environment
 
@@ -77,7 +85,10 @@ def page(request: WebRequest, name: str, status_code: int = 200, **context: Any)
     viewer = access.viewer(request)
     notice = access.take_notice(request) if viewer is not None else None
     return Template(
-        template_name=name, context={"viewer": viewer, "notice": notice, **context}, status_code=status_code
+        template_name=name,
+        context={"viewer": viewer, "reader": access.signed_in(request) if viewer is None else None, "notice": notice}
+        | context,
+        status_code=status_code,
     )
 
 

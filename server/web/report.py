@@ -1,6 +1,6 @@
 """The report as the coordinator recorded it: the primary verdict and its three conditions, every comparison,
 the serving phases side by side with the served answers' agreement with the evaluation, and the report's own
-figures, all read from the recorded report JSON."""
+figures, all read from the recorded report JSON; and each paired comparison's wins and losses, item by item."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from experiment.report.model import Report, read_report
 from server import experiments
 from server.errors import NotFound
 from server.settings import Settings
-from server.web import benchmarks, charts, render
+from server.web import benchmarks, charts, paired, render
 from server.web.access import WebRequest
 
 
@@ -30,6 +30,18 @@ def serving_phases(report: Report) -> dict[str, Mapping[str, Any]]:
         return {}
     phases = report.serving.phases
     return {phase: msgspec.to_builtins(phases[phase]) for phase in SERVING_PHASES if phase in phases}
+
+
+async def recorded(db_session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> Report:
+    """The recorded report, decoded; NotFound (with why) where there is none, or none this coordinator reads."""
+    path = await experiments.report_file(db_session, settings, experiment_id)
+    try:
+        return read_report(path.read_bytes())
+    except msgspec.ValidationError as exc:
+        raise NotFound(
+            f"the recorded report is not in the shape this coordinator reads ({exc}); its JSON is at "
+            f"/api/experiments/{experiment_id}/report"
+        ) from None
 
 
 class ReportPages(Controller):
@@ -65,4 +77,30 @@ class ReportPages(Controller):
             figures=charts.report(document),
             serving_phases=list(phases),
             serving_rows=benchmarks.comparison(phases),
+            comparisons={(c.arm, c.baseline): c for c in paired.stated(document)},
+        )
+
+    @get("/compare/{arm:str}/vs/{baseline:str}")
+    async def compare(
+        self,
+        request: WebRequest,
+        experiment_id: FromPath[uuid.UUID],
+        arm: FromPath[str],
+        baseline: FromPath[str],
+        db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+    ) -> Template:
+        experiment = await experiments.load(db_session, experiment_id)
+        document = await recorded(db_session, settings, experiment_id)
+        comparison = paired.find(document, arm, baseline)
+        found = await paired.discordant(db_session, experiment_id, baseline, arm)
+        return render.page(
+            request,
+            "compare.html",
+            tab="report",
+            experiment=experiment,
+            comparison=comparison,
+            comparisons=paired.stated(document),
+            found=found,
+            agrees=found.agrees(comparison),
         )

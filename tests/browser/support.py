@@ -1,9 +1,13 @@
 """What the browser tests record through a real coordinator before they look at the pages: fake agents of its
-hosts (tests.support.agent), and the serving phases and report sections the pages show."""
+hosts (tests.support.agent), the serving phases and report sections the pages show, and a finished experiment
+made of a real run's evidence (the SmolLM2-135M run committed under bench/results)."""
 
 from __future__ import annotations
 
 import datetime
+import functools
+import json
+import tarfile
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,12 +17,14 @@ import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment.core.plan import load_plan
 from experiment.serving.servingrecord import Attempt, Completion, PhaseResult, Workload, metrics
 from server import models
+from tests.support import ROOT
 from tests.support.agent import FakeAgent
-from tests.support.database import with_session
+from tests.support.database import record_report, with_session
 from tests.support.processes import CoordinatorProcess
-from tests.support.scenarios import sha
+from tests.support.scenarios import create_experiment, operate, select_and_advance, sha, train_result
 
 T = TypeVar("T")
 
@@ -219,3 +225,101 @@ def attempts_by_host(coordinator: CoordinatorProcess, experiment_id: str) -> dic
         for attempt in coordinator.http.get(f"/api/jobs/{job['id']}/attempts").json():
             found[names[attempt["agent_id"]]] = found.get(names[attempt["agent_id"]], 0) + 1
     return found
+
+
+# A finished experiment: the SmolLM2-135M run's evidence, recorded the way its agents recorded it -------------
+
+SMOLLM2 = ROOT / "bench" / "results" / "smollm2-135m"
+SMOLLM2_PLAN = ROOT / "plans" / "smollm2-135m.toml"
+
+
+@functools.cache
+def smollm2_evidence() -> dict[str, bytes]:
+    """The run's evidence bundle (evidence.tar.gz, what `coop report` recomputed report.json from): path -> bytes."""
+    found: dict[str, bytes] = {}
+    with tarfile.open(SMOLLM2 / "evidence.tar.gz") as bundle:
+        for member in bundle.getmembers():
+            data = bundle.extractfile(member) if member.isfile() else None
+            if data is not None:
+                found[member.name.removeprefix("./")] = data.read()
+    return found
+
+
+def smollm2_report() -> dict[str, Any]:
+    """The report the run's coordinator recorded."""
+    report: dict[str, Any] = json.loads((SMOLLM2 / "report.json").read_bytes())
+    return report
+
+
+def smollm2_lines(path: str) -> list[dict[str, Any]]:
+    """A JSON-lines file of the run's evidence (answers.jsonl, a prepared role file), one object a line."""
+    return [json.loads(line) for line in smollm2_evidence()[path].splitlines() if line.strip()]
+
+
+def smollm2_run(arm: str, rank: int) -> dict[str, Any]:
+    """One rank's training result (runs/ARM/rank-N/result.json): its step journal and resource samples."""
+    run: dict[str, Any] = json.loads(smollm2_evidence()[f"runs/{arm}/rank-{rank}/result.json"])
+    return run
+
+
+def _trained(agent: FakeAgent, job: Any) -> None:
+    run = smollm2_run(str(job.arm), job.rank)
+    agent.finish(
+        job, result=train_result(str(job.arm)), journal=run["journal"], resource_samples=run["resource_samples"]
+    )
+
+
+def finished_experiment(coordinator: CoordinatorProcess, a: FakeAgent, b: FakeAgent) -> str:
+    """The SmolLM2-135M run as its coordinator recorded it, to its report; its id. The plan is committed and
+    prepared on a (the prepared dev and test tasks uploaded as evidence); the singles train on a and b and the
+    pair's rank 0 on a, rank 1 on b, each with its run's step journal and resource samples; the selection is
+    committed; the four test evaluations send the run's answers.jsonl; serving is committed and the run's
+    report.json recorded. The answers and the report are the run's own: the report's counts are theirs."""
+    experiment = str(create_experiment(coordinator, SMOLLM2_PLAN, autopilot=False)["id"])
+    report = smollm2_report()
+    prepare = a.take("prepare")
+    uploads = {
+        path: a.upload(smollm2_evidence()[path], prepare) for path in ("prepared/dev.jsonl", "prepared/test.jsonl")
+    }
+    a.finish(prepare, result={"prepared_identity": report["prepared_identity"]}, evidence=uploads)
+    operate(coordinator, f"/api/experiments/{experiment}/advance", {})
+    for agent in (a, b):
+        _trained(agent, agent.take("train"))
+    rank0, rank1 = a.take("train"), b.take("train")
+    assert (rank0.arm, rank0.rank, rank1.rank) == ("clean-pair", 0, 1), (rank0, rank1)
+    _trained(a, rank0)
+    _trained(b, rank1)
+    select_and_advance(coordinator, experiment)
+    for _ in load_plan(SMOLLM2_PLAN).arm_names():
+        # A trained arm's evaluation is pinned to the host holding its checkpoint: either agent may get one.
+        agent, job = next((agent, job) for agent in (a, b) if (job := agent.try_take("evaluate")) is not None)
+        agent.evaluated(job, smollm2_lines(f"evaluations/test/{job.arm}/answers.jsonl"))
+    operate(
+        coordinator,
+        f"/api/experiments/{experiment}/serving",
+        {"arm": "clean-pair", "model_identity": sha("clean-pair")},
+    )
+    off_thread(record_report, coordinator.database_url, coordinator.home, experiment, report)
+    return experiment
+
+
+def recorded_answers(coordinator: CoordinatorProcess, experiment_id: str, arms: list[str]) -> dict[str, dict[str, Any]]:
+    """Arm -> task id -> its recorded test answer, from the coordinator's API (an arm's test answers fit one page)."""
+    found: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        page = coordinator.get(f"/api/experiments/{experiment_id}/answers?role=test&arm={arm}&limit=1000")
+        assert len(page["items"]) == page["total"], f"{arm}'s test answers take more than one page"
+        found[arm] = {item["answer"]["id"]: item["answer"] for item in page["items"]}
+    return found
+
+
+def attempt_events(coordinator: CoordinatorProcess, attempt_id: object) -> list[dict[str, Any]]:
+    """Every event the attempt recorded, from the coordinator's API: a list, or pages followed by their cursor."""
+    found = coordinator.get(f"/api/attempts/{attempt_id}/events")
+    if isinstance(found, list):
+        return found
+    events: list[dict[str, Any]] = list(found["items"])
+    while found.get("next"):
+        found = coordinator.get(f"/api/attempts/{attempt_id}/events?after={found['next']}")
+        events += found["items"]
+    return events

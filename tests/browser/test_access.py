@@ -111,6 +111,7 @@ def test_a_reader_signs_in_to_read_the_pages_and_is_refused_every_action(tmp_pat
             assert client.get("/agents").status_code == 200
             overview = client.get(f"/experiments/{experiment}")
             assert overview.status_code == 200 and f'action="/experiments/{experiment}/advance"' not in overview.text
+            assert "Reader <strong>analyst</strong>" in overview.text
             for action in (f"/experiments/{experiment}/advance", f"/experiments/{experiment}/autopilot"):
                 refused = client.post(action, data={"_csrf_token": csrf, "on": "off"}, follow_redirects=False)
                 assert refused.status_code == 403 and "reader token, which reads only" in refused.text

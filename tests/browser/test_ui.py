@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from playwright.sync_api import Locator, Page, expect
 from server.web.render import duration
 from tests.browser.conftest import screenshot
 from tests.browser.support import (
+    attempt_events,
     attempts_by_host,
     host_agent,
     job_times,
@@ -24,7 +26,7 @@ from tests.browser.support import (
     step,
 )
 from tests.support.agent import FakeAgent, answer
-from tests.support.database import record_report
+from tests.support.database import make_token, record_report
 from tests.support.processes import CoordinatorProcess
 from tests.support.scenarios import (
     LOCAL_PLAN,
@@ -44,9 +46,8 @@ SERVED = {"arm": "clean-pair", "model_identity": sha("clean-pair")}
 
 
 def sign_in(page: Page, coordinator: CoordinatorProcess) -> None:
-    page.goto("/")
-    page.get_by_role("link", name="Operator sign-in").click()
-    page.get_by_label("Operator token").fill(coordinator.operator)
+    page.goto("/login")
+    page.get_by_label("Operator or reader token").fill(coordinator.operator)
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_text("Operator operator")).to_be_visible()
 
@@ -54,10 +55,11 @@ def sign_in(page: Page, coordinator: CoordinatorProcess) -> None:
 def test_an_operator_signs_in_creates_an_experiment_from_a_plan_file_and_cancels_its_job(
     page: Page, coordinator: CoordinatorProcess
 ) -> None:
-    page.goto("/login")
-    page.get_by_label("Operator token").fill("coop_not-a-token")
+    page.goto("/")
+    page.get_by_role("banner").get_by_role("link", name="Sign in").click()
+    page.get_by_label("Operator or reader token").fill("coop_not-a-token")
     page.get_by_role("button", name="Sign in").click()
-    expect(page.get_by_role("alert")).to_contain_text("not an operator token")
+    expect(page.get_by_role("alert")).to_contain_text("not an operator")
 
     sign_in(page, coordinator)
     page.get_by_label("or choose a plan file").set_input_files(LOCAL_PLAN)
@@ -472,3 +474,107 @@ def test_a_local_sgd_report_shows_its_own_verdict_the_bytes_per_arm_and_both_los
     expect(page.locator("figure svg")).to_have_count(5)
     expect(page.locator("figure").filter(has_text="Bytes each rank wrote")).to_be_visible()
     screenshot(page, "report-local-sgd")
+
+
+def test_the_whole_log_downloads_as_text_and_ends_with_the_tail_the_page_shows(
+    page: Page, coordinator: CoordinatorProcess
+) -> None:
+    experiment = create_experiment(coordinator)["id"]
+    agent = host_agent(coordinator, "host-a")
+    prepare = agent.take("prepare")
+    printed = [f"prepared file {n} of 150" for n in range(150)]
+    agent.printed(prepare, 0, *printed[:100])
+    agent.printed(prepare, 1, *printed[100:])
+    agent.finish(prepare, result={"prepared_identity": sha("prepared")})
+    page.goto(f"/jobs/{prepare.job_id}")
+    tail = page.get_by_test_id("log")
+    expect(tail).to_contain_text(printed[-1])
+    shown = tail.inner_text().splitlines()
+    assert len(shown) == 80, "the page shows the last 80 lines"
+
+    with page.expect_download() as started:
+        page.get_by_test_id("log-download").click()
+    download = started.value
+    assert download.suggested_filename == f"prepare-{prepare.job_id}-attempt-1-rank-0.log"
+    whole = Path(download.path()).read_bytes()
+    href = page.get_by_test_id("log-download").get_attribute("href")
+    assert href is not None
+    response = coordinator.http.get(href)
+    assert response.status_code == 200 and response.content == whole
+    assert response.headers["content-type"].startswith("text/plain")
+    assert response.headers["content-disposition"].startswith("attachment;")
+    # The truth apart from the page: every event the attempt recorded, as the API lists them.
+    events = attempt_events(coordinator, prepare.attempt_id)
+    lines = whole.decode().splitlines()
+    assert len(lines) == len(events) > 150
+    assert [line.split("output     ", 1)[1] for line in lines if " output     " in line] == printed
+    assert lines[-80:] == shown, "the download ends with the tail the page shows"
+    assert coordinator.http.get(f"/jobs/{prepare.job_id}/attempts/{uuid.uuid4()}/log").status_code == 404
+    other = coordinator.get(f"/api/experiments/{experiment}/jobs")
+    elsewhere = next(job["id"] for job in other if job["id"] != str(prepare.job_id))
+    assert coordinator.http.get(f"/jobs/{elsewhere}/attempts/{prepare.attempt_id}/log").status_code == 404
+    screenshot(page, "job-log")
+
+
+def test_the_hosts_timeline_draws_a_new_attempt_without_reloading(page: Page, coordinator: CoordinatorProcess) -> None:
+    experiment = create_experiment(coordinator)["id"]
+    agent = host_agent(coordinator, "host-a")
+    prepare = agent.take("prepare")
+    agent.finish(prepare, result={"prepared_identity": sha("prepared")})  # autopilot queues the training
+    page.goto(f"/experiments/{experiment}/jobs")
+    caption = page.get_by_test_id("host-timeline").locator("figcaption")
+    expect(caption).to_contain_text("host-a 1 attempt,")
+    page.evaluate("window.notReloaded = true")
+    train = agent.take("train")
+    expect(caption).to_contain_text("host-a 2 attempts", timeout=30_000)
+    expect(page.get_by_role("row", name=f"train {train.arm}")).to_contain_text("running")
+    assert page.evaluate("window.notReloaded") is True
+    screenshot(page, "jobs-timeline-live")
+
+
+def test_an_operator_halts_an_experiment_after_confirming_and_no_one_else_can(
+    page: Page, coordinator: CoordinatorProcess
+) -> None:
+    experiment = create_experiment(coordinator)["id"]
+    page.goto(f"/experiments/{experiment}")
+    expect(page.get_by_test_id("state")).to_have_text("committed")
+    expect(page.get_by_role("button", name="Halt experiment")).to_have_count(0)
+    # A post without an operator's session and its CSRF token halts nothing.
+    forged = coordinator.http.post(f"/experiments/{experiment}/halt", data={"confirm": "yes"})
+    assert forged.status_code in {303, 401, 403}, forged.status_code
+    assert coordinator.get(f"/api/experiments/{experiment}")["state"] == "committed"
+    # A signed-in reader sees no halt either, and its own session and CSRF token halt nothing.
+    page.goto("/login")
+    page.get_by_label("Operator or reader token").fill(
+        off_thread(make_token, coordinator.database_url, "reader", "reader")
+    )
+    page.get_by_role("button", name="Sign in").click()
+    page.goto(f"/experiments/{experiment}")
+    expect(page.get_by_role("button", name="Halt experiment")).to_have_count(0)
+    page.goto("/login")
+    page.evaluate(
+        """action => {
+            const form = document.querySelector('form[action="/login"]');
+            form.action = action;
+            form.querySelector('[name=token]').remove();
+            form.insertAdjacentHTML('beforeend', '<input type="hidden" name="confirm" value="yes">');
+            form.submit();
+        }""",
+        f"/experiments/{experiment}/halt",
+    )
+    expect(page.get_by_role("alert")).to_contain_text("reads only")
+    assert coordinator.get(f"/api/experiments/{experiment}")["state"] == "committed"
+
+    sign_in(page, coordinator)
+    page.goto(f"/experiments/{experiment}")
+    page.get_by_role("button", name="Halt experiment").click()
+    expect(page.get_by_role("heading", name="Halt local?")).to_be_visible()
+    assert coordinator.get(f"/api/experiments/{experiment}")["state"] == "committed"  # nothing until confirmed
+    screenshot(page, "confirm-halt")
+    page.get_by_role("button", name="Halt experiment").click()
+    expect(page.get_by_role("status")).to_contain_text("halted local")
+    expect(page.get_by_test_id("state")).to_have_text("halted")
+    assert coordinator.get(f"/api/experiments/{experiment}")["state"] == "halted"
+    expect(page.get_by_role("button", name="Halt experiment")).to_have_count(0)  # a halted experiment is final
+    changes = page.locator("ol.timeline")
+    expect(changes).to_contain_text("halted by operator")

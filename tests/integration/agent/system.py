@@ -70,13 +70,13 @@ class System:
         steps: list[int] = []
         for attempt in self.attempts("train", arm):
             if attempt["rank"] == rank:
-                events = self.server.get(f"/api/attempts/{attempt['id']}/events")
+                events = self.server.get(f"/api/attempts/{attempt['id']}/events")["items"]
                 steps += [e["body"]["step"] for e in events if e["kind"] == "step"]
         return steps
 
     def rank_steps_of(self, attempt: dict[str, Any]) -> list[int]:
         """The steps one attempt reported."""
-        events = self.server.get(f"/api/attempts/{attempt['id']}/events")
+        events = self.server.get(f"/api/attempts/{attempt['id']}/events")["items"]
         return [e["body"]["step"] for e in events if e["kind"] == "step"]
 
     def faults(self, arm: str, folder: Path) -> list[TrainingFault]:
@@ -103,7 +103,7 @@ class System:
         """The steps the ``attempts`` resumed from, as their ``started`` events say."""
         resumed = set()
         for attempt in attempts:
-            events = self.server.get(f"/api/attempts/{attempt['id']}/events")
+            events = self.server.get(f"/api/attempts/{attempt['id']}/events")["items"]
             (started,) = [e for e in events if e["kind"] == "started"]
             resumed.add(int(started["body"]["resumed_from_step"]))
         return resumed

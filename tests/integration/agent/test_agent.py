@@ -42,7 +42,7 @@ def _prepare_job(server: CoordinatorProcess, experiment_id: str) -> dict[str, An
 
 def _forwarded(server: CoordinatorProcess, attempt_id: str) -> list[dict[str, Any]]:
     """The events the agent sent (the coordinator's own state changes carry no sequence)."""
-    events = server.get(f"/api/attempts/{attempt_id}/events")
+    events = server.get(f"/api/attempts/{attempt_id}/events")["items"]
     return [e for e in events if e["sequence"] is not None]
 
 
@@ -228,7 +228,10 @@ def test_heartbeats_hold_the_leases_of_the_attempts_the_agent_runs_beyond_a_shor
         )
         assert done["state"] == "succeeded", agent.log()
         (attempt,) = _attempts(server, job["id"])
-        times = [datetime.datetime.fromisoformat(e["at"]) for e in server.get(f"/api/attempts/{attempt['id']}/events")]
+        times = [
+            datetime.datetime.fromisoformat(e["at"])
+            for e in server.get(f"/api/attempts/{attempt['id']}/events")["items"]
+        ]
         assert (max(times) - min(times)).total_seconds() > 3.0  # it outlived its lease: heartbeats renewed it
         # The next claims (the arms' train jobs, queued once prepared was committed) hold their leases too.
         wait_for(

@@ -199,6 +199,28 @@ def test_every_final_test_answer_is_readable_through_the_api(finished: tuple[Sys
         assert all(a["output_ids"] and "correct" in a["check"] for a in answers)
 
 
+def test_a_train_ranks_measurements_were_recorded_as_it_ran_and_are_its_published_journal(
+    finished: tuple[System, Faults],
+) -> None:
+    run, _ = finished
+    (attempt,) = run.attempts("train", "clean-single")
+    measured = run.server.get(f"/api/attempts/{attempt['id']}/measurements")["items"]
+    tar = run.server.http.get(f"/api/experiments/{run.experiment['id']}/evidence.tar")
+    with tarfile.open(fileobj=io.BytesIO(tar.content)) as bundle:
+        member = bundle.extractfile("runs/clean-single/rank-0/result.json")
+        assert member is not None
+        published = json.load(member)
+    steps = [m for m in measured if m["kind"] == "step"]
+    samples = [m for m in measured if m["kind"] == "resources"]
+    assert [m["record"] for m in steps] == published["journal"]
+    assert [m["sample"] for m in samples] == published["resource_samples"]
+    # Recorded from the rank's events as it ran: every sample knows the update it was taken in, and each update
+    # has its own time (the rows a result alone carries share the result's time, and a sample's update is unknown).
+    assert all(m["step"] is not None for m in samples) and samples[-1]["step"] == COUNTS["updates"]
+    times = [m["at"] for m in steps]
+    assert times == sorted(times) and len(set(times)) == len(times)
+
+
 def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
     finished: tuple[System, Faults], tmp_path: Path
 ) -> None:
@@ -230,7 +252,7 @@ def test_the_killed_pair_resumed_from_checkpoints_to_the_uninterrupted_digest(
 
 
 def _steps(run: System, attempt: dict[str, Any]) -> list[int]:
-    events = run.server.get(f"/api/attempts/{attempt['id']}/events")
+    events = run.server.get(f"/api/attempts/{attempt['id']}/events")["items"]
     return [e["body"]["step"] for e in events if e["kind"] == "step"]
 
 

@@ -186,12 +186,12 @@ def test_uploads_across_a_cut_public_link_arrive_once_each_and_nothing_is_lost(c
     batches = [json.loads(body) for kind, body, _ in rows if kind == "events"]
     spooled = [e for batch in batches for e in batch["events"]]
     # The coordinator holds each event the agent spooled, once, in order, from every batch.
-    events = [e for e in run.server.get(f"/api/attempts/{last['id']}/events") if e["sequence"] is not None]
+    events = [e for e in run.server.get(f"/api/attempts/{last['id']}/events")["items"] if e["sequence"] is not None]
     assert [(e["kind"], e["body"]) for e in events] == [(e["kind"], e["body"]) for e in spooled]
     sequences = sorted(b["sequence"] for b in batches)
     assert sorted({e["sequence"] for e in events}) == sequences == list(range(len(batches)))
     # The result crossed the cut: the coordinator recorded it only after the link went down.
-    states = [e for e in run.server.get(f"/api/attempts/{last['id']}/events") if e["kind"] == "state"]
+    states = [e for e in run.server.get(f"/api/attempts/{last['id']}/events")["items"] if e["kind"] == "state"]
     (ended,) = [e for e in states if e["body"]["to"] == "succeeded"]
     assert datetime.datetime.fromisoformat(ended["at"]) > cuts.uploads_cut_at
     resumed = run.resumed_from([last]).pop()

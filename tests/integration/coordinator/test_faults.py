@@ -89,7 +89,7 @@ def serve(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Server]]:
 
 def _output(server: Server, job: wire.Assignment) -> list[str]:
     """The attempt's recorded output lines (its state changes are events too)."""
-    events = server.get(f"/api/attempts/{job.attempt_id}/events")
+    events = server.get(f"/api/attempts/{job.attempt_id}/events")["items"]
     return [event["body"]["line"] for event in events if event["kind"] == "output"]
 
 
@@ -241,8 +241,8 @@ def test_values_the_database_cannot_hold_are_refused_with_the_field_named_and_no
     for response, field in cases:
         assert response.status_code == 400, (field, response.status_code, response.text)
         assert field in response.json()["detail"], (field, response.json()["detail"])
-    offset = server.http.get(f"/api/experiments/{experiment}/answers?offset=9223372036854775808")  # public
-    assert offset.status_code == 400 and "offset" in offset.text
+    cursor = server.http.get(f"/api/experiments/{experiment}/answers?after=9223372036854775808")  # public
+    assert cursor.status_code == 400 and "is not a cursor" in cursor.text
     assert server.attempt(job)["state"] == "running"
     assert _output(server, job) == []
     good = events(0, [{"kind": "output", "body": {"line": "a\ufffdb"}, "at": "2026-12-02T10:00:00Z"}])
@@ -385,7 +385,7 @@ def test_small_routes_refuse_large_bodies(serve: Callable[..., Server]) -> None:
 def test_the_openapi_document_lists_statuses_tokens_bodies_and_bounds(serve: Callable[..., Server]) -> None:
     server = serve()
     document = server.get("/schema/openapi.json")
-    assert set(document["components"]["securitySchemes"]) == {"operator", "agent"}
+    assert set(document["components"]["securitySchemes"]) == {"operator", "agent", "reader"}
     for path, operations in document["paths"].items():
         if not path.startswith("/api/"):
             continue
@@ -405,6 +405,11 @@ def test_the_openapi_document_lists_statuses_tokens_bodies_and_bounds(serve: Cal
         if _integer(value) and not ("maximum" in value and "minimum" in value) and name in _REQUEST_SCHEMAS
     ]
     assert unbounded == []
+    # Measurements are typed: a step record or a resource sample, each with its attempt, rank, step and time.
+    for name, carried in (("StepMeasurement", "StepRecord"), ("ResourceMeasurement", "ResourceSample")):
+        fields = schemas[name]["properties"]
+        assert {"attempt_id", "rank", "step", "at"} <= set(fields), (name, fields)
+        assert carried in str(fields), (name, fields)
     switch = f"/api/experiments/{server.experiment()}/autopilot"
     for value in (0, "true", 1.0):
         refused = server.http.post(switch, json={"on": value}, headers=bearer(server.operator))

@@ -40,7 +40,7 @@ def test_event_batch_replay_returns_the_stored_reply_and_stores_once(api: Api) -
     assert first.status_code == 201 and first.json()["accepted"] == 2
     replay = _events(api, a, job, 0, ["step", "step"])
     assert (replay.status_code, replay.content) == (first.status_code, first.content)
-    stored = api.get(f"/api/attempts/{job.attempt_id}/events")
+    stored = api.get(f"/api/attempts/{job.attempt_id}/events")["items"]
     assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step", "step"]
 
 
@@ -139,6 +139,6 @@ def test_simultaneous_first_uploads_of_one_key_store_once_and_answer_alike(
     statuses = sorted(next(iter(group))[0] for group in by_payload)
     assert all(len(group) == 1 for group in by_payload) and statuses == [200, 409], by_payload
     with running(settings) as client:
-        stored = client.get(f"/api/attempts/{job.attempt_id}/events").json()
+        stored = client.get(f"/api/attempts/{job.attempt_id}/events").json()["items"]
         assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step"]
         assert client.get(f"/api/attempts/{job.attempt_id}").json()["state"] == "succeeded"

@@ -1,0 +1,97 @@
+"""Answers and measurements as CSV, for analysts' tools: one row each, the same rows as the JSON listings."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from experiment import wire
+
+ANSWER_COLUMNS = (
+    "experiment_id",
+    "attempt_id",
+    "arm",
+    "role",
+    "task_id",
+    "index",
+    "family",
+    "variant",
+    "input_dependent",
+    "correct",
+    "valid_json_object",
+    "reason",
+    "hit_token_limit",
+    "ended_with_eos",
+    "output_tokens",
+    "seconds",
+    "text",
+)
+# A step record's and a resource sample's fields side by side: a row fills its kind's (the sample's seconds since
+# its sampler started are sample_seconds, apart from the update's own seconds).
+STEP_COLUMNS = tuple(
+    name for name in wire.StepRecord.__struct_fields__ if name not in {"step", "positions", "local_positions"}
+)
+SAMPLE_COLUMNS = tuple(
+    f"sample_{name}" if name == "seconds" else name for name in wire.ResourceSample.__struct_fields__
+)
+MEASUREMENT_COLUMNS = ("attempt_id", "number", "rank", "kind", "step", "index", "at", *STEP_COLUMNS, *SAMPLE_COLUMNS)
+
+
+def _lines(columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> Iterator[str]:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(row)
+        yield buffer.getvalue()
+        buffer.seek(0)
+        buffer.truncate()
+    yield buffer.getvalue()
+
+
+def answers(items: Iterable[wire.RecordedAnswer]) -> Iterator[str]:
+    return _lines(
+        ANSWER_COLUMNS,
+        (
+            {
+                "experiment_id": item.experiment_id,
+                "attempt_id": item.attempt_id,
+                "arm": item.arm,
+                "role": item.role,
+                "task_id": item.answer.id,
+                "index": item.answer.index,
+                "family": item.answer.family,
+                "variant": item.answer.variant,
+                "input_dependent": item.answer.input_dependent,
+                "correct": item.answer.check.correct,
+                "valid_json_object": item.answer.check.valid_json_object,
+                "reason": item.answer.check.reason,
+                "hit_token_limit": item.answer.hit_token_limit,
+                "ended_with_eos": item.answer.ended_with_eos,
+                "output_tokens": len(item.answer.output_ids),
+                "seconds": item.answer.seconds,
+                "text": item.answer.text,
+            }
+            for item in items
+        ),
+    )
+
+
+def _measurement(item: wire.Measurement) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "attempt_id": item.attempt_id,
+        "number": item.number,
+        "rank": item.rank,
+        "step": item.step,
+        "at": item.at.isoformat(),
+    }
+    if isinstance(item, wire.StepMeasurement):
+        return row | {"kind": "step"} | {name: getattr(item.record, name) for name in STEP_COLUMNS}
+    sample = {f"sample_{k}" if k == "seconds" else k: getattr(item.sample, k) for k in item.sample.__struct_fields__}
+    return row | {"kind": "resources", "index": item.index} | sample
+
+
+def measurements(items: Iterable[wire.Measurement]) -> Iterator[str]:
+    return _lines(MEASUREMENT_COLUMNS, (_measurement(item) for item in items))

@@ -1,0 +1,50 @@
+"""Resources: per host, every attempt's resident memory, CPU use and GPU memory over time (server.web.samples),
+redrawn while the experiment runs, since samples arrive as an attempt runs."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import anyio.to_thread
+from litestar import Controller, get
+from litestar.di import NamedDependency
+from litestar.params import FromPath
+from litestar.response import Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server import experiments
+from server.lifecycle import EXPERIMENT_FINAL, ExperimentState
+from server.web import render, samples
+from server.web.access import WebRequest
+
+POLL_SECONDS = 10  # the figures are redrawn for every new sample: less often than the text parts
+
+
+async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
+    experiment = await experiments.load(db_session, experiment_id)
+    found = await samples.sampled(db_session, experiment_id)
+    # Drawing the figures is CPU work that would hold up every other request.
+    drawn = await anyio.to_thread.run_sync(samples.view, found)
+    return {
+        "experiment": experiment,
+        "live": ExperimentState(experiment.state) not in EXPERIMENT_FINAL,
+        "resources": drawn,
+        "every": POLL_SECONDS,
+    }
+
+
+class ResourcePages(Controller):
+    path = "/experiments/{experiment_id:uuid}/resources"
+
+    @get("/")
+    async def resources(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
+        return render.page(request, "resources.html", tab="resources", **await _resources(db_session, experiment_id))
+
+    @get("/live")
+    async def live(
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> Template:
+        return render.fragment(request, "fragments/resources.html", **await _resources(db_session, experiment_id))
