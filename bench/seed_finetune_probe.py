@@ -1,7 +1,8 @@
 """One-off probe: does the tiny local seed copy values from its context, and does a protocol-shaped fine-tune learn?
 
 Builds (or reuses) the FULL seed, evaluates it on the 256 test tasks, fine-tunes copies at a few peak learning
-rates following PROTOCOL.md "Corpus"/"Training" (single process), evaluates each and writes one JSON result.
+rates following docs/protocol.md "The training corpus and the damaged copy" and "Training" (single process),
+evaluates each and writes one JSON result.
 Usage: .venv/bin/python bench/seed_finetune_probe.py --seed-dir /tmp/seed-full --lrs 3e-4,1e-3
 """
 

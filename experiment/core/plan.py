@@ -164,7 +164,7 @@ class NonInferiorityPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     max_p_value: Fraction
 
 
-# The arms of a plan that declares none: the reference design (PROTOCOL.md). Plans name their arms; this
+# The arms of a plan that declares none: the reference design (docs/protocol.md). Plans name their arms; this
 # keeps the identity of a plan frozen before arms were part of the plan file unchanged.
 REFERENCE_ARMS: tuple[ArmPlan, ...] = (
     ArmPlan("seed", "baseline"),

@@ -1,7 +1,7 @@
 """The four task families: deterministic generator, oracle, damage rule and strict checker.
 
 Every answer is one strict JSON object computed from the records shown in the prompt
-(PROTOCOL.md "Tasks" and "Strict checker").
+(docs/protocol.md "The tasks" and "The strict checker").
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def expected_answer(case: Case) -> dict[str, Any]:
 
 
 def damaged_answer(case: Case) -> dict[str, Any]:
-    """The deliberately wrong target of the damaged arm (PROTOCOL.md "Corpus")."""
+    """The deliberately wrong target of the damaged arm (docs/protocol.md, "The training corpus and the damaged
+    copy")."""
     answer = expected_answer(case)
     if case.family == "lookup":
         units = answer["units"]

@@ -4,9 +4,10 @@ The memory rule: float32 weights, gradients and AdamW's two moments take 16 byte
 document of an update runs its forward and backward on top of the gradients the first left (4 bytes a parameter
 more, and the plan's headroom the rest: 7.4 GB for the 1.7B seed under bfloat16 autocast, nearly independent of
 the document's length, measured on an H200 by bench/gpu_check.py in bench/results/gpu-check-h200.json).
-PROTOCOL.md's rule counts the 16 bytes only, which the measured peak exceeds. A rank of a DDP group also holds DDP's
-gradient buckets, one more float32 copy of the gradients (4 bytes a parameter). A checkpoint holds the float32
-weights and both moments, 12 bytes a parameter, and a run keeps every checkpoint of the plan's ``checkpoint_steps``.
+The design note's rule counted the 16 bytes only, which the measured peak exceeds (docs/protocol.md). A rank of a
+DDP group also holds DDP's gradient buckets, one more float32 copy of the gradients (4 bytes a parameter). A
+checkpoint holds the float32 weights and both moments, 12 bytes a parameter, and a run keeps every checkpoint of
+the plan's ``checkpoint_steps``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The four task families, the generator, the damage rule and the strict checker (PROTOCOL.md "Tasks",
-"Strict checker" and the damage rule of "Corpus").
+"""The four task families, the generator, the damage rule and the strict checker (docs/protocol.md "The tasks",
+"The strict checker" and the damage rule of "The training corpus and the damaged copy").
 
 Hand-computed fixtures pin each family; the generator facts are checked over the whole frozen task set
 (train 768, dev 64, test 256 with task seed 2026091301); property tests compare ``experiment.core.tasks``
