@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import msgspec
@@ -55,10 +56,18 @@ def written_bytes() -> int:
 
 
 class Sampler:
-    """Samples this whole process every ``interval`` seconds on a daemon thread while in use."""
+    """Samples this whole process every ``interval`` seconds on a daemon thread while in use; on a GPU, with
+    ``gpu_allocated`` (what torch holds there now) and the rank's ``preflight_bytes``."""
 
-    def __init__(self, interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        interval: float = 1.0,
+        gpu_allocated: Callable[[], int] | None = None,
+        preflight_bytes: int | None = None,
+    ) -> None:
         self._interval = interval
+        self._gpu_allocated = gpu_allocated
+        self._preflight_bytes = preflight_bytes
         self._process = psutil.Process()
         self._start = time.monotonic()
         self._stop = threading.Event()
@@ -74,6 +83,8 @@ class Sampler:
                 cpu_user_seconds=cpu.user,
                 cpu_system_seconds=cpu.system,
                 threads=self._process.num_threads(),
+                gpu_allocated_bytes=None if self._gpu_allocated is None else self._gpu_allocated(),
+                preflight_bytes=self._preflight_bytes,
             )
 
     def _run(self) -> None:

@@ -357,6 +357,17 @@ def _check_journal(journal: list[StepRecord], batches: list[list[int]], source: 
             raise CoopError(f"{source}: journal entry {number} is not the schedule's update {number}")
 
 
+def _sampler(run: _Run) -> Sampler:
+    """The rank's resource sampler: on a GPU it also reads the memory torch holds there, beside the preflight's."""
+    if run.device.type != "cuda":
+        return Sampler()
+    device = run.device
+    return Sampler(
+        gpu_allocated=lambda: torch.cuda.memory_allocated(device),
+        preflight_bytes=preflight.memory_needed(run.plan, run.world.size),
+    )
+
+
 def _peak_memory(device: torch.device, sampler: Sampler) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
@@ -716,7 +727,7 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
             }
         )
         network_start = network_counters()
-        with Sampler() as sampler:
+        with _sampler(run) as sampler:
             loop_start = _clock(run.device)
             samples = _LiveSamples(run, sampler, emit)
             if not _updates(run, progress, trainer, record, samples, emit, stop_after):

@@ -4,19 +4,14 @@ arrive while an attempt runs."""
 
 from __future__ import annotations
 
-import datetime
 import re
-import uuid
 from typing import Any
 
 from playwright.sync_api import Locator, Page, expect
-from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import models
 from server.web.render import size
 from tests.browser.conftest import screenshot
-from tests.browser.support import host_agent, off_thread
-from tests.support.database import with_session
+from tests.browser.support import host_agent
 from tests.support.processes import CoordinatorProcess
 from tests.support.scenarios import create_experiment, operate, sha, train_result
 
@@ -39,24 +34,9 @@ def samples(count: int, base_mib: int, gpu: bool = False) -> list[dict[str, Any]
             "threads": 4,
         }
         if gpu:
-            sample |= {"gpu_allocated_bytes": (20 + n % 5 + n / 10) * GIB, "preflight_bytes": 38 * GIB}
+            sample |= {"gpu_allocated_bytes": int((20 + n % 5 + n / 10) * GIB), "preflight_bytes": 38 * GIB}
         found.append(sample)
     return found
-
-
-def record_live(coordinator: CoordinatorProcess, attempt_id: uuid.UUID, taken: list[dict[str, Any]]) -> None:
-    """A running GPU rank's samples as the coordinator keeps them: ``resources`` rows. They are written here rather
-    than sent as events, since the fields a GPU rank adds are not among wire.ResourceSample's."""
-
-    async def add(session: AsyncSession) -> None:
-        now = datetime.datetime.now(datetime.UTC)
-        session.add_all(
-            models.Measurement(attempt_id=attempt_id, kind="resources", position=n, at=now, body=body)
-            for n, body in enumerate(taken)
-        )
-        await session.commit()
-
-    off_thread(with_session, coordinator.database_url, add)
 
 
 def drawn(figure: Locator) -> list[int]:
@@ -98,8 +78,11 @@ def test_each_hosts_memory_cpu_and_gpu_are_drawn_from_every_sample_with_the_pref
         assert drawn(page.get_by_test_id(f"cpu-{name}")) == [len(recorded) - 1]  # between two samples each
         expect(page.get_by_test_id(f"gpu-{name}")).to_have_count(0)
 
+    # Rank 0 is a GPU rank: its samples carry the memory torch holds there and the preflight's figure, and arrive as
+    # the events `coop train` prints while it trains.
     live = samples(12, 4000, gpu=True)
-    record_live(coordinator, uuid.UUID(str(rank0.attempt_id)), live)
+    where = {"event": "resources", "arm": "clean-pair", "rank": 0, "step": 1}
+    a.printed(rank0, 0, *(where | {"index": n} | s for n, s in enumerate(live)))
     gpu = page.get_by_test_id("gpu-host-a")
     expect(gpu.locator("svg")).to_be_visible(timeout=30_000)  # the next redraw, without reloading
     assert page.evaluate("window.notReloaded") is True
