@@ -6,9 +6,10 @@ import json
 import sys
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -25,6 +26,8 @@ class Events:
 
     def __enter__(self) -> Events:
         if self._stream.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
             self._progress = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
             )

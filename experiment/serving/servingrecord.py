@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
-import numpy
 
 Phase = Literal["single", "pair", "failure"]
 PHASES: tuple[Phase, ...] = ("single", "pair", "failure")
@@ -93,6 +92,8 @@ class PhaseResult(msgspec.Struct, frozen=True):
 
 
 def _percentile(values: list[float], q: float) -> float | None:
+    import numpy  # here: `coop --help` reads this module's phases, and needs no numpy
+
     return round(float(numpy.percentile(values, q)), 3) if values else None
 
 

@@ -1,5 +1,5 @@
 """`coop --help`, `coop-server --help` and `coop-agent --help` answer without loading the heavy parts (torch,
-transformers, the database layer, scipy): each command imports its own when it runs."""
+transformers, the database layer, scipy, numpy): each command imports its own when it runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers", "sqlalchemy", "scipy", "litestar")
+HEAVY = ("torch", "transformers", "sqlalchemy", "scipy", "litestar", "numpy")
 PROGRAM = """
 import sys
 from {module} import {parser}
