@@ -29,12 +29,18 @@ ANSWER_COLUMNS = (
     "text",
 )
 # A step record's and a resource sample's fields side by side: a row fills its kind's (the sample's seconds since
-# its sampler started are sample_seconds, apart from the update's own seconds).
+# its sampler started are sample_seconds, apart from the update's own seconds; a GPU rank's memory is flattened).
 STEP_COLUMNS = tuple(
     name for name in wire.StepRecord.__struct_fields__ if name not in {"step", "positions", "local_positions"}
 )
-SAMPLE_COLUMNS = tuple(
-    f"sample_{name}" if name == "seconds" else name for name in wire.ResourceSample.__struct_fields__
+SAMPLE_COLUMNS = (
+    "sample_seconds",
+    "rss_bytes",
+    "cpu_user_seconds",
+    "cpu_system_seconds",
+    "threads",
+    "gpu_allocated_bytes",
+    "preflight_bytes",
 )
 MEASUREMENT_COLUMNS = ("attempt_id", "number", "rank", "kind", "step", "index", "at", *STEP_COLUMNS, *SAMPLE_COLUMNS)
 
@@ -89,7 +95,16 @@ def _measurement(item: wire.Measurement) -> dict[str, Any]:
     }
     if isinstance(item, wire.StepMeasurement):
         return row | {"kind": "step"} | {name: getattr(item.record, name) for name in STEP_COLUMNS}
-    sample = {f"sample_{k}" if k == "seconds" else k: getattr(item.sample, k) for k in item.sample.__struct_fields__}
+    taken, gpu = item.sample, item.sample.gpu
+    sample = {
+        "sample_seconds": taken.seconds,
+        "rss_bytes": taken.rss_bytes,
+        "cpu_user_seconds": taken.cpu_user_seconds,
+        "cpu_system_seconds": taken.cpu_system_seconds,
+        "threads": taken.threads,
+        "gpu_allocated_bytes": None if gpu is None else gpu.allocated_bytes,
+        "preflight_bytes": None if gpu is None else gpu.preflight_bytes,
+    }
     return row | {"kind": "resources", "index": item.index} | sample
 
 

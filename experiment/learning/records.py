@@ -35,17 +35,24 @@ class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     written_bytes: Bytes = 0
 
 
+class GpuMemory(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A GPU rank's memory at a sample: what torch has allocated on its device, and what the preflight asked of the
+    rank before its first update (experiment.learning.preflight.memory_needed)."""
+
+    allocated_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    preflight_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
 class ResourceSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """One whole-process resource sample, ``seconds`` after the sampler started. On a GPU it also holds the memory
-    torch has allocated there and the memory the preflight asked of the rank; on a CPU neither field is written."""
+    """One whole-process resource sample, ``seconds`` after the sampler started; on a GPU, with the rank's GPU
+    memory (a CPU sample writes no ``gpu`` field)."""
 
     seconds: float
     rss_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
     cpu_user_seconds: float
     cpu_system_seconds: float
     threads: Count
-    gpu_allocated_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
-    preflight_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    gpu: GpuMemory | None = None
 
 
 class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

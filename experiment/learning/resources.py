@@ -11,7 +11,7 @@ import msgspec
 import psutil
 
 from experiment.core.errors import CoopError
-from experiment.learning.records import ResourceSample
+from experiment.learning.records import GpuMemory, ResourceSample
 
 
 class NetworkCounters(msgspec.Struct, frozen=True):
@@ -83,9 +83,13 @@ class Sampler:
                 cpu_user_seconds=cpu.user,
                 cpu_system_seconds=cpu.system,
                 threads=self._process.num_threads(),
-                gpu_allocated_bytes=None if self._gpu_allocated is None else self._gpu_allocated(),
-                preflight_bytes=self._preflight_bytes,
+                gpu=self._gpu(),
             )
+
+    def _gpu(self) -> GpuMemory | None:
+        if self._gpu_allocated is None or self._preflight_bytes is None:
+            return None
+        return GpuMemory(allocated_bytes=self._gpu_allocated(), preflight_bytes=self._preflight_bytes)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

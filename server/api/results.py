@@ -7,7 +7,7 @@ import uuid
 from typing import Annotated
 
 from litestar import Controller, get
-from litestar.di import NamedDependency
+from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -22,6 +22,20 @@ MeasurementLimit = Annotated[int, QueryParameter(ge=1, le=measurements.MAX_PAGE)
 AnswerLimit = Annotated[int, QueryParameter(ge=1, le=results.MAX_PAGE)]
 Variant = Annotated[int | None, QueryParameter(ge=0, le=wire.INT32_MAX)]
 CSV = "text/csv; charset=utf-8"
+
+
+def answer_filter(
+    role: FromQuery[wire.Role | None] = None,
+    arm: FromQuery[wire.ArmName | None] = None,
+    family: FromQuery[wire.Family | None] = None,
+    variant: Variant = None,
+    correct: FromQuery[bool | None] = None,
+) -> results.AnswerFilter:
+    """The answer listings' filters, the same for the JSON pages and the CSV."""
+    return results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
+
+
+FILTERS = {"where": Provide(answer_filter, sync_to_thread=False)}
 
 
 def _csv(lines: object, name: str) -> Stream:
@@ -73,38 +87,34 @@ class ResultController(Controller):
             raise NotFound(f"attempt {attempt_id} does not exist")
         return await measurements.page(db_session, attempt_id=attempt_id, kind=kind, after=after, limit=limit)
 
-    @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers", **spec.read())
+    @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers", dependencies=FILTERS, **spec.read())
     async def answers(
         self,
         experiment_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
-        role: FromQuery[wire.Role | None] = None,
-        arm: FromQuery[wire.ArmName | None] = None,
-        family: FromQuery[wire.Family | None] = None,
-        variant: Variant = None,
-        correct: FromQuery[bool | None] = None,
+        where: NamedDependency[results.AnswerFilter],
         after: Cursor = None,
         limit: AnswerLimit = 100,
     ) -> wire.AnswerPage:
         """Every recorded answer (the protocol publishes all final-test answers), in arm, role and task order."""
         await experiments.load(db_session, experiment_id)
-        where = results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
         return await results.answers(db_session, experiment_id, where, limit, after=after)
 
-    @get("/experiments/{experiment_id:uuid}/answers.csv", operation_id="answersCsv", media_type=CSV, **spec.read())
+    @get(
+        "/experiments/{experiment_id:uuid}/answers.csv",
+        operation_id="answersCsv",
+        media_type=CSV,
+        dependencies=FILTERS,
+        **spec.read(),
+    )
     async def answers_csv(
         self,
         experiment_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
-        role: FromQuery[wire.Role | None] = None,
-        arm: FromQuery[wire.ArmName | None] = None,
-        family: FromQuery[wire.Family | None] = None,
-        variant: Variant = None,
-        correct: FromQuery[bool | None] = None,
+        where: NamedDependency[results.AnswerFilter],
     ) -> Stream:
         """Every answer the filters match, as CSV (the answer's text and check; its token ids only in the JSON)."""
         await experiments.load(db_session, experiment_id)
-        where = results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
         every = await results.every_answer(db_session, experiment_id, where)
         return _csv(tables.answers(every), f"answers-{experiment_id}")
 

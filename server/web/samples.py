@@ -5,9 +5,8 @@ samples carry it, GPU memory, with the preflight's memory figure as a line where
 Time: a sample stands at its attempt's claim plus the seconds its sampler had counted (the sampler starts with the
 command, a little after the claim), on one axis for every host, from the first sampled attempt's claim.
 
-A sample's fields beyond the Sampler's: any numeric ``gpu_..._bytes`` field is a GPU memory series (None where it
-was not measured), and a numeric ``preflight_bytes`` is the memory the preflight asked of that rank
-(experiment.learning.preflight.memory_needed), the name bench/gpu_check.py records it under."""
+A GPU rank's sample also carries ``gpu`` (experiment.learning.records.GpuMemory): the memory torch has allocated
+on its device, and the memory the preflight asked of the rank (experiment.learning.preflight.memory_needed)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from server.web import charts, jobrows
 from server.web.queries import COORDINATOR
 
 KIND = "resources"
-PREFLIGHT = "preflight_bytes"
+GPU_ALLOCATED = "gpu_allocated_bytes"  # the series' name
 MAX_POINTS = 1000  # per line: a six-hour run samples every second, more than a figure can show
 GIB = 2**30
 MIB = 2**20
@@ -37,10 +36,6 @@ Point = tuple[float, float]
 def _number(body: Mapping[str, Any], key: str) -> float | None:
     value = body.get(key)
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _gpu_field(key: str) -> bool:
-    return key.startswith("gpu_") and key.endswith("_bytes")
 
 
 @dataclass(frozen=True)
@@ -58,8 +53,12 @@ def sample(body: Mapping[str, Any]) -> Sample | None:
     user, system = _number(body, "cpu_user_seconds"), _number(body, "cpu_system_seconds")
     if seconds is None or rss is None or user is None or system is None:
         return None
-    gpu = {key: value for key in body if _gpu_field(key) and (value := _number(body, key)) is not None}
-    return Sample(seconds, rss, user + system, gpu, _number(body, PREFLIGHT))
+    memory = body.get("gpu")
+    if not isinstance(memory, Mapping):
+        return Sample(seconds, rss, user + system, {}, None)
+    allocated = _number(memory, "allocated_bytes")
+    gpu = {} if allocated is None else {GPU_ALLOCATED: allocated}
+    return Sample(seconds, rss, user + system, gpu, _number(memory, "preflight_bytes"))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def samples(count: int, base_mib: int, gpu: bool = False) -> list[dict[str, Any]
             "threads": 4,
         }
         if gpu:
-            sample |= {"gpu_allocated_bytes": int((20 + n % 5 + n / 10) * GIB), "preflight_bytes": 38 * GIB}
+            sample["gpu"] = {"allocated_bytes": int((20 + n % 5 + n / 10) * GIB), "preflight_bytes": 38 * GIB}
         found.append(sample)
     return found
 
@@ -93,7 +93,7 @@ def test_each_hosts_memory_cpu_and_gpu_are_drawn_from_every_sample_with_the_pref
     rows = page.get_by_test_id("attempts-host-a").locator("tbody tr")
     expect(rows).to_have_count(2)
     pair = rows.filter(has_text="train clean-pair, rank 0")
-    expect(pair.get_by_test_id("peak-gpu")).to_have_text(size(max(s["gpu_allocated_bytes"] for s in live)))
+    expect(pair.get_by_test_id("peak-gpu")).to_have_text(size(max(s["gpu"]["allocated_bytes"] for s in live)))
     expect(pair.get_by_test_id("preflight")).to_have_text(size(38 * GIB))
     expect(page.get_by_test_id("gpu-host-b")).to_have_count(0)
 

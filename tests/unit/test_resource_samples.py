@@ -25,7 +25,10 @@ def test_a_gpu_sample_reads_the_allocated_memory_each_time_beside_the_preflight_
     readings = itertools.count(1000, 10)
     with Sampler(interval=0.01, gpu_allocated=lambda: next(readings), preflight_bytes=4096) as sampler:
         pass
-    allocated = [sample.gpu_allocated_bytes for sample in sampler.samples]
+    memory = [sample.gpu for sample in sampler.samples]
+    assert all(gpu is not None for gpu in memory)
+    allocated = [gpu.allocated_bytes for gpu in memory if gpu is not None]
     assert allocated == list(range(1000, 1000 + 10 * len(allocated), 10))
-    assert {sample.preflight_bytes for sample in sampler.samples} == {4096}
-    assert set(msgspec.to_builtins(sampler.samples[0])) == CPU_FIELDS | {"gpu_allocated_bytes", "preflight_bytes"}
+    assert {gpu.preflight_bytes for gpu in memory if gpu is not None} == {4096}
+    written = msgspec.to_builtins(sampler.samples[0])
+    assert set(written) == CPU_FIELDS | {"gpu"} and written["gpu"] == {"allocated_bytes": 1000, "preflight_bytes": 4096}
