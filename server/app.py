@@ -29,7 +29,15 @@ from server.api.experiments import ExperimentController
 from server.api.jobs import JobController
 from server.api.metrics import scrape
 from server.api.results import ResultController
-from server.errors import BadRequest, Forbidden, IdempotencyConflict, NotFound, TooLarge, Unauthenticated
+from server.errors import (
+    BadRequest,
+    Forbidden,
+    IdempotencyConflict,
+    InsufficientStorage,
+    NotFound,
+    TooLarge,
+    Unauthenticated,
+)
 from server.lifecycle import JobState, Refused
 from server.metrics import Metrics
 from server.settings import Settings, from_env
@@ -46,6 +54,7 @@ _STATUS: dict[type[CoopError], int] = {
     IdempotencyConflict: 409,
     Refused: 409,
     TooLarge: 413,
+    InsufficientStorage: 507,
     CoopError: 400,
 }
 
@@ -58,6 +67,7 @@ _REASONS = {
     404: "not-found",
     409: "conflict",
     413: "too-large",
+    507: "insufficient-storage",
 }
 
 
@@ -81,8 +91,8 @@ def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire
 
 def _count_refused_uploads(metrics: Metrics) -> Callable[[Exception, Scope], Awaitable[None]]:
     """A hook on every exception a request raised: an upload (a route marked ``spec.UPLOAD``) answered with a
-    4xx is counted, under its protocol rule or its status's name. Litestar's own refusals (a body over the route's
-    limit, a malformed path) are counted with ours."""
+    4xx, or with 507 when the blob store's disk is full, is counted, under its protocol rule or its status's name.
+    Litestar's own refusals (a body over the route's limit, a malformed path) are counted with ours."""
 
     async def count(exc: Exception, scope: Scope) -> None:
         handler = scope.get("route_handler")

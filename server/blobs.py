@@ -1,11 +1,14 @@
 """Content-addressed blobs: the body streams to a temporary file while it is hashed, and only a body whose
 sha256 is the one named becomes ``COOP_HOME/blobs/ab/abcdef...``: one file per blob, written once, never
-overwritten (a second upload of the same content finds it there)."""
+overwritten (a second upload of the same content finds it there). A disk that fills up during the upload ends it
+with InsufficientStorage (507) and leaves nothing behind: the temporary file goes, and no row is written."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,10 +20,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import models
-from server.errors import BadRequest, NotFound, TooLarge
+from server.errors import BadRequest, InsufficientStorage, NotFound, TooLarge
 from server.settings import Settings
 
 INCOMING = ".incoming"
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def path_of(settings: Settings, sha256: str) -> Path:
@@ -44,13 +48,22 @@ def _install(temp: Path, final: Path) -> None:
         temp.unlink(missing_ok=True)
 
 
+def free_bytes(settings: Settings) -> int:
+    """The space left on the blob store's disk (its folder, or the nearest one above it that exists)."""
+    folder = settings.blob_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
 async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]) -> int:
-    incoming = settings.blob_dir / INCOMING
-    incoming.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f"{sha256[:12]}.", dir=incoming)
-    temp = Path(name)
     digest, size = hashlib.sha256(), 0
+    temp: Path | None = None
     try:
+        incoming = settings.blob_dir / INCOMING
+        incoming.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f"{sha256[:12]}.", dir=incoming)
+        temp = Path(name)
         with os.fdopen(fd, "wb") as handle:
             async for chunk in chunks:
                 size += len(chunk)
@@ -63,8 +76,16 @@ async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]
         if digest.hexdigest() != sha256:
             raise BadRequest(f"the body's sha256 is {digest.hexdigest()}, not {sha256}; a blob is named by its content")
         await anyio.to_thread.run_sync(_install, temp, path_of(settings, sha256))
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        raise InsufficientStorage(
+            f"the blob store {settings.blob_dir} is full: blob {sha256} was not kept ({size} bytes received, "
+            f"{free_bytes(settings)} bytes free); send it again once space is freed"
+        ) from exc
     finally:
-        temp.unlink(missing_ok=True)
+        if temp is not None:
+            temp.unlink(missing_ok=True)
     return size
 
 

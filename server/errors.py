@@ -27,3 +27,8 @@ class IdempotencyConflict(CoopError):
 
 class TooLarge(CoopError):
     """A body over its size limit (413)."""
+
+
+class InsufficientStorage(CoopError):
+    """The blob store's disk is full (507): nothing of the upload was kept, and the same upload succeeds once space
+    is freed (an agent keeps it in its spool and retries, as it does a 5xx)."""

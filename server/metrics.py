@@ -1,5 +1,6 @@
 """The coordinator's Prometheus metrics: counted where things happen (claims answered, leases expired, uploads
-refused) and read from the database at scrape time (jobs by state, agents' last contact), in one registry that
+refused) and read at scrape time (jobs by state and agents' last contact from the database, the blob store's free
+space from its disk), in one registry that
 each app owns, so that two apps in one process never share a series."""
 
 from __future__ import annotations
@@ -51,11 +52,17 @@ class Metrics:
             ["agent"],
             registry=self.registry,
         )
+        self.blob_store_free = Gauge(
+            "coop_blob_store_free_bytes",
+            "Bytes free on the blob store's disk; an upload that does not fit is answered 507 and kept by its agent",
+            registry=self.registry,
+        )
 
     def exposition(
         self,
         jobs: Mapping[tuple[str, str], int],
         agents: Iterable[tuple[str, datetime.datetime]],
+        blob_store_free: int,
         accept: str,
     ) -> tuple[bytes, str]:
         """The registry in the format ``accept`` asks for (Prometheus' text format by default), and its content type.
@@ -70,6 +77,7 @@ class Metrics:
         self.agent_last_contact.clear()
         for name, seen in agents:
             self.agent_last_contact.labels(name).set(seen.timestamp())
+        self.blob_store_free.set(blob_store_free)
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type
 

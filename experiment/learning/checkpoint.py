@@ -1,10 +1,13 @@
 """Checkpoints on every rank: safetensors weights, optimizer and RNG state, a receipt, and a pointer.
 
 Each checkpoint and each pointer is a new file (``pointers/step-000064.json``); the latest pointer is
-the highest step. Verification refuses any mismatch and names it."""
+the highest step. Verification refuses any mismatch and names it. A disk without room for a checkpoint ends the run
+with a message naming the folder and the bytes needed; nothing of that checkpoint stays, so the run resumes from
+its last whole one once space is freed."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -34,6 +37,9 @@ WEIGHTS = "model.safetensors"
 # What the checkpoint writes itself; the seed's other files (tokenizer, chat template) are copied beside them so
 # that a checkpoint's model/ is a complete model folder. Weights in any other file (shards, their index) stay out.
 MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS)
+# Room a checkpoint takes beyond its tensors and the seed's files: the configs, the receipt, the pointer, and the
+# framing of torch.save's archives (a few KiB each); file system blocks round every file up as well.
+SLACK_BYTES = 1 << 20
 
 
 class Receipt(msgspec.Struct, frozen=True):
@@ -52,6 +58,71 @@ class Pointer(msgspec.Struct, frozen=True):
 
 def _name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def _tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in a (nested) state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_tensor_bytes(value) for value in state)
+    return 0
+
+
+def _seed_files(seed_dir: Path) -> list[Path]:
+    """The seed's files a checkpoint's model folder copies (its tokenizer, chat template): all but the weights and
+    the files the checkpoint writes itself."""
+    return [
+        source
+        for source in sorted(seed_dir.iterdir())
+        if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name
+    ]
+
+
+def space_needed(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    seed_dir: Path,
+    layout: seedmodel.TensorLayout,
+    extra: dict[str, Any],
+) -> int:
+    """About the bytes a checkpoint of this run writes: its weights in the seed's layout, the optimizer's state,
+    the run's extra state, the seed's copied files and ``SLACK_BYTES``."""
+    state = model.state_dict()
+    weights = sum(_tensor_bytes(state[name]) for name in layout if name in state)
+    copied = sum(source.stat().st_size for source in _seed_files(seed_dir))
+    return weights + _tensor_bytes(optimizer.state_dict()) + _tensor_bytes(extra) + copied + SLACK_BYTES
+
+
+def _free_bytes(folder: Path) -> int:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def no_space(run_dir: Path, step: int, needed: int) -> str | None:
+    """Why the checkpoint of ``step`` cannot be written under ``run_dir`` (``needed`` bytes), or None if it fits."""
+    folder = run_dir / "checkpoints"
+    free = _free_bytes(folder)
+    return None if free >= needed else _no_space(folder, step, needed, free)
+
+
+def _no_space(folder: Path, step: int, needed: int, free: int) -> str:
+    return (
+        f"no space for the checkpoint of step {step} in {folder}: it needs about {needed} bytes and {free} are "
+        "free; this run ends unfinished and resumes from its last checkpoint once space is freed"
+    )
+
+
+def _full(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is a full disk's."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _files_under(folder: Path) -> dict[str, str]:
@@ -98,18 +169,51 @@ def save(
 ) -> Pointer:
     """Write the checkpoint into a temporary folder, rename it into place, then write its pointer. The weights
     take the seed's tensor ``layout``; its other files come from ``seed_dir``. Each file is hashed once, into the
-    receipt, and reaches the disk (fsync) before the rename: nothing needs to read it back."""
+    receipt, and reaches the disk (fsync) before the rename: nothing needs to read it back. A write that fails
+    for want of space removes the temporary folder and says how much the checkpoint needs."""
     final = run_dir / "checkpoints" / _name(step)
     if final.exists():
         raise CoopError(f"checkpoint {final} already exists; refusing to overwrite it")
     staging = run_dir / "checkpoints" / f".{_name(step)}.partial"
     if staging.exists():
         shutil.rmtree(staging)  # an unfinished write of a previous, interrupted attempt
+    try:
+        receipt = _write(staging, model, optimizer, binding, parameter_digest, journal, step, seed_dir, layout, extra)
+    except Exception as exc:
+        free = _free_bytes(staging.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        needed = space_needed(model, optimizer, seed_dir, layout, extra or {})
+        if _full(exc) or free < needed:  # torch.save's writer reports a full disk without its errno
+            raise CoopError(_no_space(staging.parent, step, needed, free)) from exc
+        raise
+    staging.rename(final)
+    pointer = Pointer(step=step, checkpoint=final.name, receipt_sha256=sha256_bytes(receipt))
+    try:
+        point(run_dir, pointer)
+    except OSError as exc:  # the folder stays, unpointed: a later run retrains to it and confirms it (``held``)
+        if not _full(exc):
+            raise
+        raise CoopError(_no_space(run_dir / "pointers", step, SLACK_BYTES, _free_bytes(run_dir))) from exc
+    return pointer
+
+
+def _write(
+    staging: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    binding: str,
+    parameter_digest: str,
+    journal: list[StepRecord],
+    step: int,
+    seed_dir: Path,
+    layout: seedmodel.TensorLayout,
+    extra: dict[str, Any] | None,
+) -> bytes:
+    """The checkpoint's files in ``staging``, each on the disk; returns its receipt's bytes."""
     (staging / MODEL_DIR).mkdir(parents=True)
     _save_model(model, staging / MODEL_DIR, layout)
-    for source in sorted(seed_dir.iterdir()):
-        if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name:
-            shutil.copyfile(source, staging / MODEL_DIR / source.name)
+    for source in _seed_files(seed_dir):
+        shutil.copyfile(source, staging / MODEL_DIR / source.name)
     torch.save(optimizer.state_dict(), staging / OPTIMIZER)
     rng: dict[str, torch.Tensor] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -126,10 +230,7 @@ def save(
         if path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-    staging.rename(final)
-    pointer = Pointer(step=step, checkpoint=final.name, receipt_sha256=sha256_bytes(receipt_bytes))
-    point(run_dir, pointer)
-    return pointer
+    return receipt_bytes
 
 
 def pointers(run_dir: Path) -> list[Pointer]:

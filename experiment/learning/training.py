@@ -521,6 +521,17 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
     digest = distributed.parameter_digest(progress.model)
     # Each step comes once: a pointer written here is never looked up in ``held``.
     kept = checkpoint.kept(run.directory, progress.held, step, run.binding, digest, progress.tensor_layout)
+    extra = {} if trainer.outer is None else {OUTER: trainer.outer.state_dict()}
+    if kept is None:
+        layout = progress.tensor_layout
+        needed = checkpoint.space_needed(progress.model, trainer.optimizer, run.model_dir, layout, extra)
+        problem = checkpoint.no_space(run.directory, step, needed)
+    else:
+        problem = None
+    # Every rank stops together when one has no room: a rank that went on alone would wait for its peers' next
+    # collective until the gang's timeout.
+    if distributed.any_rank(run.world, problem is not None, run.device):
+        raise CoopError(problem or f"a peer rank has no space for the checkpoint of step {step}; no rank writes it")
     if kept is None:
         pointer = checkpoint.save(
             run.directory,
@@ -532,7 +543,7 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
             progress.journal,
             run.model_dir,
             progress.tensor_layout,
-            extra={} if trainer.outer is None else {OUTER: trainer.outer.state_dict()},
+            extra=extra,
         )
         written = "checkpoint"
     else:

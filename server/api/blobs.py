@@ -57,6 +57,7 @@ class _BlobUpload(Operation):
 _UPLOAD = spec.write(("agent", "operator"), streams=True, upload="blob")
 _UPLOAD["responses"] |= {
     201: ResponseSpec(data_container=wire.Blob, description="Stored now", generate_examples=False),
+    **spec.responses(507),
 }
 
 

@@ -12,8 +12,10 @@ from litestar import Request, Response, get
 from litestar.di import NamedDependency
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server import blobs
 from server.api import spec
 from server.metrics import Metrics, jobs_by_state, last_contacts
+from server.settings import Settings
 
 
 @get(
@@ -28,8 +30,9 @@ async def scrape(
     request: Request[Any, Any, Any],
     db_session: NamedDependency[AsyncSession],
     metrics: NamedDependency[Metrics],
+    settings: NamedDependency[Settings],
 ) -> Response[bytes]:
     jobs = await jobs_by_state(db_session)
     agents = await last_contacts(db_session)
-    body, content_type = metrics.exposition(jobs, agents, request.headers.get("accept", ""))
+    body, content_type = metrics.exposition(jobs, agents, blobs.free_bytes(settings), request.headers.get("accept", ""))
     return Response(body, media_type=content_type)

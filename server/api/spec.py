@@ -28,6 +28,7 @@ _PROBLEMS = {
     404: "No such experiment, job, attempt or blob",
     409: "Refused by the protocol: the rule names the step or state that forbids it",
     413: "The body is larger than this route's limit",
+    507: "The blob store's disk is full: nothing was kept; send the same upload again once space is freed",
 }
 
 SECURITY_SCHEMES = Components(
@@ -40,7 +41,8 @@ SECURITY_SCHEMES = Components(
 )
 
 
-def _responses(*codes: int) -> dict[int, ResponseSpec]:
+def responses(*codes: int) -> dict[int, ResponseSpec]:
+    """The documented problem answers of ``codes``."""
     return {
         code: ResponseSpec(data_container=wire.Problem, description=_PROBLEMS[code], generate_examples=False)
         for code in sorted(codes)
@@ -50,7 +52,7 @@ def _responses(*codes: int) -> dict[int, ResponseSpec]:
 def read(*, found: bool = True) -> dict[str, Any]:
     """A public read (a token of any role when reads are not public); ``found``: it names a row (404)."""
     return {
-        "responses": _responses(400, 401, *((404,) if found else ())),
+        "responses": responses(400, 401, *((404,) if found else ())),
         "security": [{}, *({role: []} for role in ROLES)],
     }
 
@@ -58,7 +60,7 @@ def read(*, found: bool = True) -> dict[str, Any]:
 def private_read(*roles: str) -> dict[str, Any]:
     """A read that needs a token of one of ``roles`` whatever COOP_PUBLIC_READ says (the coordinator's own
     metrics)."""
-    return {"opt": {"role": roles}, "responses": _responses(401, 403), "security": [{role: []} for role in roles]}
+    return {"opt": {"role": roles}, "responses": responses(401, 403), "security": [{role: []} for role in roles]}
 
 
 def write(
@@ -76,7 +78,7 @@ def write(
     limit = {"request_max_body_size": None} if streams else {} if body is None else {"request_max_body_size": body}
     return {
         "opt": {"role": role, **({UPLOAD: upload} if upload else {})},
-        "responses": _responses(400, 401, 403, 409, 413, *((404,) if found else ())),
+        "responses": responses(400, 401, 403, 409, 413, *((404,) if found else ())),
         "security": [{name: []} for name in roles],
         **limit,
     }
