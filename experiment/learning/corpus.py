@@ -14,6 +14,7 @@ from experiment.core import tasks
 from experiment.core.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
 from experiment.core.errors import CoopError
 from experiment.core.layout import MANIFEST, PLAN, PREPARED
+from experiment.core.members import member
 from experiment.core.plan import Plan, SourceFile, plan_identity, staged_seed
 from experiment.core.progress import Emit
 from experiment.learning.records import FileRecord, Manifest, RoleFile, SeedRecord, TargetCounts
@@ -475,7 +476,7 @@ class Prepared(msgspec.Struct, frozen=True):
     def role_bytes(self, role: str) -> bytes:
         """A role file's bytes, verified against the manifest's sha256."""
         entry = self.manifest.roles[role]
-        path = self.home / PREPARED / entry.file
+        path = member(self.home, PREPARED, entry.file, f"{PREPARED}/{MANIFEST} roles.{role}.file")
         try:
             data = path.read_bytes()
         except OSError as exc:

@@ -18,6 +18,7 @@ from experiment.core.canonical import canonical_bytes, sha256_file, write_new_by
 from experiment.core.errors import CoopError
 from experiment.core.layout import ATTEMPTS, LEDGER, MANIFEST, PREPARED, SEED, SELECTION, SERVING
 from experiment.core.ledger import read_ledger
+from experiment.core.members import member, refuse_links
 from experiment.core.plan import Plan
 from experiment.learning import stats
 from experiment.learning.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
@@ -49,6 +50,12 @@ def _require(condition: bool, where: Path | str, field: str, problem: str) -> No
         raise CoopError(f"{where}: {field}: {problem}")
 
 
+class _TokenizerConfig(msgspec.Struct):
+    """What of the seed's tokenizer_config.json names other files: transformers opens each, relative to the folder."""
+
+    fast_tokenizer_files: list[str] = msgspec.field(default_factory=list)
+
+
 def _seed_tokenizer(bundle: Path, prepared: Prepared) -> Tokenizer:
     """The seed's tokenizer files in the bundle, each checked against the plan's recorded hash."""
     folder = bundle / SEED
@@ -57,6 +64,14 @@ def _seed_tokenizer(bundle: Path, prepared: Prepared) -> Tokenizer:
         recorded = prepared.plan.seed.files.get(path.name)
         _require(recorded is not None, path, "seed.files", "this file is not in the plan's seed snapshot")
         _require(sha256_file(path) == recorded, path, "sha256", "differs from the plan's seed snapshot")
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            named = msgspec.json.decode(config.read_bytes(), type=_TokenizerConfig).fast_tokenizer_files
+        except msgspec.DecodeError as exc:
+            raise CoopError(f"{config}: fast_tokenizer_files: is not a list of file names: {exc}") from exc
+        for name in named:
+            member(bundle, SEED, name, f"{SEED}/{config.name} fast_tokenizer_files")
     return load_tokenizer(folder)
 
 
@@ -363,6 +378,7 @@ class _Checked:
 
 def _check_bundle(bundle: Path) -> _Checked:
     """Every check of the bundle's files; raises CoopError at the first inconsistency."""
+    refuse_links(bundle)  # the bundle came from elsewhere: nothing in it may point outside it
     prepared = load_prepared(bundle)
     plan = prepared.plan
     tokenizer = _seed_tokenizer(bundle, prepared)
