@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
 from experiment.core.errors import CoopError
-from server import auth, bodies, claims, db, queue, reactions, reporter
+from server import auth, blobs, bodies, claims, db, failpoints, queue, reactions, reporter
 from server.api import spec
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
@@ -173,6 +173,8 @@ STOP_SECONDS = 10.0  # how long the app's stop waits for its background tasks
 
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or from_env()
+    failpoints.arm(settings.failpoints)
+    blobs.clear_incoming(settings)
     if db.is_sqlite(settings.database_url):
         settings.home.mkdir(parents=True, exist_ok=True)
     engine = db.create_engine(settings.database_url)

@@ -19,7 +19,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import models
+from server import failpoints, models
 from server.errors import BadRequest, InsufficientStorage, NotFound, TooLarge
 from server.settings import Settings
 
@@ -46,6 +46,14 @@ def _install(temp: Path, final: Path) -> None:
             os.close(directory)
     finally:
         temp.unlink(missing_ok=True)
+
+
+def clear_incoming(settings: Settings) -> None:
+    """Remove what uploads of a coordinator that died left half-received: none of it is a blob (a blob is under its
+    name only once whole). Called as the coordinator starts, before it takes an upload."""
+    incoming = settings.blob_dir / INCOMING
+    for leftover in incoming.iterdir() if incoming.is_dir() else []:
+        leftover.unlink(missing_ok=True)
 
 
 def free_bytes(settings: Settings) -> int:
@@ -75,6 +83,7 @@ async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]
             await anyio.to_thread.run_sync(os.fsync, handle.fileno())
         if digest.hexdigest() != sha256:
             raise BadRequest(f"the body's sha256 is {digest.hexdigest()}, not {sha256}; a blob is named by its content")
+        failpoints.reach("blob.received")
         await anyio.to_thread.run_sync(_install, temp, path_of(settings, sha256))
     except OSError as exc:
         if exc.errno not in FULL:
@@ -101,6 +110,7 @@ async def store(
     if declared_size is not None and declared_size > settings.max_blob_bytes:
         raise TooLarge(f"the blob ({declared_size} bytes) is larger than the limit of {settings.max_blob_bytes} bytes")
     size = await _receive(settings, sha256, chunks)
+    failpoints.reach("blob.installed")
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     added = await session.execute(
         dialect.insert(models.Blob)

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core import ledger
-from server import models
+from server import failpoints, models
 from server.lifecycle import Ledger
 
 
@@ -58,4 +58,5 @@ async def append(
         )
     )
     await session.flush()
+    failpoints.reach("commitment.appended")
     return entry

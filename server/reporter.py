@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from experiment import wire
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import CoopError
-from server import claims, evidence, experiments, kinds, models, queue, reactions
+from server import claims, evidence, experiments, failpoints, kinds, models, queue, reactions
 from server.settings import Settings
 
 log = logging.getLogger("coop.server.reporter")
@@ -70,6 +70,7 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
     renewing = asyncio.create_task(_renew(sessions, settings, assignment.attempt_id))
     try:
         report = await asyncio.to_thread(_compute, members, folder)
+        failpoints.reach("report.written")
         failure = None
     except (CoopError, OSError) as exc:
         report, failure = {}, str(exc)
@@ -81,6 +82,7 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
         job, attempt = await queue.owned_attempt(session, None, assignment.attempt_id, assignment.lease_token)
         if failure is None:
             identity = await experiments.store_report(session, settings, report)
+            failpoints.reach("report.stored")
             result = wire.untagged(wire.ReportResult(report_identity=identity))
             reason = f"report written to {folder / 'report.json'}"
             ended = await queue.finish(session, job, attempt, "succeeded", exit_code=0, reason=reason, result=result)

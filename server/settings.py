@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiment.core.errors import CoopError
+from server import failpoints
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -68,6 +69,8 @@ class Settings:
     # The coordinator speaks TLS (coop-server serve --certfile/--keyfile): the web UI's cookies are then Secure, so
     # that a browser never sends the session over plain HTTP. Set by serve, never from the environment.
     tls: bool = False
+    # Points at which the coordinator kills itself (server.failpoints; tests and the chaos bench), by visit.
+    failpoints: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.heartbeat_seconds >= self.lease_seconds:
@@ -111,4 +114,5 @@ def _read_env() -> Settings:
         # A gang's rendezvous port is one of BASE .. BASE + SPAN - 1 (the firewall opens that range between the hosts).
         rendezvous_port_base=int(_number("COOP_RENDEZVOUS_PORT_BASE", 29500, 1024, 65535)),
         rendezvous_port_span=int(_number("COOP_RENDEZVOUS_PORT_SPAN", 500, 1, 10_000)),
+        failpoints=failpoints.parse(os.environ.get("COOP_FAILPOINTS", "")),
     )

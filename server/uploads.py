@@ -9,7 +9,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import evidence, idempotency, kinds, measurements, models, queue, reactions, views
+from server import evidence, failpoints, idempotency, kinds, measurements, models, queue, reactions, views
 from server.idempotency import Stored
 from server.settings import Settings
 
@@ -69,6 +69,7 @@ async def result(
         )
         await reactions.ended(session, settings, [ended])
         await session.flush()
+        failpoints.reach("result.settled")
         return 200, msgspec.json.encode(views.attempt(attempt))
 
     return await idempotency.once(session, checked, idempotency.payload_digest(msgspec.to_builtins(body)), work)
