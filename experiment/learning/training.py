@@ -564,13 +564,17 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
 
 class _LiveSamples:
     """The resource samples a run reports as events while it goes on, each with the update it was taken in, so that
-    the coordinator shows them before the run's result arrives."""
+    the coordinator shows them before the run's result arrives. A run that finished before reports its result again
+    (``_complete``), with that run's samples: this one's are not reported, so that no event contradicts it."""
 
-    def __init__(self, run: _Run, sampler: Sampler, emit: Emit) -> None:
+    def __init__(self, run: _Run, sampler: Sampler, emit: Emit, finished: Result | None) -> None:
         self._run, self._sampler, self._emit = run, sampler, emit
         self._reported = 0
+        self._silent = finished is not None
 
     def report(self, step: int) -> None:
+        if self._silent:
+            return
         taken = self._sampler.samples[self._reported :]
         for index, sample in enumerate(taken, start=self._reported):
             where = {"event": "resources", "arm": self._run.arm, "rank": self._run.world.rank, "step": step}
@@ -586,15 +590,20 @@ def _updates(
     samples: _LiveSamples,
     emit: Emit,
     stop_after: int | None,
+    finished: Result | None,
 ) -> bool:
     """Every update left, journaled and reported (its journal entry and the resource samples taken during it), with
-    a checkpoint where the plan has one. False: ``stop_after`` ended the run early."""
+    a checkpoint where the plan has one. False: ``stop_after`` ended the run early. A run that finished before is
+    reported with its own journal entries (a rank retrains the steps its peers lack to the same parameters; only
+    the entries' times differ), as its result will be."""
+    reported = {} if finished is None else {entry.step: entry for entry in finished.journal}
     deadline = datetime.fromisoformat(record.deadline_at)
     for step in range(progress.resumed_from_step + 1, run.plan.training.updates + 1):
         if datetime.now(UTC) > deadline:
             raise CoopError(f"the run's deadline {record.deadline_at} passed before update {step}")
         entry = _update(run, trainer, step)
         progress.journal.append(entry)
+        shown = reported.get(step, entry)
         emit(
             {
                 "event": "step",
@@ -602,7 +611,7 @@ def _updates(
                 "rank": run.world.rank,
                 "done": step,
                 "total": run.plan.training.updates,
-                **msgspec.to_builtins(entry),
+                **msgspec.to_builtins(shown),
                 **({"outer_steps": trainer.outer_steps(step)} if trainer.outer is not None else {}),
             }
         )
@@ -673,6 +682,12 @@ def _result(
     )
 
 
+def _finished_before(run: _Run) -> Result | None:
+    """The result of this rank's run, if an earlier attempt finished it."""
+    path = run.directory / "result.json"
+    return msgspec.convert(read_json(path), type=Result) if path.exists() else None
+
+
 def _complete(run: _Run, result: Result, emit: Emit) -> None:
     """Write the result file, once, and report the run completed. A run that finished before, whose attempt was lost
     before it reported (its host cut off, say), has resumed from its final checkpoint to the same parameters: its
@@ -740,8 +755,9 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
         network_start = network_counters()
         with _sampler(run) as sampler:
             loop_start = _clock(run.device)
-            samples = _LiveSamples(run, sampler, emit)
-            if not _updates(run, progress, trainer, record, samples, emit, stop_after):
+            finished = _finished_before(run)
+            samples = _LiveSamples(run, sampler, emit, finished)
+            if not _updates(run, progress, trainer, record, samples, emit, stop_after, finished):
                 return None
             final_digest = distributed.parameter_digest(progress.model)
             distributed.agree(run.world, "final parameter digest", final_digest, run.device)
