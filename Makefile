@@ -117,7 +117,7 @@ services:
 
 # Two processes, each given whole files (the serving tests' folder as one), slowest first (tests/conftest.py).
 unit: venvs services
-	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q -n 2 --dist loadscope --no-loadscope-reorder
+	$(BIN)/python -m pytest tests/unit tests/integration tests/browser -q -n 2 --dist loadscope --no-loadscope-reorder --durations=25
 
 test: lock-check lint typecheck unit
 
