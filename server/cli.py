@@ -1,6 +1,6 @@
-"""The ``coop-server`` command: migrate, serve, tokens, ledger verification, and an operator's or analyst's
-experiment commands over the REST API. Each command imports its own parts when it runs, so that ``--help`` and a
-refused argument answer at once."""
+"""The ``coop-server`` command: migrate, serve, tokens, ledger verification, backup and restore, and an operator's
+or analyst's experiment commands over the REST API. Each command imports its own parts when it runs, so that
+``--help`` and a refused argument answer at once."""
 
 from __future__ import annotations
 
@@ -91,6 +91,17 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("--name", required=True)
     verify = commands.add_parser("verify-ledger", help="verify an experiment's commitment chain")
     verify.add_argument("experiment_id", type=uuid.UUID)
+    backup = commands.add_parser(
+        "backup",
+        help="copy the database, the blob store and the home's secret into one tar, while the coordinator runs",
+    )
+    backup.add_argument("--out", type=Path, required=True, metavar="FILE", help="the tar to write (never overwritten)")
+    restore = commands.add_parser(
+        "restore", help="restore a backup into an empty COOP_HOME (and, on Postgres, an empty database)"
+    )
+    restore.add_argument(
+        "--from", dest="source", type=Path, required=True, metavar="FILE", help="the tar `backup` wrote"
+    )
     _experiment_parser(commands)
     return parser
 
@@ -223,11 +234,25 @@ def _serve(args: argparse.Namespace, settings: Settings) -> None:
     )
 
 
+def _backup_or_restore(args: argparse.Namespace, settings: Settings) -> int:
+    from experiment.core.progress import Events
+    from server import backup
+
+    with Events() as events:
+        if args.command == "backup":
+            backup.backup(settings, args.out, events.emit)
+        else:
+            backup.restore(settings, args.source, events.emit)
+    return 0
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "experiment":
         return _experiment(args)
     settings = from_env()
+    if args.command in {"backup", "restore"}:
+        return _backup_or_restore(args, settings)  # before _prepare_home: a restore's home must be left as it is
     _prepare_home(settings)
     if args.command == "migrate":
         from server import db, migrate

@@ -150,6 +150,15 @@ class CoordinatorProcess:
         if self.operator_name and not self.operator:
             self.operator = make_token(self.database_url, "operator", self.operator_name)
 
+    def rehome(self, home: Path, database_url: str | None = None) -> None:
+        """From the next start on, serve ``home`` over ``database_url`` (else a SQLite file in ``home``) at the same
+        address, with the same settings and operator token: a coordinator restored from a backup takes the place of
+        the one it replaces."""
+        assert self.process is None, "stop the coordinator before it moves"
+        self.home = home
+        self.database_url = database_url or sqlite_url(home / "coordinator.sqlite3")
+        self.environment.update(COOP_HOME=str(home), COOP_DATABASE_URL=self.database_url)
+
     def _answers(self) -> bool:
         assert self.process is not None and self.process.poll() is None, f"the coordinator exited: {self.log()[-2000:]}"
         try:
