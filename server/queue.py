@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
@@ -74,8 +74,16 @@ def rendezvous_port(settings: Settings, job_id: uuid.UUID, number: int) -> int:
     return settings.rendezvous_port_base + (job_id.int + number) % settings.rendezvous_port_span
 
 
+# Claims take turns on Postgres, as SQLite's single writer makes them: two claims at one instant would otherwise
+# each take rank 0 of a different gang (the second skips the first's locked row), and with one free agent each both
+# gangs would wait out their formation. Held to the claim's commit; SQLite needs none.
+CLAIM_TURN = 0x636F6F70  # "coop"
+
+
 async def _claim_row(session: AsyncSession, agent: models.Agent | None, kinds: Sequence[str]) -> uuid.UUID | None:
     """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job."""
+    if session.get_bind().dialect.name == "postgresql":
+        await session.execute(select(func.pg_advisory_xact_lock(CLAIM_TURN)))
     candidate = aliased(models.Job, name="candidate")
     # A job of an experiment that has ended (reported, failed, halted) is never handed out.
     live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))

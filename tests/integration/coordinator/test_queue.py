@@ -4,11 +4,16 @@ period."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from experiment import wire
+from server import db, models, queue
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
 from tests.support import ROOT
@@ -251,3 +256,51 @@ def test_a_retried_gang_gives_each_rank_back_to_the_host_that_held_it(
             if claimed is not None:
                 order.append((name, claimed.number, claimed.rank))
         assert order == [("a", 2, 0), ("b", 2, 1), ("c", 2, 2), ("d", 2, 3)]
+
+
+def test_two_claims_at_one_instant_form_one_gang_rather_than_two_halves(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    """Two gangs queued and two free agents claiming at once: the second claim joins the gang the first is forming.
+    The first claim's transaction is held open while the second is made, as a simultaneous one would be."""
+    settings = make_settings(lease_seconds=30, heartbeat_seconds=0.2)
+    with running(settings) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        pairs = []
+        for _ in range(2):  # two experiments' training queued; their singles are cancelled: two gangs stay queued
+            experiment = prepared_experiment(api, a)
+            for job in api.get(f"/api/experiments/{experiment['id']}/jobs"):
+                if job["kind"] == "train" and job["world_size"] == 1:
+                    assert api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 1}).status_code == 201
+                elif job["kind"] == "train":
+                    pairs.append(job["id"])
+        api.agent("first"), api.agent("second")
+        ids = {agent["name"]: uuid.UUID(agent["id"]) for agent in api.get("/api/agents")}
+
+    async def race() -> tuple[wire.Assignment | None, wire.Assignment | None]:
+        engine = db.create_engine(database_url)
+        sessions = db.session_maker(engine)
+        try:
+            async with sessions() as one, sessions() as two:
+                async with one.begin():
+                    agent = await one.get_one(models.Agent, ids["first"])
+                    won = await queue.claim(one, settings, agent, ["train"])
+                    other = asyncio.create_task(_claim_in(two, settings, ids["second"]))
+                    await asyncio.sleep(0.5)  # the second claim is made while the first has not committed
+                joined = await other
+            return won, joined
+        finally:
+            await engine.dispose()
+
+    won, joined = asyncio.run(race())
+    assert won is not None and joined is not None
+    assert (won.arm, won.rank, joined.rank) == ("clean-pair", 0, 1)
+    assert joined.job_id == won.job_id and joined.master_port == won.master_port
+    assert len(pairs) == 2 and str(won.job_id) in pairs
+
+
+async def _claim_in(session: AsyncSession, settings: Settings, agent_id: uuid.UUID) -> wire.Assignment | None:
+    async with session.begin():
+        agent = await session.get_one(models.Agent, agent_id)
+        return await queue.claim(session, settings, agent, ["train"])
