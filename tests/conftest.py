@@ -28,6 +28,7 @@ REFERENCE_FOLDER = ROOT / "plans" / "local-reference"
 SERVING_TESTS = "tests/integration/serving/"  # one unit: its tests share one trained checkpoint and its replicas
 SLOW_FIRST = (
     "tests/integration/agent/test_coordinator_kills.py",
+    "tests/integration/agent/test_backup.py",
     "tests/integration/agent/test_experiment.py",
     "tests/integration/test_smollm2.py",
     SERVING_TESTS,
