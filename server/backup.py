@@ -32,7 +32,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
-from experiment.core.canonical import canonical_bytes, sha256_file
+from experiment.core.canonical import canonical_bytes, fsync_path, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.plan import Sha256
 from experiment.core.progress import Emit
@@ -258,14 +258,6 @@ def _add(tar: tarfile.TarFile, entry: ArchivedFile, source: Path) -> None:
         raise CoopError(f"{source}: its sha256 is {reading.digest.hexdigest()}, not {entry.sha256} ({what})")
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _write(partial: Path, manifest: Manifest, sources: dict[str, Path], emit: Emit) -> None:
     """The tar: the manifest first, then every file it lists, each checked against its sha256 as it is copied."""
     try:
@@ -280,7 +272,7 @@ def _write(partial: Path, manifest: Manifest, sources: dict[str, Path], emit: Em
                 _add(tar, entry, sources[entry.path])
                 if done % PROGRESS_EVERY == 0 or done == len(manifest.files):
                     emit({"event": "files", "done": done, "total": len(manifest.files)})
-        _fsync(partial)
+        fsync_path(partial)
     except OSError as exc:
         raise CoopError(f"cannot write the backup: {exc}") from None
 
@@ -331,7 +323,7 @@ def backup(settings: Settings, out: Path, emit: Emit) -> Manifest:
             os.link(partial, out)  # never replaces: fails if ``out`` appeared meanwhile
         except FileExistsError:
             raise CoopError(f"{out} already exists; a backup never overwrites a file: choose another --out") from None
-        _fsync(out.parent)
+        fsync_path(out.parent)
     emit(
         {
             "event": "backed-up",
@@ -536,9 +528,9 @@ def _place_new(staged: Path, target: Path) -> None:
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as work:
             copy = Path(work) / target.name
             shutil.copyfile(staged, copy)
-            _fsync(copy)
+            fsync_path(copy)
             _place_new(copy, target)
-    _fsync(target.parent)
+    fsync_path(target.parent)
 
 
 def _nearest_folder(path: Path) -> Path:
@@ -585,7 +577,7 @@ def restore(settings: Settings, source: Path, emit: Emit) -> Manifest:
             if (staging / HOME).is_dir():
                 for part in sorted((staging / HOME).iterdir()):
                     os.rename(part, home / part.name)
-            _fsync(home)
+            fsync_path(home)
     # As the coordinator's start does (coop-server migrate, serve --migrate): the schema of this code.
     migrate.upgrade(url)
     emit(

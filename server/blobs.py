@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core import canonical
 from server import failpoints, models
 from server.errors import BadRequest, InsufficientStorage, NotFound, TooLarge
 from server.settings import Settings
@@ -39,11 +39,7 @@ def _install(temp: Path, final: Path) -> None:
     except FileExistsError:
         pass
     else:
-        directory = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        canonical.fsync_path(final.parent)
     finally:
         temp.unlink(missing_ok=True)
 
@@ -57,11 +53,8 @@ def clear_incoming(settings: Settings) -> None:
 
 
 def free_bytes(settings: Settings) -> int:
-    """The space left on the blob store's disk (its folder, or the nearest one above it that exists)."""
-    folder = settings.blob_dir
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
+    """The space left on the blob store's disk."""
+    return canonical.free_bytes(settings.blob_dir)
 
 
 async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]) -> int:

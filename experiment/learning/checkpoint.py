@@ -19,6 +19,7 @@ import torch
 
 from experiment.core.canonical import (
     canonical_bytes,
+    free_bytes,
     read_json,
     sha256_bytes,
     sha256_file,
@@ -96,16 +97,10 @@ def space_needed(
     return weights + _tensor_bytes(optimizer.state_dict()) + _tensor_bytes(extra) + copied + SLACK_BYTES
 
 
-def _free_bytes(folder: Path) -> int:
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
-
-
 def no_space(run_dir: Path, step: int, needed: int) -> str | None:
     """Why the checkpoint of ``step`` cannot be written under ``run_dir`` (``needed`` bytes), or None if it fits."""
     folder = run_dir / "checkpoints"
-    free = _free_bytes(folder)
+    free = free_bytes(folder)
     return None if free >= needed else _no_space(folder, step, needed, free)
 
 
@@ -180,7 +175,7 @@ def save(
     try:
         receipt = _write(staging, model, optimizer, binding, parameter_digest, journal, step, seed_dir, layout, extra)
     except Exception as exc:
-        free = _free_bytes(staging.parent)
+        free = free_bytes(staging.parent)
         shutil.rmtree(staging, ignore_errors=True)
         needed = space_needed(model, optimizer, seed_dir, layout, extra or {})
         if _full(exc) or free < needed:  # torch.save's writer reports a full disk without its errno
@@ -193,7 +188,7 @@ def save(
     except OSError as exc:  # the folder stays, unpointed: a later run retrains to it and confirms it (``held``)
         if not _full(exc):
             raise
-        raise CoopError(_no_space(run_dir / "pointers", step, SLACK_BYTES, _free_bytes(run_dir))) from exc
+        raise CoopError(_no_space(run_dir / "pointers", step, SLACK_BYTES, free_bytes(run_dir))) from exc
     return pointer
 
 
