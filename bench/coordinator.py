@@ -1,16 +1,28 @@
-"""Coordinator throughput against a real `coop-server serve` on SQLite and on Postgres: claims per second and
-claim latency with N concurrent agents draining a queue of jobs, beside the rate of ``GET /health`` (a route that
-does no work) from the same client; a public read's latency while 64 claims wait on
-an empty queue (and idle); events per second ingested in batches. Prints one JSON object and writes it to
-``--output``.
+"""The coordinator's own cost per request, and its throughput, against a real `coop-server serve` on SQLite and on
+Postgres.
 
-    .venv/bin/python bench/coordinator.py [--jobs 256] [--agents 8,32,128] [--backends sqlite,postgres]
+- **Server CPU per route.** One client sends each route's requests one after another; the CPU time the server's
+  process tree spent over them (psutil: user + system, aiosqlite's thread included) divided by their number, beside
+  the client's wall time per request. On Postgres the database's own processes' CPU is given apart. The routes: a
+  claim that hands out a one-rank job, the start of an attempt, a heartbeat naming 4 attempts, an event batch of 100,
+  a prepare job's result, a blob upload of 1 MiB, ``GET /api/experiments`` and ``GET /health``.
+- **Throughput.** Claims per second and claim latency with N concurrent agents draining a queue of jobs, beside the
+  rate of ``GET /health`` (a route that does no work) from the same senders; a public read's latency while 64 claims
+  wait on an empty queue (and idle); events per second ingested in batches.
+
+``--baseline REV`` measures the server of commit REV too (from a git worktree, with the same virtual environment and
+the same client), in the same run, so that the two figures of a route are comparable. Prints one JSON object and
+writes it to ``--output``.
+
+    .venv/bin/python bench/coordinator.py [--baseline REV] [--requests 200] [--agents 32] [--backends sqlite,postgres]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -19,19 +31,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from server import migrate  # noqa: E402
+from experiment import wire  # noqa: E402
 from server.settings import sqlite_url  # noqa: E402
 from tests.support import database  # noqa: E402
+from tests.support.agent import FakeAgent  # noqa: E402
 from tests.support.scenarios import bearer  # noqa: E402
 
 PLAN = (ROOT / "plans" / "local.toml").read_text()
@@ -47,13 +62,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _server(url: str, home: Path) -> Iterator[str]:
+def _server(url: str, home: Path, source: Path) -> Iterator[tuple[str, int]]:
+    """`coop-server serve` of the code in ``source``; its address and process id."""
     port = _free_port()
     env = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url, "COOP_LEASE_SECONDS": "600"}
     process = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--port", str(port)],
         env=env,
-        cwd=ROOT,
+        cwd=source,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -65,10 +81,125 @@ def _server(url: str, home: Path) -> Iterator[str]:
                 break
             except httpx.TransportError:
                 time.sleep(0.1)
-        yield base
+        yield base, process.pid
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+class CpuMeter:
+    """CPU seconds (user + system) spent by the server's process tree and, apart, by the database's processes
+    (Postgres's, by their user; none for SQLite, which runs inside the server)."""
+
+    def __init__(self, server_pid: int, database_user: str | None) -> None:
+        self.server = psutil.Process(server_pid)
+        self.database_user = database_user
+
+    def _processes(self, database: bool) -> list[psutil.Process]:
+        if not database:
+            return [self.server, *self.server.children(recursive=True)]
+        if self.database_user is None:
+            return []
+        return [p for p in psutil.process_iter(["username"]) if p.info["username"] == self.database_user]
+
+    @staticmethod
+    def _times(processes: list[psutil.Process]) -> dict[int, float]:
+        times = {}
+        for process in processes:
+            try:
+                cpu = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            times[process.pid] = cpu.user + cpu.system
+        return times
+
+    def snapshot(self) -> tuple[dict[int, float], dict[int, float]]:
+        return self._times(self._processes(False)), self._times(self._processes(True))
+
+    @staticmethod
+    def spent(before: dict[int, float], after: dict[int, float]) -> float:
+        return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def _per_request(meter: CpuMeter, count: int, call: Callable[[int], object]) -> dict[str, Any]:
+    """``call(i)`` for i in range(count), one after another: the server's (and the database's) CPU and the client's
+    wall time, per request."""
+    server_before, database_before = meter.snapshot()
+    began = time.perf_counter()
+    for i in range(count):
+        call(i)
+    wall = time.perf_counter() - began
+    server_after, database_after = meter.snapshot()
+    figures = {
+        "requests": count,
+        "server_cpu_ms": round(1000 * CpuMeter.spent(server_before, server_after) / count, 3),
+        "wall_ms": round(1000 * wall / count, 3),
+    }
+    if meter.database_user is not None:
+        figures["database_cpu_ms"] = round(1000 * CpuMeter.spent(database_before, database_after) / count, 3)
+    return figures
+
+
+def _step_events(count: int) -> list[wire.Event]:
+    return [
+        msgspec.convert({"kind": "step", "body": {"step": i, "loss": 1.0 / (i + 1)}}, wire.Event) for i in range(count)
+    ]
+
+
+def server_cpu(base: str, meter: CpuMeter, operator: str, agent_tokens: tuple[str, str], count: int) -> dict[str, Any]:
+    """Each route's server CPU per request, over ``count`` sequential requests after a few unmeasured ones.
+
+    Agent a claims, starts, uploads a blob for and finishes ``count`` prepare jobs (one per experiment); agent b
+    holds 4 attempts, which its heartbeats name and whose first one its event batches go to."""
+    warm = 6
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for _ in range(count + warm):
+            body = {"plan_toml": PLAN, "commit": True, "autopilot": True}
+            http.post("/api/experiments", json=body, headers=bearer(operator)).raise_for_status()
+        a, b = (FakeAgent(base, token) for token in agent_tokens)
+        try:
+            a.register("bench-a")
+            b.register("bench-b")
+            held = [b.take("prepare") for _ in range(warm)]  # warms claim and start
+            for i, job in enumerate(held[4:]):  # warms blob and result
+                b.upload(os.urandom(1 << 20), job)
+                b.finish(job, result={"prepared_identity": hashlib.sha256(b"warm %d" % i).hexdigest()})
+            held = held[:4]
+            for i in range(3):
+                b.heartbeat(*held)
+                b.events(held[0], i, *_step_events(100))
+                http.get("/api/experiments").raise_for_status()
+                http.get("/health").raise_for_status()
+            jobs: list[wire.Assignment] = []
+
+            def claim(i: int) -> None:
+                job = a.claim("prepare", key=f"bench-claim-{i:08d}")  # a key per claim, as agent.loop sends
+                assert job is not None, "the queue ran dry"
+                jobs.append(job)
+
+            blobs = [os.urandom(1 << 20) for _ in range(count)]
+            batch = _step_events(100)
+            figures = {
+                "claim": _per_request(meter, count, claim),
+                "start": _per_request(meter, count, lambda i: a.start(jobs[i])),
+                "heartbeat_of_4": _per_request(meter, count, lambda i: b.heartbeat(*held)),
+                "event_batch_of_100": _per_request(meter, count, lambda i: b.events(held[0], 3 + i, *batch)),
+                "blob_1mib": _per_request(meter, count, lambda i: a.upload(blobs[i], jobs[i])),
+                "result": _per_request(
+                    meter,
+                    count,
+                    lambda i: a.finish(jobs[i], result={"prepared_identity": hashlib.sha256(b"%d" % i).hexdigest()}),
+                ),
+                "list_experiments": _per_request(
+                    meter, count, lambda i: http.get("/api/experiments").raise_for_status()
+                ),
+                "health": _per_request(meter, count, lambda i: http.get("/health").raise_for_status()),
+            }
+        finally:
+            a.close()
+            b.close()
+    figures["list_experiments"]["experiments"] = count + warm
+    return figures
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -203,41 +334,97 @@ async def _reads_while_claims_wait(base: str, tokens: list[str], reads: int = 50
     }
 
 
-def run_backend(backend: str, agents: int, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
-        home = Path(folder)
-        admin = database.postgres_admin_url()
-        if backend == "sqlite":
-            url = sqlite_url(home / "bench.sqlite3")
-        else:
-            created = database.create_postgres_database(admin)
-            if created is None:
-                return {"skipped": f"no Postgres server answers at {admin}"}
-            url = created
-        try:
-            migrate.upgrade(url)
-            operator = database.make_token(url, "operator", "bench-operator")
-            tokens = [database.make_token(url, "agent", f"bench-agent-{i:03d}") for i in range(agents)]
-            with _server(url, home) as base:
-                return asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size))
-        finally:
-            if backend == "postgres":
-                database.drop_postgres_database(admin, url)
+def _database(backend: str, home: Path) -> tuple[str, Callable[[], None]]:
+    """A new, empty database of ``backend``, and how to drop it."""
+    if backend == "sqlite":
+        return sqlite_url(home / "bench.sqlite3"), lambda: None
+    admin = database.postgres_admin_url()
+    url = database.create_postgres_database(admin)
+    if url is None:
+        raise SystemExit(f"no Postgres server answers at {admin}")
+    return url, lambda: database.drop_postgres_database(admin, url)
+
+
+def run_backend(backend: str, source: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Both measurements of the server in ``source`` on a new database of ``backend`` each."""
+    figures: dict[str, Any] = {}
+    database_user = "postgres" if backend == "postgres" else None
+    for measurement in ("server_cpu", "throughput"):
+        with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
+            home = Path(folder)
+            url, drop = _database(backend, home)
+            try:
+                subprocess.run(
+                    [sys.executable, "-m", "server", "migrate"],
+                    cwd=source,
+                    env={**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url},
+                    check=True,
+                    capture_output=True,
+                )
+                operator = database.make_token(url, "operator", "bench-operator")
+                if measurement == "server_cpu":
+                    tokens = (
+                        database.make_token(url, "agent", "bench-a"),
+                        database.make_token(url, "agent", "bench-b"),
+                    )
+                    with _server(url, home, source) as (base, pid):
+                        meter = CpuMeter(pid, database_user)
+                        figures[measurement] = server_cpu(base, meter, operator, tokens, args.requests)
+                else:
+                    figures[measurement] = []
+                    for agents in args.agents.split(","):
+                        tokens_ = [
+                            database.make_token(url, "agent", f"bench-{agents}-{i:03d}") for i in range(int(agents))
+                        ]
+                        with _server(url, home, source) as (base, _):
+                            figures[measurement].append(
+                                asyncio.run(_measure(base, operator, tokens_, args.jobs, args.batches, args.batch_size))
+                            )
+            finally:
+                drop()
+    return figures
+
+
+@contextmanager
+def _checkout(revision: str) -> Iterator[Path]:
+    """A detached git worktree of ``revision``, removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="coop-bench-baseline-"))
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(folder), revision], cwd=ROOT, check=True, capture_output=True
+    )
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, check=True)
+
+
+def _commit(source: Path) -> str:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, check=True, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=source, capture_output=True, text=True
+    )
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="also measure the server of this git revision, in the same run")
+    parser.add_argument("--requests", type=int, default=200, help="sequential requests per route for the server CPU")
     parser.add_argument("--jobs", type=int, default=256)
-    parser.add_argument("--agents", default="8,32,128", help="concurrent claimers, one run each")
+    parser.add_argument("--agents", default="32", help="concurrent claimers, one run each (comma-separated)")
     parser.add_argument("--batches", type=int, default=10, help="event batches per uploading agent")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--backends", default="sqlite,postgres")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "coordinator-cpu.json")
     args = parser.parse_args()
-    results = {
-        backend: [run_backend(backend, int(agents), args) for agents in args.agents.split(",")]
-        for backend in args.backends.split(",")
-    }
+    with contextlib.ExitStack() as stack:
+        sources = {"after": ROOT}
+        if args.baseline:
+            sources = {"before": stack.enter_context(_checkout(args.baseline)), **sources}
+        results: dict[str, Any] = {label: {"commit": _commit(source)} for label, source in sources.items()}
+        for backend in args.backends.split(","):
+            for label, source in sources.items():  # the two servers one after the other on each database
+                results[label][backend] = run_backend(backend, source, args)
     text = json.dumps({"bench": "coordinator", "cpus": os.cpu_count(), "results": results}, indent=2)
     args.output.write_text(text + "\n")
     print(text)

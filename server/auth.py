@@ -15,7 +15,6 @@ from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from server import db, models, tokens
@@ -55,16 +54,19 @@ def _bearer(connection: ASGIConnection) -> str | None:  # type: ignore[type-arg]
 
 async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
     """Check the token, and set the request's database session up so that no request holds the SQLite write
-    lock while it reads a body or waits: the token (and an agent's row) is read in a reader's transaction,
-    which ends here; a GET stays a reader; any other method's handler writes in transactions of its own."""
+    lock while it reads a body or waits: the token and an agent's row are read by one statement, on SQLite
+    outside any transaction (one statement reads one snapshot); a GET stays a reader; any other method's handler
+    writes in transactions of its own."""
     ctx = context(connection)
     session = ctx.database.provide_session(connection.app.state, connection.scope)
     writes = connection.scope.get("method", "GET") not in {"GET", "HEAD"}
     db.reading(session)
+    db.one_statement(session, True)
     try:
         await _check(connection, handler, ctx, session)
         await session.commit()
     finally:
+        db.one_statement(session, False)
         if writes:
             db.writing(session)
 
@@ -83,7 +85,7 @@ async def _check(
     secret = _bearer(connection)
     if secret is None:
         raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
-    principal = await tokens.lookup(session, secret)
+    principal, agent = await tokens.lookup_with_agent(session, secret)
     if principal is None:
         raise Unauthenticated("the bearer token is unknown or revoked")
     roles = (role,) if isinstance(role, str) else tuple(role or ())
@@ -91,9 +93,7 @@ async def _check(
         raise Forbidden(f"this request needs {_either(roles)} token; {principal.name!r} is {_a(principal.role)} token")
     connection.state.principal = principal
     if principal.role == "agent":
-        connection.state.agent = await session.scalar(
-            select(models.Agent).where(models.Agent.token_id == principal.token_id)
-        )
+        connection.state.agent = agent
 
 
 def _a(role: str) -> str:

@@ -37,11 +37,16 @@ def _sqlite_pragmas(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEn
 WRITES = "coop.writes"
 
 
+# session.info key: True while the session's SQLite transactions run one statement each, which SQLite runs in a
+# transaction of its own (autocommit): no BEGIN is sent for them.
+ONE_STATEMENT = "coop.one-statement"
+
+
 def _sqlite_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     """Begin each SQLite transaction a session starts: a writer takes the write lock at BEGIN IMMEDIATE, where
     busy_timeout makes a second writer wait its turn; a reader (``session.info[WRITES] = False``) begins a
     deferred transaction, which in WAL mode reads a snapshot and never takes the write lock."""
-    if connection.dialect.name != "sqlite" or transaction.nested:
+    if connection.dialect.name != "sqlite" or transaction.nested or session.info.get(ONE_STATEMENT):
         return
     connection.exec_driver_sql("BEGIN IMMEDIATE" if session.info.get(WRITES, True) else "BEGIN")
 
@@ -53,6 +58,14 @@ def reading(session: AsyncSession) -> None:
 
 def writing(session: AsyncSession) -> None:
     session.info[WRITES] = True
+
+
+def one_statement(session: AsyncSession, alone: bool) -> None:
+    """While ``alone``, the session's next transactions are single reads: on SQLite they send no BEGIN."""
+    if alone:
+        session.info[ONE_STATEMENT] = True
+    else:
+        session.info.pop(ONE_STATEMENT, None)
 
 
 def create_engine(url: str, **options: Any) -> AsyncEngine:

@@ -67,6 +67,14 @@ async def once(
     previous = await stored(session, key, request_sha256)
     if previous is not None:
         return Stored(previous.status_code, previous.response, True)
+    if session.get_bind().dialect.name == "sqlite":
+        # The transaction has held SQLite's one write lock since its BEGIN IMMEDIATE: no other can store the key
+        # between the read above and this write, so no savepoint is needed to recover from losing that race.
+        status_code, body = await work()
+        session.add(
+            models.IdempotentRequest(key=key, request_sha256=request_sha256, status_code=status_code, response=body)
+        )
+        return Stored(status_code, body, False)
     try:
         async with session.begin_nested():
             status_code, body = await work()

@@ -3,8 +3,9 @@
 It knows jobs and attempts only: every call that ends attempts returns what ended (``Ended``), and the caller
 hands that to server.reactions, which records what a success commits and advances the experiment.
 
-A claim is one UPDATE of one queued job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on
-Postgres; on SQLite the write lock taken at BEGIN IMMEDIATE serialises claimers). Each lease is an
+A claim is one UPDATE … RETURNING of one job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on Postgres,
+where claims also take turns on an advisory lock; on SQLite the write lock taken at BEGIN IMMEDIATE serialises
+claimers), built once and bound to each claim's parameters. Each lease is an
 attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
 
 Retries (lifecycle.JOB_TRANSITIONS says why): a lost job is queued again while it has had fewer than
@@ -22,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy import ColumnElement, Update, and_, bindparam, case, func, null, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import aliased
+from sqlalchemy.orm import InstrumentedAttribute, aliased
 
 from experiment import wire
 from server import claims, lifecycle, models
@@ -55,14 +56,16 @@ class Ended:
         return self.outcome == J.SUCCEEDED
 
 
+_GENERATION = (
+    select(models.Attempt)
+    .where(models.Attempt.job_id == bindparam("job_id"), models.Attempt.number == bindparam("number"))
+    .order_by(models.Attempt.rank)
+)
+
+
 async def generation(session: AsyncSession, job: models.Job) -> list[models.Attempt]:
     """The attempts of the job's current generation, by rank."""
-    rows = await session.scalars(
-        select(models.Attempt)
-        .where(models.Attempt.job_id == job.id, models.Attempt.number == job.attempts_made)
-        .order_by(models.Attempt.rank)
-    )
-    return list(rows)
+    return list(await session.scalars(_GENERATION, {"job_id": job.id, "number": job.attempts_made}))
 
 
 def hash_secret(secret: str) -> str:
@@ -78,35 +81,28 @@ def rendezvous_port(settings: Settings, job_id: uuid.UUID, number: int) -> int:
 # each take rank 0 of a different gang (the second skips the first's locked row), and with one free agent each both
 # gangs would wait out their formation. Held to the claim's commit; SQLite needs none.
 CLAIM_TURN = 0x636F6F70  # "coop"
+_TAKE_TURN = select(func.pg_advisory_xact_lock(CLAIM_TURN))
 
 
-async def _claim_row(session: AsyncSession, agent: models.Agent | None, kinds: Sequence[str]) -> uuid.UUID | None:
-    """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job."""
-    if session.get_bind().dialect.name == "postgresql":
-        await session.execute(select(func.pg_advisory_xact_lock(CLAIM_TURN)))
+def _claim_statement(by_coordinator: bool) -> Update:
+    """The claim: one UPDATE … RETURNING of the job it leases a rank of. Its subquery picks an open rank of a gang
+    this agent is not already in, else a queued job it may claim (rank 0 of a gang), the oldest first within each.
+    Parameters: ``agent_id`` (absent for the coordinator's own worker), ``kinds`` and ``now``."""
     candidate = aliased(models.Job, name="candidate")
-    # A job of an experiment that has ended (reported, failed, halted) is never handed out.
-    live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))
-    wanted = [candidate.kind.in_(list(kinds)), candidate.experiment_id.in_(live)]
-    agent_id = None if agent is None else agent.id
-    return await _join_gang(session, candidate, agent_id, wanted) or await _take_queued(
-        session, candidate, agent_id, wanted
-    )
+    agent_id = bindparam("agent_id", type_=models.Attempt.agent_id.type)
 
+    def by_this(column: InstrumentedAttribute[uuid.UUID | None]) -> ColumnElement[bool]:
+        return column.is_(None) if by_coordinator else column == agent_id
 
-async def _join_gang(
-    session: AsyncSession,
-    candidate: type[models.Job],
-    agent_id: uuid.UUID | None,
-    wanted: Sequence[ColumnElement[bool]],
-) -> uuid.UUID | None:
-    """Take an open rank of a gang the agent is not already in."""
+    def by_another(column: InstrumentedAttribute[uuid.UUID | None]) -> ColumnElement[bool]:
+        return column.is_not(None) if by_coordinator else column != agent_id
+
     mine = (
         select(models.Attempt.id)
         .where(
             models.Attempt.job_id == candidate.id,
             models.Attempt.number == candidate.attempts_made,
-            models.Attempt.agent_id.is_(None) if agent_id is None else models.Attempt.agent_id == agent_id,
+            by_this(models.Attempt.agent_id),
         )
         .exists()
     )
@@ -119,65 +115,68 @@ async def _join_gang(
             previous.job_id == candidate.id,
             previous.number == candidate.attempts_made - 1,
             previous.rank == candidate.world_size - candidate.ranks_open,
-            previous.agent_id.is_not(None) if agent_id is None else previous.agent_id != agent_id,
+            by_another(previous.agent_id),
         )
         .exists()
     )
-    open_gang = (
-        select(candidate.id)
-        .where(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another, *wanted)
-        .order_by(candidate.queued_at, candidate.id)
-        .limit(1)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    # The state is checked again here: on Postgres a claim that waited on the row lock of a gang the
-    # reaper just requeued re-reads the row, and must not join it as a rank of a generation that ended.
-    joined = await session.execute(
-        update(models.Job)
-        .where(models.Job.id == open_gang, models.Job.ranks_open > 0, models.Job.state.in_(ACTIVE))
-        .values(ranks_open=models.Job.ranks_open - 1, updated_at=_now())
-        .returning(models.Job.id)
-        .execution_options(synchronize_session=False)
-    )
-    return joined.scalar_one_or_none()
-
-
-async def _take_queued(
-    session: AsyncSession,
-    candidate: type[models.Job],
-    agent_id: uuid.UUID | None,
-    wanted: Sequence[ColumnElement[bool]],
-) -> uuid.UUID | None:
-    """Lease a queued job the agent may claim (rank 0 of a gang), the first queued first."""
-    now = _now()
-    queued = (
+    # A job of an experiment that has ended (reported, failed, halted) is never handed out.
+    live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))
+    queued = candidate.state == J.QUEUED.value
+    chosen = (
         select(candidate.id)
         .where(
-            candidate.state == J.QUEUED.value,
-            or_(candidate.pinned_agent_id.is_(None), candidate.pinned_agent_id == agent_id),
-            *wanted,
+            or_(
+                and_(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another),
+                and_(queued, or_(candidate.pinned_agent_id.is_(None), by_this(candidate.pinned_agent_id))),
+            ),
+            candidate.kind.in_(bindparam("kinds", expanding=True)),
+            candidate.experiment_id.in_(live),
         )
-        .order_by(candidate.queued_at, candidate.id)
+        .order_by(case((queued, 1), else_=0), candidate.queued_at, candidate.id)
         .limit(1)
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
-    taken = await session.execute(
-        update(models.Job)
-        .where(models.Job.id == queued, models.Job.state == J.QUEUED.value)
-        .values(
-            state=lifecycle.leased_state().value,
-            attempts_made=models.Job.attempts_made + 1,
-            ranks_open=models.Job.world_size - 1,
-            master_addr=None,
-            master_port=None,
-            updated_at=now,
+    job = models.Job
+    was_queued = job.state == J.QUEUED.value
+    # The row's state is checked again: on Postgres a row the reaper changed since the subquery read it is read
+    # anew here, and a rank of a generation that ended is never joined.
+    return (
+        update(job)
+        .where(
+            job.id == chosen,
+            or_(
+                and_(job.state.in_(ACTIVE), job.ranks_open > 0),
+                and_(was_queued, or_(job.pinned_agent_id.is_(None), by_this(job.pinned_agent_id))),
+            ),
         )
-        .returning(models.Job.id)
-        .execution_options(synchronize_session=False)
+        .values(
+            state=case((was_queued, lifecycle.leased_state().value), else_=job.state),
+            attempts_made=case((was_queued, job.attempts_made + 1), else_=job.attempts_made),
+            ranks_open=case((was_queued, job.world_size - 1), else_=job.ranks_open - 1),
+            master_addr=case((was_queued, null()), else_=job.master_addr),
+            master_port=case((was_queued, null()), else_=job.master_port),
+            updated_at=bindparam("now", type_=job.updated_at.type),
+        )
+        .returning(job)
+        .execution_options(synchronize_session=False, populate_existing=True)
     )
-    return taken.scalar_one_or_none()
+
+
+# Built once: a claim binds its parameters to these.
+_CLAIM_BY_AGENT = _claim_statement(by_coordinator=False)
+_CLAIM_BY_COORDINATOR = _claim_statement(by_coordinator=True)
+
+
+async def _claim_row(session: AsyncSession, agent: models.Agent | None, kinds: Sequence[str]) -> models.Job | None:
+    """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job."""
+    if session.get_bind().dialect.name == "postgresql":
+        await session.execute(_TAKE_TURN)
+    parameters: dict[str, object] = {"kinds": list(kinds), "now": _now()}
+    if agent is not None:
+        parameters["agent_id"] = agent.id
+    statement = _CLAIM_BY_COORDINATOR if agent is None else _CLAIM_BY_AGENT
+    return (await session.scalars(statement, parameters)).one_or_none()
 
 
 def _lease(settings: Settings, attempt: models.Attempt) -> str:
@@ -207,16 +206,19 @@ def _assignment(job: models.Job, attempt: models.Attempt, token: str) -> wire.As
     )
 
 
+_BY_CLAIM_KEY = (
+    select(models.Attempt)
+    .where(models.Attempt.agent_id == bindparam("agent_id"), models.Attempt.claim_key == bindparam("claim_key"))
+    .with_for_update()
+)
+
+
 async def _claimed_before(
     session: AsyncSession, settings: Settings, agent: models.Agent, claim_key: str
 ) -> wire.Assignment | Literal[False] | None:
     """The attempt a retried claim was given the first time (its reply was lost), with a new lease token;
     None when that attempt has ended since; False when the key is new."""
-    attempt = await session.scalar(
-        select(models.Attempt)
-        .where(models.Attempt.agent_id == agent.id, models.Attempt.claim_key == claim_key)
-        .with_for_update()
-    )
+    attempt = await session.scalar(_BY_CLAIM_KEY, {"agent_id": agent.id, "claim_key": claim_key})
     if attempt is None:
         return False
     if attempt.state != J.LEASED.value:
@@ -239,10 +241,9 @@ async def claim(
         earlier = await _claimed_before(session, settings, agent, claim_key)
         if earlier is not False:
             return earlier
-    job_id = await _claim_row(session, agent, kinds)
-    if job_id is None:
+    job = await _claim_row(session, agent, kinds)
+    if job is None:
         return None
-    job = await session.get_one(models.Job, job_id, populate_existing=True)
     rank = job.world_size - job.ranks_open - 1
     now = _now()
     if rank == 0 and job.world_size > 1 and agent is not None:
@@ -440,6 +441,15 @@ async def finish(
     return await _settle(session, job, attempt)
 
 
+# The active attempts of an agent, built once.
+_HELD = (
+    select(models.Attempt)
+    .where(models.Attempt.agent_id == bindparam("agent_id"), models.Attempt.state.in_(ACTIVE))
+    .order_by(models.Attempt.id)
+    .with_for_update()
+)
+
+
 async def heartbeat(
     session: AsyncSession,
     settings: Settings,
@@ -458,13 +468,9 @@ async def heartbeat(
     previous, agent.last_seen_at = agent.last_seen_at, now
     named = set(attempt_ids)
     ended = []
-    held = await session.scalars(
-        select(models.Attempt)
-        .where(models.Attempt.agent_id == agent.id, models.Attempt.state.in_(ACTIVE))
-        .order_by(models.Attempt.id)
-        .with_for_update()
-    )
-    for active in list(held):
+    held = await session.scalars(_HELD, {"agent_id": agent.id})
+    active_ = {attempt.id: attempt for attempt in held}
+    for active in active_.values():
         if active.id in named or (claiming is not None and active.claim_key == claiming):
             active.lease_expires_at = expires
         elif active.created_at < previous:
@@ -473,7 +479,8 @@ async def heartbeat(
             ended.append(await _settle(session, job, active))
     directives = []
     for attempt_id in attempt_ids:
-        attempt = await session.get(models.Attempt, attempt_id, populate_existing=True)
+        # What the session holds of an attempt is current: every change in this transaction went through it.
+        attempt = active_.get(attempt_id) or await session.get(models.Attempt, attempt_id, populate_existing=True)
         if attempt is None or attempt.agent_id != agent.id:
             directives.append(wire.Directive(attempt_id, "stop", "this agent holds no such attempt"))
         elif attempt.state not in ACTIVE:

@@ -8,7 +8,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -45,14 +45,29 @@ async def create(session: AsyncSession, role: str, name: str) -> str:
     return secret
 
 
+# A token by its digest, with the agent registered under it: one statement, built once.
+_BY_DIGEST = (
+    select(models.Token, models.Agent)
+    .outerjoin(models.Agent, models.Agent.token_id == models.Token.id)
+    .where(models.Token.secret_sha256 == bindparam("digest"))
+)
+
+
 async def lookup(session: AsyncSession, secret: str) -> Principal | None:
-    token = await session.scalar(select(models.Token).where(models.Token.secret_sha256 == digest(secret)))
-    if token is None or token.revoked_at is not None:
-        return None
+    return (await lookup_with_agent(session, secret))[0]
+
+
+async def lookup_with_agent(session: AsyncSession, secret: str) -> tuple[Principal | None, models.Agent | None]:
+    """Who the secret is (None: unknown, revoked or of a role this coordinator does not know, which grants
+    nothing), and the agent registered under its token, if any."""
+    row = (await session.execute(_BY_DIGEST, {"digest": digest(secret)})).first()
+    if row is None:
+        return None, None
+    token, agent = row
     role = next((known for known in ROLES if known == token.role), None)
-    if role is None:
-        return None  # a role this coordinator does not know grants nothing
-    return Principal(token.id, token.name, role)
+    if token.revoked_at is not None or role is None:
+        return None, None
+    return Principal(token.id, token.name, role), agent
 
 
 async def revoke(session: AsyncSession, name: str) -> None:

@@ -6,6 +6,7 @@ import datetime
 import uuid
 
 import msgspec
+from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -29,17 +30,21 @@ async def events(
         queue.require_active(attempt)  # an ended attempt's command is gone: what it printed late is not its record
         await reactions.printed(session, settings, job, {event.kind for event in body.events})
         received = datetime.datetime.now(datetime.UTC)
-        session.add_all(
-            models.Event(
-                experiment_id=job.experiment_id,
-                job_id=job.id,
-                attempt_id=attempt.id,
-                sequence=body.sequence,
-                kind=event.kind,
-                at=event.at or received,
-                body=event.body,
-            )
-            for event in body.events
+        # One INSERT of every row, without an ORM object each (a batch holds up to 10,000 events).
+        await session.execute(
+            insert(models.Event),
+            [
+                {
+                    "experiment_id": job.experiment_id,
+                    "job_id": job.id,
+                    "attempt_id": attempt.id,
+                    "sequence": body.sequence,
+                    "kind": event.kind,
+                    "at": event.at or received,
+                    "body": event.body,
+                }
+                for event in body.events
+            ],
         )
         await measurements.record_events(session, attempt, body.events, received)
         return 201, msgspec.json.encode(wire.EventBatchReply(attempt.id, body.sequence, len(body.events)))
