@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import msgspec
 import psutil
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -334,6 +335,68 @@ async def _reads_while_claims_wait(base: str, tokens: list[str], reads: int = 50
     }
 
 
+async def _statement_floor(url: str, token_secret: str, count: int = 2000) -> dict[str, float]:
+    """The CPU (this process, threads included, on uvloop as the server runs) of one statement at each layer the
+    coordinator stacks on the database, in µs: the bare async driver, SQLAlchemy's async session sending raw SQL,
+    and an ORM select of one row by key as the server's token lookup makes it; and an empty write transaction of the
+    coordinator's session."""
+    from sqlalchemy import bindparam, select, text
+
+    from server import db, models, tokens
+
+    engine = db.create_engine(url)
+    sessions = db.session_maker(engine)
+    by_digest = select(models.Token).where(models.Token.secret_sha256 == bindparam("digest"))
+    digest = tokens.digest(token_secret)
+
+    async def per_call(call: Callable[[], Awaitable[object]]) -> float:
+        for _ in range(50):
+            await call()
+        began = time.process_time()
+        for _ in range(count):
+            await call()
+        return round(1e6 * (time.process_time() - began) / count, 1)
+
+    figures: dict[str, float] = {}
+    try:
+        if db.is_sqlite(url):
+            import aiosqlite
+
+            async with aiosqlite.connect(url.split("///", 1)[1]) as bare:
+
+                async def driver() -> None:
+                    async with bare.execute("SELECT 1") as cursor:
+                        await cursor.fetchall()
+
+                figures["driver_statement_us"] = await per_call(driver)
+        else:
+            import asyncpg
+
+            bare_pg = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+            try:
+                figures["driver_statement_us"] = await per_call(lambda: bare_pg.fetchval("SELECT 1"))
+            finally:
+                await bare_pg.close()
+        async with sessions() as session:
+            db.reading(session)
+            async with session.begin():
+                figures["sqlalchemy_raw_statement_us"] = await per_call(lambda: session.execute(text("SELECT 1")))
+                figures["orm_select_by_key_us"] = await per_call(
+                    lambda: session.execute(
+                        by_digest, {"digest": digest}, execution_options={"populate_existing": True}
+                    )
+                )
+
+        async def transaction() -> None:
+            async with sessions() as session, session.begin():
+                await session.connection()  # BEGIN (IMMEDIATE on SQLite) and COMMIT, with nothing between
+
+        figures["empty_write_transaction_us"] = await per_call(transaction)
+    finally:
+        await engine.dispose()
+    return figures
+
+
 def _database(backend: str, home: Path) -> tuple[str, Callable[[], None]]:
     """A new, empty database of ``backend``, and how to drop it."""
     if backend == "sqlite":
@@ -370,6 +433,7 @@ def run_backend(backend: str, source: Path, args: argparse.Namespace) -> dict[st
                     with _server(url, home, source) as (base, pid):
                         meter = CpuMeter(pid, database_user)
                         figures[measurement] = server_cpu(base, meter, operator, tokens, args.requests)
+                    figures["statement_floor"] = uvloop.run(_statement_floor(url, tokens[0]))  # the server's loop
                 else:
                     figures[measurement] = []
                     for agents in args.agents.split(","):

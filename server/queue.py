@@ -26,6 +26,7 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, Update, and_, bindparam, case, func, null, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute, aliased
+from uuid_utils.compat import uuid7
 
 from experiment import wire
 from server import claims, lifecycle, models
@@ -255,6 +256,7 @@ async def claim(
     else:
         claims.claimable(session)  # the gang's other ranks are open to other agents
     attempt = models.Attempt(
+        id=uuid7(),  # the key the row would get at its INSERT, known now: the claim's rows are written in one flush
         job_id=job.id,
         number=job.attempts_made,
         rank=rank,
@@ -266,7 +268,6 @@ async def claim(
     )
     token = _lease(settings, attempt)
     session.add(attempt)
-    await session.flush()
     lifecycle.record_claim(session, job, attempt)
     return _assignment(job, attempt, token)
 
