@@ -11,7 +11,9 @@ Postgres.
   wait on an empty queue (and idle); events per second ingested in batches.
 
 ``--baseline REV`` measures the server of commit REV too (from a git worktree, with the same virtual environment and
-the same client), in the same run, so that the two figures of a route are comparable. Prints one JSON object and
+the same client), in the same run: both servers run at once, each on a database of its own, and each route's
+requests go in slices to one server and then the other, so that whatever else the machine does weighs on both alike.
+The JSON also holds the per-statement floor of each database layer (``statement_floor``). Prints one JSON object and
 writes it to ``--output``.
 
     .venv/bin/python bench/coordinator.py [--baseline REV] [--requests 200] [--agents 32] [--backends sqlite,postgres]
@@ -40,6 +42,7 @@ import httpx
 import msgspec
 import psutil
 import uvloop
+from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -89,19 +92,24 @@ def _server(url: str, home: Path, source: Path) -> Iterator[tuple[str, int]]:
 
 
 class CpuMeter:
-    """CPU seconds (user + system) spent by the server's process tree and, apart, by the database's processes
-    (Postgres's, by their user; none for SQLite, which runs inside the server)."""
+    """CPU seconds (user + system) spent by the server's process tree and, apart, by the database's processes (the
+    Postgres backends serving ``database_name``, found by their title; none for SQLite, which runs in the server)."""
 
-    def __init__(self, server_pid: int, database_user: str | None) -> None:
+    def __init__(self, server_pid: int, database_name: str | None) -> None:
         self.server = psutil.Process(server_pid)
-        self.database_user = database_user
+        self.database_name = database_name
 
     def _processes(self, database: bool) -> list[psutil.Process]:
         if not database:
             return [self.server, *self.server.children(recursive=True)]
-        if self.database_user is None:
+        if self.database_name is None:
             return []
-        return [p for p in psutil.process_iter(["username"]) if p.info["username"] == self.database_user]
+        found = []
+        for process in psutil.process_iter(["username", "cmdline"]):
+            title = " ".join(process.info["cmdline"] or [])
+            if process.info["username"] == "postgres" and f" {self.database_name} " in f"{title} ":
+                found.append(process)
+        return found
 
     @staticmethod
     def _times(processes: list[psutil.Process]) -> dict[int, float]:
@@ -122,85 +130,132 @@ class CpuMeter:
         return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
 
 
-def _per_request(meter: CpuMeter, count: int, call: Callable[[int], object]) -> dict[str, Any]:
-    """``call(i)`` for i in range(count), one after another: the server's (and the database's) CPU and the client's
-    wall time, per request."""
-    server_before, database_before = meter.snapshot()
-    began = time.perf_counter()
-    for i in range(count):
-        call(i)
-    wall = time.perf_counter() - began
-    server_after, database_after = meter.snapshot()
-    figures = {
-        "requests": count,
-        "server_cpu_ms": round(1000 * CpuMeter.spent(server_before, server_after) / count, 3),
-        "wall_ms": round(1000 * wall / count, 3),
-    }
-    if meter.database_user is not None:
-        figures["database_cpu_ms"] = round(1000 * CpuMeter.spent(database_before, database_after) / count, 3)
-    return figures
-
-
 def _step_events(count: int) -> list[wire.Event]:
     return [
         msgspec.convert({"kind": "step", "body": {"step": i, "loss": 1.0 / (i + 1)}}, wire.Event) for i in range(count)
     ]
 
 
-def server_cpu(base: str, meter: CpuMeter, operator: str, agent_tokens: tuple[str, str], count: int) -> dict[str, Any]:
-    """Each route's server CPU per request, over ``count`` sequential requests after a few unmeasured ones.
+ROUTES = (
+    "claim",
+    "start",
+    "heartbeat_of_4",
+    "event_batch_of_100",
+    "blob_1mib",
+    "result",
+    "list_experiments",
+    "health",
+)
 
-    Agent a claims, starts, uploads a blob for and finishes ``count`` prepare jobs (one per experiment); agent b
-    holds 4 attempts, which its heartbeats name and whose first one its event batches go to."""
-    warm = 6
-    with httpx.Client(base_url=base, timeout=60) as http:
-        for _ in range(count + warm):
+
+class RouteLoad:
+    """One server's routes, driven one request at a time. Agent a claims, starts, uploads a blob for and finishes
+    ``count`` prepare jobs (one per experiment); agent b holds 4 attempts, which its heartbeats name and whose first
+    one its event batches go to. The set-up warms every route with a few unmeasured requests."""
+
+    WARM = 6
+
+    def __init__(self, base: str, meter: CpuMeter, operator: str, agent_tokens: tuple[str, str], count: int) -> None:
+        self.meter = meter
+        self.count = count
+        self.http = httpx.Client(base_url=base, timeout=60)
+        for _ in range(count + self.WARM):
             body = {"plan_toml": PLAN, "commit": True, "autopilot": True}
-            http.post("/api/experiments", json=body, headers=bearer(operator)).raise_for_status()
-        a, b = (FakeAgent(base, token) for token in agent_tokens)
-        try:
-            a.register("bench-a")
-            b.register("bench-b")
-            held = [b.take("prepare") for _ in range(warm)]  # warms claim and start
-            for i, job in enumerate(held[4:]):  # warms blob and result
-                b.upload(os.urandom(1 << 20), job)
-                b.finish(job, result={"prepared_identity": hashlib.sha256(b"warm %d" % i).hexdigest()})
-            held = held[:4]
-            for i in range(3):
-                b.heartbeat(*held)
-                b.events(held[0], i, *_step_events(100))
-                http.get("/api/experiments").raise_for_status()
-                http.get("/health").raise_for_status()
-            jobs: list[wire.Assignment] = []
+            self.http.post("/api/experiments", json=body, headers=bearer(operator)).raise_for_status()
+        self.a, self.b = (FakeAgent(base, token) for token in agent_tokens)
+        self.a.register("bench-a")
+        self.b.register("bench-b")
+        held = [self.b.take("prepare") for _ in range(self.WARM)]  # warms claim and start
+        for i, job in enumerate(held[4:]):  # warms blob and result
+            self.b.upload(os.urandom(1 << 20), job)
+            self.b.finish(job, result={"prepared_identity": hashlib.sha256(b"warm %d" % i).hexdigest()})
+        self.held = held[:4]
+        for i in range(3):
+            self.b.heartbeat(*self.held)
+            self.b.events(self.held[0], i, *_step_events(100))
+            self.http.get("/api/experiments").raise_for_status()
+            self.http.get("/health").raise_for_status()
+        self.jobs: list[wire.Assignment] = []
+        self.blobs = [os.urandom(1 << 20) for _ in range(count)]
+        self.batch = _step_events(100)
+        self.totals = {route: [0, 0.0, 0.0, 0.0] for route in ROUTES}  # requests, server s, database s, wall s
 
-            def claim(i: int) -> None:
-                job = a.claim("prepare", key=f"bench-claim-{i:08d}")  # a key per claim, as agent.loop sends
-                assert job is not None, "the queue ran dry"
-                jobs.append(job)
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+        self.http.close()
 
-            blobs = [os.urandom(1 << 20) for _ in range(count)]
-            batch = _step_events(100)
-            figures = {
-                "claim": _per_request(meter, count, claim),
-                "start": _per_request(meter, count, lambda i: a.start(jobs[i])),
-                "heartbeat_of_4": _per_request(meter, count, lambda i: b.heartbeat(*held)),
-                "event_batch_of_100": _per_request(meter, count, lambda i: b.events(held[0], 3 + i, *batch)),
-                "blob_1mib": _per_request(meter, count, lambda i: a.upload(blobs[i], jobs[i])),
-                "result": _per_request(
-                    meter,
-                    count,
-                    lambda i: a.finish(jobs[i], result={"prepared_identity": hashlib.sha256(b"%d" % i).hexdigest()}),
-                ),
-                "list_experiments": _per_request(
-                    meter, count, lambda i: http.get("/api/experiments").raise_for_status()
-                ),
-                "health": _per_request(meter, count, lambda i: http.get("/health").raise_for_status()),
+    def _claim(self, i: int) -> None:
+        job = self.a.claim("prepare", key=f"bench-claim-{i:08d}")  # a key per claim, as agent.loop sends
+        assert job is not None, "the queue ran dry"
+        self.jobs.append(job)
+
+    def _call(self, route: str) -> Callable[[int], object]:
+        a, b, jobs = self.a, self.b, self.jobs
+        return {
+            "claim": self._claim,
+            "start": lambda i: a.start(jobs[i]),
+            "heartbeat_of_4": lambda i: b.heartbeat(*self.held),
+            "event_batch_of_100": lambda i: b.events(self.held[0], 3 + i, *self.batch),
+            "blob_1mib": lambda i: a.upload(self.blobs[i], jobs[i]),
+            "result": lambda i: a.finish(jobs[i], result={"prepared_identity": hashlib.sha256(b"%d" % i).hexdigest()}),
+            "list_experiments": lambda i: self.http.get("/api/experiments").raise_for_status(),
+            "health": lambda i: self.http.get("/health").raise_for_status(),
+        }[route]
+
+    def measure(self, route: str, indices: range) -> None:
+        """Requests ``indices`` of ``route``, one after another, added to the route's totals."""
+        call = self._call(route)
+        server_before, database_before = self.meter.snapshot()
+        began = time.perf_counter()
+        for i in indices:
+            call(i)
+        wall = time.perf_counter() - began
+        server_after, database_after = self.meter.snapshot()
+        totals = self.totals[route]
+        totals[0] += len(indices)
+        totals[1] += CpuMeter.spent(server_before, server_after)
+        totals[2] += CpuMeter.spent(database_before, database_after)
+        totals[3] += wall
+
+    def figures(self) -> dict[str, Any]:
+        """Per request: the server's (and the database's) CPU and the client's wall time, in ms."""
+        figures: dict[str, Any] = {}
+        for route, (requests, server, database_, wall) in self.totals.items():
+            figures[route] = {
+                "requests": requests,
+                "server_cpu_ms": round(1000 * server / requests, 3),
+                "wall_ms": round(1000 * wall / requests, 3),
             }
-        finally:
-            a.close()
-            b.close()
-    figures["list_experiments"]["experiments"] = count + warm
-    return figures
+            if self.meter.database_name is not None:
+                figures[route]["database_cpu_ms"] = round(1000 * database_ / requests, 3)
+        figures["list_experiments"]["experiments"] = self.count + self.WARM
+        return figures
+
+
+def server_cpu(backend: str, sources: dict[str, Path], count: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Each route's server CPU per request, for the server of each source at once, each on a new database of its
+    own: the routes' requests go in ``rounds`` slices, each slice to every server in turn (the order alternating),
+    so that whatever else the machine does weighs on every server alike."""
+    with contextlib.ExitStack() as stack:
+        loads = {}
+        for label, source in sources.items():
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coop-bench-")))
+            url, drop = _database(backend, home)
+            stack.callback(drop)
+            _migrate(url, home, source)
+            operator = database.make_token(url, "operator", "bench-operator")
+            tokens = (database.make_token(url, "agent", "bench-a"), database.make_token(url, "agent", "bench-b"))
+            base, pid = stack.enter_context(_server(url, home, source))
+            meter = CpuMeter(pid, None if backend == "sqlite" else make_url(url).database)
+            loads[label] = RouteLoad(base, meter, operator, tokens, count)
+            stack.callback(loads[label].close)
+        slices = [range(count * k // rounds, count * (k + 1) // rounds) for k in range(rounds)]
+        for route in ROUTES:
+            for k, indices in enumerate(slices):
+                for label in list(loads)[:: 1 if k % 2 == 0 else -1]:
+                    loads[label].measure(route, indices)
+        return {label: load.figures() for label, load in loads.items()}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -408,45 +463,45 @@ def _database(backend: str, home: Path) -> tuple[str, Callable[[], None]]:
     return url, lambda: database.drop_postgres_database(admin, url)
 
 
-def run_backend(backend: str, source: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Both measurements of the server in ``source`` on a new database of ``backend`` each."""
-    figures: dict[str, Any] = {}
-    database_user = "postgres" if backend == "postgres" else None
-    for measurement in ("server_cpu", "throughput"):
-        with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
-            home = Path(folder)
-            url, drop = _database(backend, home)
-            try:
-                subprocess.run(
-                    [sys.executable, "-m", "server", "migrate"],
-                    cwd=source,
-                    env={**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url},
-                    check=True,
-                    capture_output=True,
-                )
-                operator = database.make_token(url, "operator", "bench-operator")
-                if measurement == "server_cpu":
-                    tokens = (
-                        database.make_token(url, "agent", "bench-a"),
-                        database.make_token(url, "agent", "bench-b"),
+def _migrate(url: str, home: Path, source: Path) -> None:
+    """The schema of the code in ``source``."""
+    environment = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url}
+    subprocess.run(
+        [sys.executable, "-m", "server", "migrate"], cwd=source, env=environment, check=True, capture_output=True
+    )
+
+
+def throughput(backend: str, source: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The concurrent measurements of the server in ``source``, on a new database."""
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
+        home = Path(folder)
+        url, drop = _database(backend, home)
+        try:
+            _migrate(url, home, source)
+            operator = database.make_token(url, "operator", "bench-operator")
+            for agents in args.agents.split(","):
+                tokens = [database.make_token(url, "agent", f"bench-{agents}-{i:03d}") for i in range(int(agents))]
+                with _server(url, home, source) as (base, _):
+                    figures.append(
+                        asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size))
                     )
-                    with _server(url, home, source) as (base, pid):
-                        meter = CpuMeter(pid, database_user)
-                        figures[measurement] = server_cpu(base, meter, operator, tokens, args.requests)
-                    figures["statement_floor"] = uvloop.run(_statement_floor(url, tokens[0]))  # the server's loop
-                else:
-                    figures[measurement] = []
-                    for agents in args.agents.split(","):
-                        tokens_ = [
-                            database.make_token(url, "agent", f"bench-{agents}-{i:03d}") for i in range(int(agents))
-                        ]
-                        with _server(url, home, source) as (base, _):
-                            figures[measurement].append(
-                                asyncio.run(_measure(base, operator, tokens_, args.jobs, args.batches, args.batch_size))
-                            )
-            finally:
-                drop()
+        finally:
+            drop()
     return figures
+
+
+def statement_floor(backend: str) -> dict[str, float]:
+    """The per-statement floor of the database layers (this checkout's engine), on a new database."""
+    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
+        home = Path(folder)
+        url, drop = _database(backend, home)
+        try:
+            _migrate(url, home, ROOT)
+            token = database.make_token(url, "agent", "bench-floor")
+            return uvloop.run(_statement_floor(url, token))  # uvloop, as the server runs
+        finally:
+            drop()
 
 
 @contextmanager
@@ -474,6 +529,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="also measure the server of this git revision, in the same run")
     parser.add_argument("--requests", type=int, default=200, help="sequential requests per route for the server CPU")
+    parser.add_argument("--rounds", type=int, default=4, help="slices of each route's requests, alternating servers")
     parser.add_argument("--jobs", type=int, default=256)
     parser.add_argument("--agents", default="32", help="concurrent claimers, one run each (comma-separated)")
     parser.add_argument("--batches", type=int, default=10, help="event batches per uploading agent")
@@ -486,10 +542,15 @@ def main() -> None:
         if args.baseline:
             sources = {"before": stack.enter_context(_checkout(args.baseline)), **sources}
         results: dict[str, Any] = {label: {"commit": _commit(source)} for label, source in sources.items()}
+        floors = {}
         for backend in args.backends.split(","):
-            for label, source in sources.items():  # the two servers one after the other on each database
-                results[label][backend] = run_backend(backend, source, args)
-    text = json.dumps({"bench": "coordinator", "cpus": os.cpu_count(), "results": results}, indent=2)
+            for label, figures in server_cpu(backend, sources, args.requests, args.rounds).items():
+                results[label][backend] = {"server_cpu": figures}
+            for label, source in sources.items():  # the servers one after the other
+                results[label][backend]["throughput"] = throughput(backend, source, args)
+            floors[backend] = statement_floor(backend)
+    report = {"bench": "coordinator", "cpus": os.cpu_count(), "results": results, "statement_floor": floors}
+    text = json.dumps(report, indent=2)
     args.output.write_text(text + "\n")
     print(text)
 

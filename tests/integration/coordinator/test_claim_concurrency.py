@@ -83,7 +83,7 @@ def test_many_agents_claiming_at_once_get_each_rank_once_and_form_every_gang_who
                 assert len({(a["master_addr"], a["master_port"]) for _, a in ranks}) == 1
 
         # What the coordinator recorded: one attempt per rank handed out, and no other.
-        for job_id, job in jobs.items():
+        for job_id in jobs:
             recorded = first.get(f"/api/jobs/{job_id}/attempts")
             assert sorted((a["id"], a["rank"]) for a in recorded) == sorted(
                 (a["attempt_id"], a["rank"]) for _, a in by_job[job_id]
