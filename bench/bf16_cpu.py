@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from experiment.learning import corpus, evaluation, training
+from experiment.learning import corpus, decoding, training
 from experiment.seed import seedmodel
 
 
@@ -35,7 +35,7 @@ def _decode_seconds(seed_dir: Path, prompts: list[list[int]], dtype: torch.dtype
     model = seedmodel.load_model(seed_dir).eval().to(dtype)
     start = time.perf_counter()
     with torch.inference_mode():
-        evaluation.generate(model, prompts, eos, pad, 96, batch_size=len(prompts))
+        decoding.generate(model, prompts, eos, pad, 96, batch_size=len(prompts))
     return time.perf_counter() - start
 
 

@@ -1,4 +1,4 @@
-"""Answers per second on this CPU: the evaluation's batched greedy decoding (experiment.learning.evaluation.generate)
+"""Answers per second on this CPU: the evaluation's batched greedy decoding (experiment.learning.decoding.generate)
 against the reference's method, Hugging Face generate on one prompt at a time, on the same prompts, with the
 equality of every output id sequence, for each of --batch-sizes; the evaluation's own CPU batch size
 (evaluation.batch_size_for) heads the result. The prompts are the local plan's 256 test tasks, which the evaluation
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiment.core import tasks  # noqa: E402
-from experiment.learning import corpus, evaluation  # noqa: E402
+from experiment.learning import corpus, decoding, evaluation  # noqa: E402
 from experiment.seed import seedmodel  # noqa: E402
 from tests.support.greedy import hf_greedy as one_at_a_time  # noqa: E402  (the reference's method)
 
@@ -60,7 +60,7 @@ def main() -> None:
 
     def batched(size: int) -> Callable[[], list[list[int]]]:
         def run() -> list[list[int]]:
-            generations = evaluation.generate(model, prompts, eos, pad, args.max_new_tokens, batch_size=size)
+            generations = decoding.generate(model, prompts, eos, pad, args.max_new_tokens, batch_size=size)
             return [g.output_ids for g in generations]
 
         return run

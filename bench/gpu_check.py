@@ -53,7 +53,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from experiment.core import determinism  # noqa: E402
 from experiment.core.plan import Plan, load_plan  # noqa: E402
-from experiment.learning import checkpoint, distributed, evaluation, preflight, training  # noqa: E402
+from experiment.learning import checkpoint, decoding, distributed, evaluation, preflight, training  # noqa: E402
 from experiment.learning.corpus import Document  # noqa: E402
 from experiment.seed import seedmodel  # noqa: E402
 
@@ -441,10 +441,10 @@ def evaluation_step(plan: Plan, shape: dict[str, Any], device: torch.device, max
     prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randrange(40, 400))] for _ in range(32)]
     eos = pad = 2
     began = clock(device)
-    batched = evaluation.generate(model, prompts, eos, pad, max_new_tokens, batch_size=EVAL_BATCH)
+    batched = decoding.generate(model, prompts, eos, pad, max_new_tokens, batch_size=EVAL_BATCH)
     batched_seconds = clock(device) - began
     began = clock(device)
-    alone = evaluation.generate(model, prompts, eos, pad, max_new_tokens, batch_size=1)
+    alone = decoding.generate(model, prompts, eos, pad, max_new_tokens, batch_size=1)
     alone_seconds = clock(device) - began
     rows = list(zip(batched, alone, strict=True))
     pairs = [(a, b) for x, y in rows for a, b in zip(x.output_ids, y.output_ids, strict=False)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from experiment.learning import corpus, evaluation
+from experiment.learning import corpus, decoding
 from experiment.seed import seedimport, seedmodel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def main() -> None:
         answer_seconds, tokens = [], []
         for item in items:
             began = time.perf_counter()
-            [generation] = evaluation.generate(model, [item.prompt_ids], eos, pad, 96, batch_size=1)
+            [generation] = decoding.generate(model, [item.prompt_ids], eos, pad, 96, batch_size=1)
             answer_seconds.append(time.perf_counter() - began)
             tokens.append(len(generation.output_ids))
     print(

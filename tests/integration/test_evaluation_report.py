@@ -19,7 +19,7 @@ from experiment.core import ledger, tasks
 from experiment.core.canonical import canonical_bytes, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.plan import load_plan
-from experiment.learning import corpus, evaluation, selection
+from experiment.learning import corpus, decoding, evaluation, selection
 from experiment.report import bundle, recompute
 from experiment.seed import seedmodel
 from tests.conftest import write_plan
@@ -69,13 +69,13 @@ def evidence(trained: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathF
 def _rows_leaving(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(rows in the batch, rows that leave it) each time rows leave a batch while others decode on."""
     seen: list[tuple[int, int]] = []
-    leave = evaluation._Batch.leave
+    leave = decoding._Batch.leave
 
     def spied(batch: Any, ended: torch.Tensor) -> torch.Tensor:
         seen.append((len(ended), int(ended.sum())))
         return leave(batch, ended)
 
-    monkeypatch.setattr(evaluation._Batch, "leave", spied)
+    monkeypatch.setattr(decoding._Batch, "leave", spied)
     return seen
 
 
@@ -91,8 +91,8 @@ def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(monkeypatch:
     assert len({len(p) for p in prompts}) >= 8  # mixed lengths: every batch is padded
     left = _rows_leaving(monkeypatch)
     # 72 prompts in three batches of 24, each prefilled in two groups of its own width (16 and 8 prompts).
-    assert evaluation.PREFILL_ROWS == 16
-    batched = evaluation.generate(model, prompts, eos, pad, 96, batch_size=24)
+    assert decoding.PREFILL_ROWS == 16
+    batched = decoding.generate(model, prompts, eos, pad, 96, batch_size=24)
     reference = [hf_greedy(model, p, eos, pad, 96) for p in prompts]
     assert [g.output_ids for g in batched] == reference
     for generation, ids in zip(batched, reference, strict=True):
@@ -113,10 +113,10 @@ def test_bfloat16_numerics_answer_as_hf_generate_does_in_bfloat16() -> None:
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(32)
     ]
     eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
-    batched = [g.output_ids for g in evaluation.generate(model, prompts, eos, pad, 96, batch_size=16)]
+    batched = [g.output_ids for g in decoding.generate(model, prompts, eos, pad, 96, batch_size=16)]
     assert batched == [hf_greedy(model, p, eos, pad, 96) for p in prompts]
     in_float32 = evaluation.answering_model(seedmodel.load_model(TINY), "cpu", "float32")
-    assert batched != [g.output_ids for g in evaluation.generate(in_float32, prompts, eos, pad, 96, batch_size=16)]
+    assert batched != [g.output_ids for g in decoding.generate(in_float32, prompts, eos, pad, 96, batch_size=16)]
 
 
 def test_test_evaluation_refused_before_selection(trained: Path, small_seed: Seed) -> None:

