@@ -62,7 +62,7 @@ def size(count: float) -> str:
 
 def _environment() -> jinja2.Environment:
     environment = jinja2.Environment(
-        # The report's shared partials (the local-SGD verdict) come from experiment.report's own templates.
+        # The report's sections, shared with coop report's page, come from experiment.report's own templates.
         loader=jinja2.ChoiceLoader(
             [jinja2.FileSystemLoader(TEMPLATES), jinja2.PackageLoader("experiment.report", "templates")]
         ),

@@ -5,8 +5,6 @@ figures, all read from the recorded report JSON; and each paired comparison's wi
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 from litestar import Controller, get
@@ -20,16 +18,8 @@ from experiment.report.model import Report, read_report
 from server import experiments
 from server.errors import NotFound
 from server.settings import Settings
-from server.web import benchmarks, charts, paired, render
+from server.web import charts, paired, render
 from server.web.access import WebRequest
-
-
-def serving_phases(report: Report) -> dict[str, Mapping[str, Any]]:
-    """The serving section's metrics per phase, in the benchmark's order; empty when the bundle had no serving."""
-    if report.serving is None:
-        return {}
-    phases = report.serving.phases
-    return {phase: msgspec.to_builtins(phases[phase]) for phase in SERVING_PHASES if phase in phases}
 
 
 async def recorded(db_session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> Report:
@@ -67,7 +57,6 @@ class ReportPages(Controller):
             return render.page(
                 request, "report.html", tab="report", experiment=experiment, report=None, figures={}, problem=str(exc)
             )
-        phases = serving_phases(document)
         return render.page(
             request,
             "report.html",
@@ -75,8 +64,7 @@ class ReportPages(Controller):
             experiment=experiment,
             report=document,
             figures=charts.report(document),
-            serving_phases=list(phases),
-            serving_rows=benchmarks.comparison(phases),
+            phases=SERVING_PHASES,
             comparisons={(c.arm, c.baseline): c for c in paired.stated(document)},
         )
 
