@@ -240,10 +240,7 @@ def server_cpu(backend: str, sources: dict[str, Path], count: int, rounds: int) 
     with contextlib.ExitStack() as stack:
         loads = {}
         for label, source in sources.items():
-            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coop-bench-")))
-            url, drop = _database(backend, home)
-            stack.callback(drop)
-            _migrate(url, home, source)
+            url, home = stack.enter_context(_fresh_database(backend, source))
             operator = database.make_token(url, "operator", "bench-operator")
             tokens = (database.make_token(url, "agent", "bench-a"), database.make_token(url, "agent", "bench-b"))
             base, pid = stack.enter_context(_server(url, home, source))
@@ -452,56 +449,43 @@ async def _statement_floor(url: str, token_secret: str, count: int = 2000) -> di
     return figures
 
 
-def _database(backend: str, home: Path) -> tuple[str, Callable[[], None]]:
-    """A new, empty database of ``backend``, and how to drop it."""
-    if backend == "sqlite":
-        return sqlite_url(home / "bench.sqlite3"), lambda: None
-    admin = database.postgres_admin_url()
-    url = database.create_postgres_database(admin)
-    if url is None:
-        raise SystemExit(f"no Postgres server answers at {admin}")
-    return url, lambda: database.drop_postgres_database(admin, url)
-
-
-def _migrate(url: str, home: Path, source: Path) -> None:
-    """The schema of the code in ``source``."""
-    environment = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url}
-    subprocess.run(
-        [sys.executable, "-m", "server", "migrate"], cwd=source, env=environment, check=True, capture_output=True
-    )
+@contextmanager
+def _fresh_database(backend: str, source: Path) -> Iterator[tuple[str, Path]]:
+    """A new database of ``backend`` with the schema of the code in ``source``, and a home folder beside it; both
+    removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
+        home = Path(folder)
+        admin = database.postgres_admin_url()
+        url = sqlite_url(home / "bench.sqlite3") if backend == "sqlite" else database.create_postgres_database(admin)
+        if url is None:
+            raise SystemExit(f"no Postgres server answers at {admin}")
+        try:
+            environment = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": url}
+            command = [sys.executable, "-m", "server", "migrate"]
+            subprocess.run(command, cwd=source, env=environment, check=True, capture_output=True)
+            yield url, home
+        finally:
+            if backend != "sqlite":
+                database.drop_postgres_database(admin, url)
 
 
 def throughput(backend: str, source: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The concurrent measurements of the server in ``source``, on a new database."""
     figures = []
-    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
-        home = Path(folder)
-        url, drop = _database(backend, home)
-        try:
-            _migrate(url, home, source)
-            operator = database.make_token(url, "operator", "bench-operator")
-            for agents in args.agents.split(","):
-                tokens = [database.make_token(url, "agent", f"bench-{agents}-{i:03d}") for i in range(int(agents))]
-                with _server(url, home, source) as (base, _):
-                    figures.append(
-                        asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size))
-                    )
-        finally:
-            drop()
+    with _fresh_database(backend, source) as (url, home):
+        operator = database.make_token(url, "operator", "bench-operator")
+        for agents in args.agents.split(","):
+            tokens = [database.make_token(url, "agent", f"bench-{agents}-{i:03d}") for i in range(int(agents))]
+            with _server(url, home, source) as (base, _):
+                figures.append(asyncio.run(_measure(base, operator, tokens, args.jobs, args.batches, args.batch_size)))
     return figures
 
 
 def statement_floor(backend: str) -> dict[str, float]:
     """The per-statement floor of the database layers (this checkout's engine), on a new database."""
-    with tempfile.TemporaryDirectory(prefix="coop-bench-") as folder:
-        home = Path(folder)
-        url, drop = _database(backend, home)
-        try:
-            _migrate(url, home, ROOT)
-            token = database.make_token(url, "agent", "bench-floor")
-            return uvloop.run(_statement_floor(url, token))  # uvloop, as the server runs
-        finally:
-            drop()
+    with _fresh_database(backend, ROOT) as (url, _):
+        token = database.make_token(url, "agent", "bench-floor")
+        return uvloop.run(_statement_floor(url, token))  # uvloop, as the server runs
 
 
 @contextmanager
