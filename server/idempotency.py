@@ -67,23 +67,23 @@ async def once(
     previous = await stored(session, key, request_sha256)
     if previous is not None:
         return Stored(previous.status_code, previous.response, True)
-    if session.get_bind().dialect.name == "sqlite":
-        # The transaction has held SQLite's one write lock since its BEGIN IMMEDIATE: no other can store the key
-        # between the read above and this write, so no savepoint is needed to recover from losing that race.
+
+    async def work_and_store() -> Stored:
         status_code, body = await work()
         session.add(
             models.IdempotentRequest(key=key, request_sha256=request_sha256, status_code=status_code, response=body)
         )
         return Stored(status_code, body, False)
+
+    if session.get_bind().dialect.name == "sqlite":
+        # The transaction has held SQLite's one write lock since its BEGIN IMMEDIATE: no other can store the key
+        # between the read above and this write, so no savepoint is needed to recover from losing that race.
+        return await work_and_store()
     try:
         async with session.begin_nested():
-            status_code, body = await work()
-            session.add(
-                models.IdempotentRequest(key=key, request_sha256=request_sha256, status_code=status_code, response=body)
-            )
+            return await work_and_store()
     except IntegrityError:
         winner = await stored(session, key, request_sha256)
         if winner is None:
             raise  # the work itself broke a constraint: not a race on the key
         return Stored(winner.status_code, winner.response, True)
-    return Stored(status_code, body, False)

@@ -98,6 +98,10 @@ def _claim_statement(by_coordinator: bool) -> Update:
     def by_another(column: InstrumentedAttribute[uuid.UUID | None]) -> ColumnElement[bool]:
         return column.is_not(None) if by_coordinator else column != agent_id
 
+    def open_to_this(job: type[models.Job]) -> ColumnElement[bool]:
+        """A queued job pinned to no host, or to this one."""
+        return or_(job.pinned_agent_id.is_(None), by_this(job.pinned_agent_id))
+
     mine = (
         select(models.Attempt.id)
         .where(
@@ -128,7 +132,7 @@ def _claim_statement(by_coordinator: bool) -> Update:
         .where(
             or_(
                 and_(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another),
-                and_(queued, or_(candidate.pinned_agent_id.is_(None), by_this(candidate.pinned_agent_id))),
+                and_(queued, open_to_this(candidate)),
             ),
             candidate.kind.in_(bindparam("kinds", expanding=True)),
             candidate.experiment_id.in_(live),
@@ -148,7 +152,7 @@ def _claim_statement(by_coordinator: bool) -> Update:
             job.id == chosen,
             or_(
                 and_(job.state.in_(ACTIVE), job.ranks_open > 0),
-                and_(was_queued, or_(job.pinned_agent_id.is_(None), by_this(job.pinned_agent_id))),
+                and_(was_queued, open_to_this(job)),
             ),
         )
         .values(

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from tests.support.agent import FakeAgent
+from tests.support.database import empty_database
 from tests.support.processes import CoordinatorProcess
 from tests.support.scenarios import bearer, prepared_experiment
 
@@ -42,6 +43,7 @@ async def _claim_at_once(claimers: list[tuple[str, str]]) -> list[list[dict[str,
 def test_many_agents_claiming_at_once_get_each_rank_once_and_form_every_gang_whole(
     database_url: str, tmp_path: Path
 ) -> None:
+    empty_database(database_url)  # on Postgres, the session's database: what earlier tests left goes
     settings = {"COOP_LEASE_SECONDS": "600", "COOP_GANG_FORM_SECONDS": "600"}
     first = CoordinatorProcess(tmp_path / "first", database_url, migrate=False, **settings)
     second = CoordinatorProcess(tmp_path / "second", database_url, migrate=False, operator=None, **settings)
