@@ -5,6 +5,7 @@ recorded, and vLLM's benchmark metric names."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from datetime import UTC, datetime
@@ -100,6 +101,11 @@ class PhaseRun:
         self._stop_announced = False
         self._stop_wait: asyncio.Task[None] | None = None
         self.stop_seen: float | None = None
+        # The endpoint seen leaving after the stop was announced: the stopped replica, which is never routed to
+        # again in this phase, even if its health check answers once more (vLLM's /health says 200 while it
+        # drains, and a loaded host can miss one check).
+        self.stopped: str | None = None
+        self._left = asyncio.Event()
         # Per endpoint, set when it goes down: its attempts in flight are abandoned then (a cut link would hold
         # them until TCP gives up), and retried on another endpoint under the same request id.
         self._gone: dict[str, asyncio.Event] = {}
@@ -121,9 +127,13 @@ class PhaseRun:
         if self.router.mark_down(endpoint):
             self._gone_event(endpoint).set()
             self.emit({"event": "endpoint-down", "endpoint": endpoint, "reason": reason, "at": round(self._now(), 3)})
+            if self._stop_announced and self.stopped is None:
+                self.stopped = endpoint
+                self.stop_seen = round(self._now(), 6)
+                self._left.set()
 
     def _up(self, endpoint: str) -> None:
-        if self.router.mark_up(endpoint):
+        if endpoint != self.stopped and self.router.mark_up(endpoint):
             self._gone[endpoint] = asyncio.Event()
             self.emit({"event": "endpoint-up", "endpoint": endpoint, "at": round(self._now(), 3)})
 
@@ -152,11 +162,8 @@ class PhaseRun:
         await self._stop_wait
 
     async def _see_stop(self) -> None:
-        deadline = time.monotonic() + STOP_WAIT
-        while len(self.router.healthy) == len(self.router.endpoints) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if len(self.router.healthy) < len(self.router.endpoints):
-            self.stop_seen = round(self._now(), 6)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._left.wait(), STOP_WAIT)
         self.emit({"event": "stop-seen", "phase": self.phase, "at": self.stop_seen})
 
     async def request(self, client: httpx.AsyncClient, index: int, task_id: str) -> None:

@@ -36,6 +36,7 @@ from experiment.serving import agreement
 MAX_BODY_BYTES = 1024
 REPLICA_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 IDENTITY_TASKS = 8  # dev tasks (both wordings of every family) a replica answers as evaluated before it serves
+FINISHED = ("stop", "length")  # vLLM's finish reasons of a generation that ran to its end
 REPLICA_WAIT_SECONDS = 900.0  # how long the probe waits for its replica to start before it gives up
 
 RequestId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
@@ -145,6 +146,9 @@ class ProbeService:
         self.ignore_eos = ignore_eos
         self.model: str | None = None
         self.identity_check: agreement.Agreement | None = None
+        # Set when the replica aborts a request itself, as vLLM does to every new request while it drains after
+        # SIGTERM (its own /health still answers 200 then); cleared once the replica stops answering at all.
+        self.stopping: str | None = None
 
     async def identity(self) -> str:
         """The replica's one served model name, from its ``/v1/models``."""
@@ -163,7 +167,10 @@ class ProbeService:
         try:
             reply = await self.client.get(f"{self.replica}/health", timeout=5.0)
         except httpx.HTTPError as exc:
+            self.stopping = None
             raise ReplicaError(503, f"replica {self.replica} is not answering: {exc}") from exc
+        if self.stopping is not None:
+            raise ReplicaError(503, f"replica {self.replica} is stopping: {self.stopping}")
         if reply.status_code != 200:
             raise ReplicaError(503, f"replica {self.replica} is not healthy (HTTP {reply.status_code})")
         model = await self.identity()
@@ -263,8 +270,14 @@ class ProbeService:
             choice = reply.json()["choices"][0]
             prompt_ids = [int(t) for t in choice["prompt_token_ids"]]
             output_ids = [int(t) for t in choice["token_ids"]]
+            finish_reason = choice["finish_reason"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ReplicaError(502, f"replica {self.replica} sent a completion without token ids: {exc}") from exc
+        if finish_reason not in FINISHED:
+            # An aborted generation is cut short: never an answer. Another replica may answer the retry.
+            if finish_reason == "abort":
+                self.stopping = f"it aborted task {item.id}"
+            raise ReplicaError(503, f"replica {self.replica} did not finish task {item.id}: {finish_reason}")
         if prompt_ids != item.prompt_ids:
             raise ReplicaError(502, f"replica {self.replica} changed the prompt token ids of task {item.id}")
         generation = self._generation(output_ids)

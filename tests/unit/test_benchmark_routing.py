@@ -27,6 +27,10 @@ class Endpoint(ThreadingHTTPServer):
         self.cut = threading.Event()  # from now on nothing is answered
         self.release = threading.Event()  # the test's end: hung handlers return
         self.hold_infer = False  # its requests hang from the first (the link is cut while they are in flight)
+        # A stopped vLLM replica drains: it refuses new requests, its health check fails once on a loaded host,
+        # then answers 200 again until it exits.
+        self.draining = False
+        self.health_failures = 0
         self.infers: list[str] = []
 
     @property
@@ -48,9 +52,18 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refuse(self) -> None:
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_GET(self) -> None:
         if self.server.cut.is_set():
             self.server.release.wait(HUNG_SECONDS)
+            return
+        if self.server.draining and self.server.health_failures == 0:
+            self.server.health_failures += 1
+            self._refuse()
             return
         self._reply({"status": "ok"})
 
@@ -59,6 +72,9 @@ class Handler(BaseHTTPRequestHandler):
         self.server.infers.append(request["request_id"])
         if self.server.hold_infer or self.server.cut.is_set():
             self.server.release.wait(HUNG_SECONDS)
+            return
+        if self.server.draining:
+            self._refuse()
             return
         check = {"correct": True, "valid_json_object": True, "reason": "correct"}
         self._reply(
@@ -116,3 +132,26 @@ def test_an_attempt_in_flight_to_an_endpoint_that_goes_down_is_retried_on_the_su
     # Given up once a health check (2 s timeout) failed, not when the hung connections would have ended.
     assert all(a.ended - a.started < 5 for a in abandoned) and duration < 10
     assert [e["endpoint"] for e in events if e["event"] == "endpoint-down"] == [cut.url]
+
+
+def test_a_stopped_replica_whose_health_check_answers_again_gets_no_request_after_it_was_seen_leaving(
+    endpoints: tuple[Endpoint, Endpoint],
+) -> None:
+    survivor, stopped = endpoints
+    events: list[dict[str, object]] = []
+
+    def emit(event: dict[str, object]) -> None:
+        events.append(event)
+        if event["event"] == "stop-replica":  # the coordinator stops the second replica
+            stopped.draining = True
+
+    plan = ServingPlan(workload_tasks=8, concurrency=2, max_attempts=2, retry_cache_size=8, max_new_tokens=8)
+    run = PhaseRun([survivor.url, stopped.url], "token", plan, [f"t{n}" for n in range(8)], emit, "failure")
+    run.stop_after = 2
+    asyncio.run(asyncio.wait_for(run.run(), 30))
+    assert not run.failures and len(run.completions) == 8
+    assert stopped.health_failures == 1 and run.stop_seen is not None and run.stopped == stopped.url
+    after = [a for a in run.attempts if a.started >= run.stop_seen]
+    assert len(after) >= 8 - 2 - plan.concurrency
+    assert all(a.endpoint == survivor.url and a.status == 200 for a in after)
+    assert not [e for e in events if e["event"] == "endpoint-up"]

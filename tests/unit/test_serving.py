@@ -104,16 +104,27 @@ def test_after_the_stop_is_announced_every_worker_waits_until_a_replica_leaves()
         holders = [asyncio.create_task(runner.hold_for_stop()) for _ in range(2)]
         await asyncio.sleep(0.3)
         held = not any(h.done() for h in holders)
-        runner.router.mark_down("b")
+        runner._down("b", "health check failed")
         await asyncio.wait_for(asyncio.gather(*holders), 2)
         await runner.hold_for_stop()  # once seen, never again
+        runner._up("b")  # a draining replica's health check may answer again: it stays out of the phase
         return held, runner.stop_seen
 
     held, seen = asyncio.run(scenario())
     assert held
     assert seen is not None and seen >= 0.3
-    assert [e["event"] for e in events] == ["stop-replica", "stop-seen"]
-    assert events[1] == {"event": "stop-seen", "phase": "failure", "at": seen}
+    assert [e["event"] for e in events] == ["stop-replica", "endpoint-down", "stop-seen"]
+    assert events[2] == {"event": "stop-seen", "phase": "failure", "at": seen}
+    assert runner.stopped == "b" and runner.router.healthy == {"a"}
+    assert [runner.router.pick() for _ in range(3)] == ["a", "a", "a"]
+
+
+def test_an_endpoint_that_fails_before_any_stop_comes_back_when_healthy() -> None:
+    plan = ServingPlan(workload_tasks=8, concurrency=2, max_attempts=2, retry_cache_size=8, max_new_tokens=8)
+    runner = PhaseRun(["a", "b"], "token", plan, ["t"] * 8, lambda _: None, "pair")
+    runner._down("b", "health check failed")
+    runner._up("b")
+    assert runner.stopped is None and runner.router.healthy == {"a", "b"}
 
 
 def _attempt(request: str, number: int, status: int | None) -> Attempt:

@@ -1,15 +1,21 @@
-"""A real vLLM (CPU) replica stopped while it answers a request: the request is answered in full, and vLLM
-exits by itself within the grace period instead of waiting to be killed."""
+"""A real vLLM (CPU) replica stopped while it answers a request: the request is answered in full, a request sent
+while it drains is refused by the probe (never served cut short) and the probe reports the replica stopping, and
+vLLM exits by itself within the grace period instead of waiting to be killed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from experiment.learning.corpus import TaskItem
+from experiment.seed import seedmodel
+from experiment.serving.probe import InferRequest, ProbeService, ReplicaError
 from tests.integration.serving.conftest import STARTUP_SECONDS
 from tests.integration.serving.support import TINY, EventProcess, needs_vllm
 from tests.support.processes import free_port
@@ -19,13 +25,49 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 LONG = 600  # tokens: seconds of work on the CPU, so that the stop lands in the middle of it
 
 
+def _probe_while_draining(url: str, stop_sent: threading.Event, outcome: dict[str, str]) -> None:
+    """A probe's requests to the replica from the moment it is told to stop, until one is refused: vLLM aborts
+    the new requests of a draining server while its own /health still answers 200."""
+    tokenizer = seedmodel.load_tokenizer(TINY)
+    prompt_ids = [int(t) for t in tokenizer("The table")["input_ids"]]
+    item = TaskItem("dev-drain", "dev", 0, "lookup", 0, False, "The table", {}, prompt_ids)
+
+    async def probe() -> None:
+        async with httpx.AsyncClient() as client:
+            service = ProbeService([item], tokenizer, url, 4, 8, client)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    await service._generate(InferRequest(request_id="drain", task_id=item.id), item)
+                except ReplicaError as exc:
+                    outcome["refused"] = exc.detail
+                    outcome["replica_health"] = str((await client.get(f"{url}/health")).status_code)
+                    try:
+                        await service.health()
+                    except ReplicaError as health:
+                        outcome["probe_health"] = health.detail
+                    return
+                await asyncio.sleep(0.1)
+
+    stop_sent.wait(60)
+    asyncio.run(probe())
+
+
 def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = ["replica", "--model-dir", str(TINY), "--served-model-name", "tiny-seed", "--port", str(port)]
     served = EventProcess(args, "unused", tmp_path / "replica.log")
     codes: list[int] = []
-    stopping = threading.Thread(target=lambda: codes.append(served.terminate(timeout=120)))
+    stop_sent = threading.Event()
+
+    def stop() -> None:
+        stop_sent.set()
+        codes.append(served.terminate(timeout=120))
+
+    stopping = threading.Thread(target=stop)
+    outcome: dict[str, str] = {}
+    probing = threading.Thread(target=_probe_while_draining, args=(url, stop_sent, outcome))
     body = {
         "model": "tiny-seed",
         "prompt": "The table",
@@ -37,6 +79,7 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
     }
     try:
         served.wait_for_event("healthy", STARTUP_SECONDS)
+        probing.start()
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as response:
             assert response.status_code == 200
             lines = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -44,8 +87,13 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
             stopping.start()  # as the agent stops a replica: SIGTERM to `coop replica`
             chunks = [first, *lines]
         stopping.join(timeout=120)
+        probing.join(timeout=120)
     finally:
         served.terminate()
+    # Refused as unfinished while vLLM drained and still called itself healthy; the probe said it was stopping.
+    assert outcome["refused"].endswith("did not finish task dev-drain: abort"), outcome
+    assert outcome["replica_health"] == "200", outcome
+    assert outcome["probe_health"].endswith("is stopping: it aborted task dev-drain"), outcome
     assert chunks[-1] == "data: [DONE]"
     events = [json.loads(chunk.removeprefix("data: ")) for chunk in chunks[:-1]]
     # Answered in full, though the stop came in the middle: not cut short ("abort"), every token there.
