@@ -13,6 +13,7 @@ import msgspec
 
 from experiment.core.ledger import Entry as LedgerEntry
 from experiment.core.plan import ArmName
+from experiment.core.states import ExperimentState, JobState
 from experiment.learning.records import Answer, Candidate, ResourceSample, StepRecord
 from experiment.serving.servingrecord import Phase
 
@@ -30,20 +31,7 @@ Moment = Annotated[datetime.datetime, msgspec.Meta(tz=True)]
 # the server also refuses empty, ``.`` and ``..`` segments.
 BundlePath = Annotated[str, msgspec.Meta(min_length=1, max_length=500, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]
 
-ExperimentState = Literal[
-    "draft",
-    "committed",
-    "prepared",
-    "training",
-    "trained",
-    "selected",
-    "tested",
-    "serving",
-    "reported",
-    "failed",
-    "halted",
-]
-JobState = Literal["queued", "leased", "running", "succeeded", "failed", "lost", "cancelled"]
+
 JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"]
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent", "reader"]

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
 from experiment.core.errors import CoopError
+from experiment.core.states import JobState
 from server import auth, blobs, bodies, claims, db, failpoints, queue, reactions, reporter
 from server.api import spec
 from server.api.agents import AgentController
@@ -38,7 +39,7 @@ from server.errors import (
     TooLarge,
     Unauthenticated,
 )
-from server.lifecycle import JobState, Refused
+from server.lifecycle import Refused
 from server.metrics import Metrics
 from server.settings import Settings, from_env
 from server.web import routes as web_routes

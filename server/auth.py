@@ -25,6 +25,9 @@ from server.tokens import Principal
 
 STATE_KEY = "coop"
 
+# Any request or websocket, whatever its handler, user, auth and state types.
+Connection = ASGIConnection[Any, Any, Any, Any]
+
 
 @dataclass(frozen=True)
 class Context:
@@ -36,13 +39,13 @@ class Context:
     database: SQLAlchemyAsyncConfig
 
 
-def context(connection: ASGIConnection) -> Context:  # type: ignore[type-arg]
+def context(connection: Connection) -> Context:
     value = connection.app.state[STATE_KEY]
     assert isinstance(value, Context)
     return value
 
 
-def _bearer(connection: ASGIConnection) -> str | None:  # type: ignore[type-arg]
+def _bearer(connection: Connection) -> str | None:
     header = connection.headers.get("authorization")
     if header is None:
         return None
@@ -52,7 +55,7 @@ def _bearer(connection: ASGIConnection) -> str | None:  # type: ignore[type-arg]
     return secret.strip()
 
 
-async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+async def authorize(connection: Connection, handler: BaseRouteHandler) -> None:
     """Check the token, and set the request's database session up so that no request holds the SQLite write
     lock while it reads a body or waits: the token and an agent's row are read by one statement, on SQLite
     outside any transaction (one statement reads one snapshot); a GET stays a reader; any other method's handler
@@ -72,7 +75,7 @@ async def authorize(connection: ASGIConnection, handler: BaseRouteHandler) -> No
 
 
 async def _check(
-    connection: ASGIConnection,  # type: ignore[type-arg]
+    connection: Connection,
     handler: BaseRouteHandler,
     ctx: Context,
     session: AsyncSession,

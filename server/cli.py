@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from experiment.core.errors import CoopError
+from experiment.core.states import ExperimentState
 from server.roles import ROLES
 from server.settings import Settings, from_env
 
@@ -183,7 +184,7 @@ def _experiment(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(client.experiment(args.experiment_id)).decode())
         for arm in client.arms(args.experiment_id):
             print(msgspec.json.encode(arm).decode())
-        if client.experiment(args.experiment_id).state == "reported":
+        if client.experiment(args.experiment_id).state == ExperimentState.REPORTED:
             for line in operator.verdict_lines(client.report(args.experiment_id)):
                 print(line)
     elif args.action == "halt":
@@ -199,7 +200,7 @@ def _experiment(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(client.autopilot(args.experiment_id, args.switch == "on")).decode())
     elif args.action == "watch":
         final = operator.watch(client, args.experiment_id)
-        if final.state != "reported":
+        if final.state != ExperimentState.REPORTED:
             print(f"experiment {final.id} ended {final.state}", file=sys.stderr)
             return 1
         for line in operator.verdict_lines(client.report(args.experiment_id)):

@@ -20,9 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.layout import ATTEMPTS, LEDGER
+from experiment.core.states import JobState
 from server import blobs, commitments, models, trainattempts
 from server.errors import BadRequest
-from server.lifecycle import JobState, Refused
+from server.lifecycle import Refused
 from server.settings import Settings
 
 CHUNK = 1 << 20
@@ -108,7 +109,7 @@ async def _current(
             models.EvidenceFile.experiment_id == experiment_id,
             or_(
                 models.EvidenceFile.attempt_id.is_(None),
-                (models.Job.state == JobState.SUCCEEDED.value) & (models.Attempt.number == models.Job.attempts_made),
+                (models.Job.state == JobState.SUCCEEDED) & (models.Attempt.number == models.Job.attempts_made),
             ),
         )
         .order_by(models.EvidenceFile.path, models.EvidenceFile.id)

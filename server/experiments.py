@@ -20,18 +20,10 @@ from experiment.core import layout
 from experiment.core.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged, seed_identity
+from experiment.core.states import ExperimentState, JobState
 from server import blobs, commitments, evidence, models, queue
 from server.errors import NotFound
-from server.lifecycle import (
-    ExperimentState,
-    JobState,
-    Refused,
-    TrainedArm,
-    experiment_target,
-    guard_selection,
-    guard_serving,
-    move_experiment,
-)
+from server.lifecycle import Refused, TrainedArm, experiment_target, guard_selection, guard_serving, move_experiment
 from server.settings import Settings
 
 E = ExperimentState
@@ -158,7 +150,7 @@ async def _succeeded(session: AsyncSession, experiment_id: uuid.UUID, kind: wire
     """The experiment's jobs of ``kind`` that succeeded, first queued first."""
     rows = await session.scalars(
         select(models.Job)
-        .filter_by(experiment_id=experiment_id, kind=kind, state=JobState.SUCCEEDED.value)
+        .filter_by(experiment_id=experiment_id, kind=kind, state=JobState.SUCCEEDED)
         .order_by(models.Job.queued_at)
     )
     return list(rows)

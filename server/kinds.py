@@ -17,9 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core import layout
+from experiment.core.states import JobState
 from server import claims, commitments, experiments, lifecycle, models, results, secret, serving
 from server.errors import BadRequest
-from server.lifecycle import ExperimentState, JobState, Refused
+from server.lifecycle import Refused
 from server.settings import Settings
 
 S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
@@ -302,7 +303,7 @@ async def enqueue(session: AsyncSession, settings: Settings, experiment: models.
     kind = of(order.kind)
     ledger = await commitments.committed(session, experiment.id)
     plan = experiments.plan_of(experiment)
-    proposal = lifecycle.Proposal(order.kind, ExperimentState(experiment.state), ledger, plan, order.arm, order.role)
+    proposal = lifecycle.Proposal(order.kind, experiment.state, ledger, plan, order.arm, order.role)
     lifecycle.guard_job(proposal, needs_arm=kind.needs_arm)
     kind.guard(proposal)
     placed = await kind.place(session, experiment, order.arm, order.spec)

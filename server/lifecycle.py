@@ -11,13 +11,14 @@ import datetime
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan
+from experiment.core.states import ExperimentState, JobState
+from experiment.wire import Outcome
 from server import claims, models
 
 
@@ -28,30 +29,6 @@ class Refused(CoopError):
         super().__init__(detail)
         self.rule = rule
         self.detail = detail
-
-
-class ExperimentState(StrEnum):
-    DRAFT = "draft"
-    COMMITTED = "committed"
-    PREPARED = "prepared"
-    TRAINING = "training"
-    TRAINED = "trained"
-    SELECTED = "selected"
-    TESTED = "tested"
-    SERVING = "serving"
-    REPORTED = "reported"
-    FAILED = "failed"
-    HALTED = "halted"
-
-
-class JobState(StrEnum):
-    QUEUED = "queued"
-    LEASED = "leased"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    LOST = "lost"
-    CANCELLED = "cancelled"
 
 
 E = ExperimentState
@@ -98,14 +75,20 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     J.LOST: frozenset({J.QUEUED}),
     J.CANCELLED: frozenset(),
 }
+# What an agent reports about an attempt it ends (wire.Outcome), as the attempt's state.
+ENDED_AS: dict[Outcome, JobState] = {
+    "succeeded": J.SUCCEEDED,
+    "failed": J.FAILED,
+    "cancelled": J.CANCELLED,
+    "lost": J.LOST,
+}
 # An attempt is one lease of one rank; it never goes back to the queue.
 ATTEMPT_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     state: targets - {J.QUEUED} for state, targets in JOB_TRANSITIONS.items()
 }
 
 
-def experiment_target(current: str, target: ExperimentState) -> ExperimentState:
-    state = ExperimentState(current)
+def experiment_target(state: ExperimentState, target: ExperimentState) -> ExperimentState:
     if target not in EXPERIMENT_TRANSITIONS[state]:
         raise Refused(
             "experiment-transition",
@@ -116,9 +99,8 @@ def experiment_target(current: str, target: ExperimentState) -> ExperimentState:
 
 
 def job_target(
-    current: str, target: JobState, table: Mapping[JobState, frozenset[JobState]] = JOB_TRANSITIONS
+    state: JobState, target: JobState, table: Mapping[JobState, frozenset[JobState]] = JOB_TRANSITIONS
 ) -> JobState:
-    state = JobState(current)
     if target not in table[state]:
         raise Refused("job-transition", f"a {state} job or attempt cannot become {target}")
     return target
@@ -215,8 +197,8 @@ def record_claim(session: AsyncSession, job: models.Job, attempt: models.Attempt
         job_id=job.id,
         attempt_id=attempt.id,
         subject="attempt",
-        before="queued",
-        after="leased",
+        before=J.QUEUED,
+        after=J.LEASED,
         reason=f"claimed rank {attempt.rank} of attempt {attempt.number}",
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from enum import StrEnum
 from typing import Any
 
 from advanced_alchemy.base import UUIDv7AuditBase
@@ -16,6 +17,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Enum,
     ForeignKey,
     Index,
     Integer,
@@ -28,7 +30,25 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
+from experiment.core.states import ExperimentState, JobState
+from experiment.wire import JobKind, Role, ServingPhaseName, TokenRole
+
 Json = dict[str, Any]
+
+
+def _states(states: type[StrEnum]) -> Enum:
+    """A state column: its values as VARCHAR(20), with a CHECK that the database holds no other."""
+    return Enum(
+        states,
+        native_enum=False,
+        length=20,
+        create_constraint=True,
+        name="state",
+        values_callable=lambda members: [member.value for member in members],
+        validate_strings=True,
+    )
+
+
 # advanced-alchemy's JsonB does not work with SQLAlchemy 2.1; this is the same idea: JSONB on Postgres.
 JsonB = JSON().with_variant(JSONB(), "postgresql")
 
@@ -36,7 +56,7 @@ JsonB = JSON().with_variant(JSONB(), "postgresql")
 class Experiment(UUIDv7AuditBase):
     __tablename__ = "experiments"
     name: Mapped[str] = mapped_column(String(200))
-    state: Mapped[str] = mapped_column(String(20), index=True)
+    state: Mapped[ExperimentState] = mapped_column(_states(ExperimentState), index=True)
     plan_toml: Mapped[str] = mapped_column(Text)
     plan: Mapped[Json] = mapped_column(JsonB)
     plan_identity: Mapped[str] = mapped_column(String(64), index=True)
@@ -90,12 +110,12 @@ class Job(UUIDv7AuditBase):
     __tablename__ = "jobs"
     __table_args__ = (Index("ix_jobs_state_world_size", "state", "world_size"),)
     experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(20))
+    kind: Mapped[JobKind] = mapped_column(String(20))
     arm: Mapped[str | None] = mapped_column(String(40), default=None)
-    role: Mapped[str | None] = mapped_column(String(10), default=None)
+    role: Mapped[Role | None] = mapped_column(String(10), default=None)
     spec: Mapped[Json] = mapped_column(JsonB)
     world_size: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(20))
+    state: Mapped[JobState] = mapped_column(_states(JobState))
     # The attempt generation being filled or run; every rank of a gang shares it.
     attempts_made: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
@@ -128,7 +148,7 @@ class Attempt(UUIDv7AuditBase):
     rank: Mapped[int] = mapped_column(Integer)
     # None: the coordinator's own attempt (the report job: server.reporter).
     agent_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("agents.id"), index=True, default=None)
-    state: Mapped[str] = mapped_column(String(20))
+    state: Mapped[JobState] = mapped_column(_states(JobState))
     lease_token_hash: Mapped[str] = mapped_column(String(64))
     claim_key: Mapped[str | None] = mapped_column(String(64), default=None)
     lease_expires_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
@@ -185,7 +205,7 @@ class Answer(UUIDv7AuditBase):
     experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"))
     attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
     arm: Mapped[str] = mapped_column(String(40))
-    role: Mapped[str] = mapped_column(String(10))
+    role: Mapped[Role] = mapped_column(String(10))
     task_id: Mapped[str] = mapped_column(String(64))
     # The task's index in its role (the order answers are listed in).
     task_index: Mapped[int] = mapped_column(Integer)
@@ -199,7 +219,7 @@ class ServingResult(UUIDv7AuditBase):
     __tablename__ = "serving_results"
     experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
     attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
-    phase: Mapped[str] = mapped_column(String(20))
+    phase: Mapped[ServingPhaseName] = mapped_column(String(20))
     body: Mapped[Json] = mapped_column(JsonB)
 
 
@@ -231,7 +251,7 @@ class Token(UUIDv7AuditBase):
 
     __tablename__ = "tokens"
     name: Mapped[str] = mapped_column(String(200), unique=True)
-    role: Mapped[str] = mapped_column(String(20))
+    role: Mapped[TokenRole] = mapped_column(String(20))
     secret_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
 

@@ -23,6 +23,7 @@ import msgspec
 
 from experiment import wire
 from experiment.core.errors import CoopError
+from experiment.core.states import JobState
 from experiment.report.model import read_report
 
 FINAL = {"reported", "failed", "halted"}
@@ -157,7 +158,7 @@ def _snapshot(operator: Operator, experiment_id: uuid.UUID) -> tuple[wire.Experi
     rows = []
     for job in operator.jobs(experiment_id):
         # A running job's updates, where its command prints ``step`` events (train jobs); (0, 0) otherwise.
-        done, total = operator.progress(job) if job.state == "running" else (0, 0)
+        done, total = operator.progress(job) if job.state == JobState.RUNNING else (0, 0)
         rows.append((job, done, total))
     return experiment, rows
 
@@ -192,7 +193,7 @@ def _watch_terminal(operator: Operator, experiment_id: uuid.UUID, poll: float) -
             experiment, rows = _snapshot(operator, experiment_id)
             bars.update(phase, description=f"experiment: {experiment.state}")
             for job, done, total in rows:
-                finished = job.state in {"succeeded", "failed", "cancelled"}
+                finished = job.state in {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
                 description = f"  {_label(job)}: {job.state}"
                 if job.id not in tasks:
                     tasks[job.id] = bars.add_task(description, total=total or 1)

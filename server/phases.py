@@ -29,18 +29,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.plan import Plan
+from experiment.core.states import ExperimentState, JobState
 from experiment.serving.servingrecord import PHASES
 from server import experiments, kinds, models
 from server.kinds import Order
-from server.lifecycle import (
-    EXPERIMENT_FINAL,
-    JOB_ACTIVE,
-    ExperimentState,
-    JobState,
-    Refused,
-    report_follows,
-    report_state,
-)
+from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, Refused, report_follows, report_state
 from server.settings import Settings
 
 E = ExperimentState
@@ -93,7 +86,7 @@ def _missing(stage: list[Order], jobs: list[models.Job]) -> list[Order]:
 
 
 def _busy(jobs: list[models.Job]) -> list[models.Job]:
-    return [job for job in jobs if J(job.state) in {J.QUEUED, *JOB_ACTIVE}]
+    return [job for job in jobs if job.state in {J.QUEUED, *JOB_ACTIVE}]
 
 
 def _refuse_while_running(state: ExperimentState, jobs: list[models.Job]) -> None:
@@ -127,7 +120,7 @@ async def commit(session: AsyncSession, settings: Settings, experiment: models.E
 
 async def advance(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str:
     """Queue the next stage's jobs (or commit a draft's plan); refuses while the current stage runs."""
-    state = E(experiment.state)
+    state = experiment.state
     if state == E.DRAFT:
         await commit(session, settings, experiment)
         return "plan committed; prepare queued"
@@ -153,7 +146,7 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
 async def request_report(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> models.Job:
     """Queue the coordinator's own report job: once every serving stage before it succeeded, and again after a
     report job failed. The report is always the coordinator's recomputation from the stored evidence."""
-    state = E(experiment.state)
+    state = experiment.state
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; its report can no longer change")
     plan = experiments.plan_of(experiment)
@@ -172,8 +165,8 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
 async def autopilot(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str | None:
     """Advance if autopilot is on, nothing runs, and no job of the next stage has failed or been cancelled."""
     actions = []
-    while experiment.autopilot and E(experiment.state) not in {E.DRAFT, *EXPERIMENT_FINAL}:
-        state = E(experiment.state)
+    while experiment.autopilot and experiment.state not in {E.DRAFT, *EXPERIMENT_FINAL}:
+        state = experiment.state
         jobs = await jobs_of(session, experiment.id)
         # The serving commitment needs no job: replicas may still start.
         commitment = state == E.TESTED and experiments.plan_of(experiment).serves()
@@ -184,7 +177,7 @@ async def autopilot(session: AsyncSession, settings: Settings, experiment: model
             if not missing or any(order.matches(job) for order in missing for job in jobs):
                 break  # done, or a job of this stage ended without success: the operator decides
         actions.append(await advance(session, settings, experiment))
-        if E(experiment.state) == state:
+        if experiment.state == state:
             break  # jobs were queued: the next step waits for them
     return "; ".join(actions) or None
 

@@ -23,19 +23,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Update, and_, bindparam, case, func, null, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Update,
+    and_,
+    bindparam,
+    case,
+    func,
+    literal,
+    null,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute, aliased
 from uuid_utils.compat import uuid7
 
 from experiment import wire
+from experiment.core.states import JobState
 from server import claims, lifecycle, models
 from server.errors import Forbidden, NotFound
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, JobState, Refused
+from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, Refused
 from server.settings import Settings
 
 J = JobState
-ACTIVE = [J.LEASED.value, J.RUNNING.value]
+ACTIVE = [J.LEASED, J.RUNNING]
 NOT_HELD = "not held by its agent: its heartbeat did not name it"
 
 
@@ -125,8 +139,8 @@ def _claim_statement(by_coordinator: bool) -> Update:
         .exists()
     )
     # A job of an experiment that has ended (reported, failed, halted) is never handed out.
-    live = select(models.Experiment.id).where(models.Experiment.state.not_in([s.value for s in EXPERIMENT_FINAL]))
-    queued = candidate.state == J.QUEUED.value
+    live = select(models.Experiment.id).where(models.Experiment.state.not_in(list(EXPERIMENT_FINAL)))
+    queued = candidate.state == J.QUEUED
     chosen = (
         select(candidate.id)
         .where(
@@ -143,7 +157,7 @@ def _claim_statement(by_coordinator: bool) -> Update:
         .scalar_subquery()
     )
     job = models.Job
-    was_queued = job.state == J.QUEUED.value
+    was_queued = job.state == J.QUEUED
     # The row's state is checked again: on Postgres a row the reaper changed since the subquery read it is read
     # anew here, and a rank of a generation that ended is never joined.
     return (
@@ -156,7 +170,7 @@ def _claim_statement(by_coordinator: bool) -> Update:
             ),
         )
         .values(
-            state=case((was_queued, lifecycle.leased_state().value), else_=job.state),
+            state=case((was_queued, literal(lifecycle.leased_state(), job.state.type)), else_=job.state),
             attempts_made=case((was_queued, job.attempts_made + 1), else_=job.attempts_made),
             ranks_open=case((was_queued, job.world_size - 1), else_=job.ranks_open - 1),
             master_addr=case((was_queued, null()), else_=job.master_addr),
@@ -197,9 +211,9 @@ def _assignment(job: models.Job, attempt: models.Attempt, token: str) -> wire.As
         job_id=job.id,
         attempt_id=attempt.id,
         experiment_id=job.experiment_id,
-        kind=job.kind,  # type: ignore[arg-type]
+        kind=job.kind,
         arm=job.arm,
-        role=job.role,  # type: ignore[arg-type]
+        role=job.role,
         spec=job.spec,
         number=attempt.number,
         rank=attempt.rank,
@@ -226,7 +240,7 @@ async def _claimed_before(
     attempt = await session.scalar(_BY_CLAIM_KEY, {"agent_id": agent.id, "claim_key": claim_key})
     if attempt is None:
         return False
-    if attempt.state != J.LEASED.value:
+    if attempt.state != J.LEASED:
         return None  # ended (or started, which its agent would have needed the first reply for)
     job = await session.get_one(models.Job, attempt.job_id)
     return _assignment(job, attempt, _lease(settings, attempt))
@@ -265,7 +279,7 @@ async def claim(
         number=job.attempts_made,
         rank=rank,
         agent_id=None if agent is None else agent.id,
-        state=J.LEASED.value,
+        state=J.LEASED,
         claim_key=claim_key,
         master_addr=job.master_addr,
         master_port=job.master_port,
@@ -280,12 +294,12 @@ async def _settle(session: AsyncSession, job: models.Job, ended: models.Attempt)
     """Bring the job in line with an attempt that just ended: a gang ends together; a lost job is retried."""
     if ended.number == job.attempts_made:  # else an attempt of an earlier generation: its job has moved on
         await _settle_generation(session, job, ended)
-    return Ended(job, ended, J(job.state))
+    return Ended(job, ended, job.state)
 
 
 async def _settle_generation(session: AsyncSession, job: models.Job, ended: models.Attempt) -> None:
     generation_ = await generation(session, job)
-    outcome = J(ended.state)
+    outcome = ended.state
     if outcome in {J.LOST, J.FAILED, J.CANCELLED}:
         running = [sibling for sibling in generation_ if sibling.state in ACTIVE]
         if outcome == J.FAILED and running and job.cancel_requested_at is None:
@@ -293,7 +307,7 @@ async def _settle_generation(session: AsyncSession, job: models.Job, ended: mode
             # was lost or failed is known once every rank ended: the peers still running finish or fail on
             # their own, and a vanished one's lease expires (lost, so the job is retried).
             return
-        if any(sibling.state == J.LOST.value for sibling in generation_):
+        if any(sibling.state == J.LOST for sibling in generation_):
             outcome = J.LOST
         for sibling in running:
             if sibling.state in ACTIVE:
@@ -302,13 +316,13 @@ async def _settle_generation(session: AsyncSession, job: models.Job, ended: mode
                     job,
                     sibling,
                     J.CANCELLED,
-                    f"rank {ended.rank} {outcome.value}: the ranks of a gang end together",
+                    f"rank {ended.rank} {outcome}: the ranks of a gang end together",
                 )
         job.ranks_open, job.formation_deadline = 0, None
-        if J(job.state) in JOB_FINAL:
+        if job.state in JOB_FINAL:
             return
         target = J.CANCELLED if job.cancel_requested_at is not None else outcome
-        lifecycle.move_job(session, job, target, f"rank {ended.rank} of attempt {ended.number} {outcome.value}")
+        lifecycle.move_job(session, job, target, f"rank {ended.rank} of attempt {ended.number} {outcome}")
         tried = job.attempts_made - job.formation_timeouts
         if target == J.LOST and tried < job.max_attempts:
             lifecycle.move_job(session, job, J.QUEUED, f"retry {tried + 1} of {job.max_attempts}")
@@ -317,7 +331,7 @@ async def _settle_generation(session: AsyncSession, job: models.Job, ended: mode
                 # Each rank resumes from its own checkpoints: the retry's rank 0 is claimed on rank 0's host.
                 job.pinned_agent_id = next(a.agent_id for a in generation_ if a.rank == 0)
         return
-    if job.ranks_open == 0 and all(a.state == J.SUCCEEDED.value for a in generation_):
+    if job.ranks_open == 0 and all(a.state == J.SUCCEEDED for a in generation_):
         lifecycle.move_job(session, job, J.SUCCEEDED, f"every rank of attempt {job.attempts_made} succeeded")
 
 
@@ -389,7 +403,8 @@ async def renew_after_restart(session: AsyncSession, settings: Settings) -> int:
         .values(lease_expires_at=_now() + datetime.timedelta(seconds=settings.lease_seconds))
         .execution_options(synchronize_session=False)
     )
-    return int(renewed.rowcount or 0)  # type: ignore[attr-defined]
+    assert isinstance(renewed, CursorResult)  # an UPDATE's result counts its rows
+    return renewed.rowcount
 
 
 async def owned_attempt(
@@ -421,9 +436,9 @@ async def start(
 ) -> models.Attempt:
     job, attempt = await owned_attempt(session, agent, attempt_id, lease_token)
     require_active(attempt)
-    if attempt.state == J.LEASED.value:
+    if attempt.state == J.LEASED:
         lifecycle.move_attempt(session, job, attempt, J.RUNNING, "the agent started the command")
-    if job.state == J.LEASED.value:
+    if job.state == J.LEASED:
         lifecycle.move_job(session, job, J.RUNNING, f"rank {attempt.rank} started")
     return attempt
 
@@ -442,7 +457,9 @@ async def finish(
     and the result (its job kind's, untagged)."""
     require_active(attempt)
     attempt.exit_code, attempt.result = exit_code, result or {}
-    lifecycle.move_attempt(session, job, attempt, J(outcome), reason or f"the agent reported {outcome}")
+    lifecycle.move_attempt(
+        session, job, attempt, lifecycle.ENDED_AS[outcome], reason or f"the agent reported {outcome}"
+    )
     return await _settle(session, job, attempt)
 
 
@@ -499,9 +516,9 @@ async def heartbeat(
 
 async def cancel(session: AsyncSession, job: models.Job, grace_seconds: float) -> list[Ended]:
     """A queued job is cancelled at once; a running one is asked to stop, and forced after the grace period."""
-    state = J(job.state)
+    state = job.state
     if state in JOB_FINAL:
-        raise Refused("job-already-finished", f"job {job.id} is already {state.value}")
+        raise Refused("job-already-finished", f"job {job.id} is already {state}")
     if state == J.QUEUED:
         lifecycle.move_job(session, job, J.CANCELLED, "cancelled by the operator before any claim")
         return [Ended(job, None, J.CANCELLED)]
@@ -510,6 +527,6 @@ async def cancel(session: AsyncSession, job: models.Job, grace_seconds: float) -
     job.ranks_open = 0
     deadline = now + datetime.timedelta(seconds=grace_seconds)
     for attempt in await generation(session, job):
-        if J(attempt.state) in JOB_ACTIVE:
+        if attempt.state in JOB_ACTIVE:
             attempt.cancel_deadline = deadline
     return []

@@ -43,7 +43,8 @@ def _compute(members: list[evidence.Member], folder: Path) -> dict[str, Any]:
     for member in members:
         data = member.source if isinstance(member.source, bytes) else member.source.read_bytes()
         write_new_bytes(bundle / member.path, data)
-    return msgspec.to_builtins(write_report(bundle, folder / "report.json"))  # type: ignore[no-any-return]
+    report: dict[str, Any] = msgspec.to_builtins(write_report(bundle, folder / "report.json"))
+    return report
 
 
 async def _renew(sessions: async_sessionmaker[AsyncSession], settings: Settings, attempt_id: uuid.UUID) -> None:

@@ -154,7 +154,7 @@ def recorded_answer(row: models.Answer) -> wire.RecordedAnswer:
         experiment_id=row.experiment_id,
         attempt_id=row.attempt_id,
         arm=row.arm,
-        role=row.role,  # type: ignore[arg-type]
+        role=row.role,
         answer=msgspec.convert(row.body, type=wire.Answer),
     )
 
@@ -208,7 +208,7 @@ async def serving_results(session: AsyncSession, experiment_id: uuid.UUID) -> li
             id=row.id,
             experiment_id=row.experiment_id,
             attempt_id=row.attempt_id,
-            phase=row.phase,  # type: ignore[arg-type]
+            phase=row.phase,
             report=row.body,
             created_at=row.created_at,
         )

@@ -18,8 +18,9 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.states import JobState
 from server import experiments, models, queue
-from server.lifecycle import JOB_ACTIVE, JobState, Refused
+from server.lifecycle import JOB_ACTIVE, Refused
 
 STOPPED_RANK = 1  # the failure phase stops the replica of the pair's rank 1
 STOP_SIGNAL = "stop-replica"  # the event the failure phase's benchmark prints when the replica is to stop
@@ -42,9 +43,7 @@ async def pair_hosts(session: AsyncSession, experiment: models.Experiment) -> di
     """Rank -> agent of the served arm's training generation that succeeded (each holds that rank's checkpoint)."""
     served = experiments.plan_of(experiment).served_arm()
     job = await session.scalar(
-        select(models.Job).filter_by(
-            experiment_id=experiment.id, kind="train", arm=served, state=JobState.SUCCEEDED.value
-        )
+        select(models.Job).filter_by(experiment_id=experiment.id, kind="train", arm=served, state=JobState.SUCCEEDED)
     )
     if job is None:
         raise Refused("serving-requires-trained-pair", f"no {served} training succeeded")
@@ -61,7 +60,7 @@ async def replicas(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int,
     )
     found: dict[int, Replica] = {}
     for job in rows:
-        state = JobState(job.state)
+        state = job.state
         match wire.spec_of(job.kind, job.spec):
             case wire.ReplicaStartSpec(rank=rank) if state in _LIVE:
                 found[rank] = Replica(rank, "starting", job)

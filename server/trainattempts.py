@@ -48,7 +48,7 @@ async def record(session: AsyncSession, experiment_id: uuid.UUID) -> bytes:
             arm=arm or "",
             generation=attempt.number,
             rank=attempt.rank,
-            state=attempt.state,  # type: ignore[arg-type]
+            state=attempt.state,
             reason=attempt.reason,
             claimed_at=attempt.created_at,
             resumed_from_step=started.get(attempt.id),

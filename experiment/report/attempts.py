@@ -17,12 +17,13 @@ import datetime
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
 from experiment.core.errors import CoopError
 from experiment.core.layout import ATTEMPTS
+from experiment.core.states import JobState
 
 Require = Callable[[bool, Path | str, str, str], None]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -39,7 +40,7 @@ class TrainAttempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     arm: str
     generation: Annotated[int, msgspec.Meta(ge=1)]
     rank: Count
-    state: Literal["leased", "running", "succeeded", "failed", "lost", "cancelled"]
+    state: JobState  # never queued: an attempt begins leased
     reason: str | None
     claimed_at: Annotated[datetime.datetime, msgspec.Meta(tz=True)]
     resumed_from_step: Count | None  # its ``started`` event's; None: it never began to train

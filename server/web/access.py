@@ -9,12 +9,12 @@ import uuid
 from typing import Any, TypeAlias
 
 from litestar import Request
-from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import auth, models
+from server.auth import Connection
 from server.errors import Forbidden, Unauthenticated
 from server.roles import Role
 from server.tokens import Principal
@@ -36,7 +36,7 @@ class SignInRequired(Unauthenticated):
 SIGNS_IN: tuple[Role, ...] = ("operator", "reader")
 
 
-async def _signed_in(connection: ASGIConnection) -> Principal | None:  # type: ignore[type-arg]
+async def _signed_in(connection: Connection) -> Principal | None:
     raw = connection.session.get(TOKEN_ID)
     if not isinstance(raw, str):
         return None
@@ -51,7 +51,7 @@ async def _signed_in(connection: ASGIConnection) -> Principal | None:  # type: i
     return Principal(token.id, token.name, role)
 
 
-async def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+async def guard(connection: Connection, handler: BaseRouteHandler) -> None:
     principal = await _signed_in(connection)
     connection.state.signed_in = principal
     if handler.opt.get("action") and principal is not None and principal.role != "operator":

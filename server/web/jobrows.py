@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from experiment import wire
+from experiment.core.states import JobState
 from experiment.report.figures import Span
 from server import models
-from server.lifecycle import JOB_ACTIVE, JOB_FINAL, JobState
+from server.lifecycle import JOB_ACTIVE, JOB_FINAL
 from server.web import charts
 from server.web.queries import COORDINATOR, AttemptRow, StateChange
 
@@ -57,7 +58,7 @@ class JobRow:
 
     @property
     def active(self) -> bool:
-        return JobState(self.job.state) in JOB_ACTIVE
+        return self.job.state in JOB_ACTIVE
 
 
 def _by_job(attempts: Sequence[AttemptRow]) -> dict[uuid.UUID, list[AttemptRow]]:
@@ -73,7 +74,7 @@ def _started(tried: Sequence[AttemptRow], moves: Sequence[StateChange]) -> datet
 
 
 def _ended(job: models.Job, tried: Sequence[AttemptRow], moves: Sequence[StateChange]) -> datetime.datetime | None:
-    if JobState(job.state) not in JOB_FINAL:
+    if job.state not in JOB_FINAL:
         return None
     if moves:
         return moves[-1].at  # a final state has no way out: the last change is the move into it
@@ -120,7 +121,7 @@ def timeline(
     for row in attempts:
         attempt = row.attempt
         end = attempt.finished_at or (at if row.active else attempt.updated_at)
-        bars.append((row.agent, attempt.created_at, end, kind[attempt.job_id], JobState(attempt.state) in _BROKEN))
+        bars.append((row.agent, attempt.created_at, end, kind[attempt.job_id], attempt.state in _BROKEN))
     if not bars:
         return Timeline(None, [], 0.0)
     lanes = sorted({bar[0] for bar in bars}, key=lambda lane: (lane == COORDINATOR, lane))

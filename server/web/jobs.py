@@ -16,9 +16,10 @@ from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.states import JobState
 from server import audit, experiments, models, queue, reactions
 from server.errors import NotFound
-from server.lifecycle import JOB_FINAL, JobState, Refused
+from server.lifecycle import JOB_FINAL, Refused
 from server.settings import Settings
 from server.web import access, jobrows, queries, render
 from server.web.access import WebRequest
@@ -27,8 +28,8 @@ from server.web.forms import Confirmation
 TIMELINE_SECONDS = 5  # how often the page asks for the hosts' timeline again
 
 
-def _final(job_state: str) -> bool:
-    return JobState(job_state) in JOB_FINAL
+def _final(job_state: JobState) -> bool:
+    return job_state in JOB_FINAL
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.states import ExperimentState
 from server import audit, commitments, experiments, phases
 from server.errors import BadRequest
-from server.lifecycle import EXPERIMENT_FINAL, ExperimentState, Refused
+from server.lifecycle import EXPERIMENT_FINAL, Refused
 from server.settings import Settings
 from server.web import access, queries, render
 from server.web.access import WebRequest
@@ -54,7 +55,7 @@ async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[st
     changes = await queries.timeline(db_session, experiment_id)
     return {
         "experiment": experiment,
-        "live": ExperimentState(experiment.state) not in EXPERIMENT_FINAL,
+        "live": experiment.state not in EXPERIMENT_FINAL,
         "changes": changes,
         "clock": queries.clock(experiment, changes),
         "ledger": await commitments.entries(db_session, experiment_id),
@@ -120,7 +121,7 @@ class OverviewPages(Controller):
         operator = access.operator(request)
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         back = f"/experiments/{experiment_id}"
-        warning = IRREVERSIBLE.get(ExperimentState(experiment.state))
+        warning = IRREVERSIBLE.get(experiment.state)
         if warning is not None and data.confirm != "yes":
             return render.page(
                 request,

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import experiments, models
 from server.errors import NotFound
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, ExperimentState, JobState
+from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
 from server.web import render
 
 LOG_LINES = 80
@@ -85,7 +85,7 @@ class Clock:
 
 def clock(experiment: models.Experiment, changes: Sequence[StateChange]) -> Clock:
     plan = experiments.plan_of(experiment)
-    final = ExperimentState(experiment.state) in EXPERIMENT_FINAL
+    final = experiment.state in EXPERIMENT_FINAL
     return Clock(
         created_at=experiment.created_at,
         deadline_at=experiment.created_at + datetime.timedelta(hours=plan.training.deadline_hours),
@@ -131,7 +131,7 @@ class AttemptRow:
 
     @property
     def active(self) -> bool:
-        return JobState(self.attempt.state) in JOB_ACTIVE
+        return self.attempt.state in JOB_ACTIVE
 
 
 async def attempts(session: AsyncSession, job_id: uuid.UUID) -> list[AttemptRow]:
@@ -237,7 +237,7 @@ async def agents(session: AsyncSession) -> list[AgentRow]:
     active = await session.execute(
         select(models.Attempt, models.Job)
         .join(models.Job, models.Job.id == models.Attempt.job_id)
-        .where(models.Attempt.state.in_([state.value for state in JOB_ACTIVE]))
+        .where(models.Attempt.state.in_(list(JOB_ACTIVE)))
         .order_by(models.Attempt.created_at)
     )
     running: dict[uuid.UUID, list[tuple[models.Attempt, models.Job]]] = {}

@@ -14,7 +14,7 @@ from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import experiments
-from server.lifecycle import EXPERIMENT_FINAL, ExperimentState
+from server.lifecycle import EXPERIMENT_FINAL
 from server.web import render, samples
 from server.web.access import WebRequest
 
@@ -28,7 +28,7 @@ async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict
     drawn = await anyio.to_thread.run_sync(samples.view, found)
     return {
         "experiment": experiment,
-        "live": ExperimentState(experiment.state) not in EXPERIMENT_FINAL,
+        "live": experiment.state not in EXPERIMENT_FINAL,
         "resources": drawn,
         "every": POLL_SECONDS,
     }

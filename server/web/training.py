@@ -12,7 +12,7 @@ from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import experiments
-from server.lifecycle import EXPERIMENT_FINAL, ExperimentState
+from server.lifecycle import EXPERIMENT_FINAL
 from server.web import charts, progress, render
 from server.web.access import WebRequest
 
@@ -22,7 +22,7 @@ async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[
     arms = await progress.training(db_session, experiment)
     return {
         "experiment": experiment,
-        "live": ExperimentState(experiment.state) not in EXPERIMENT_FINAL,
+        "live": experiment.state not in EXPERIMENT_FINAL,
         "arms": arms,
         "losses": charts.losses({arm.name: arm.losses for arm in arms}),
     }
