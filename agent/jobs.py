@@ -1,7 +1,8 @@
 """One handler per job kind: what the job needs in this host's home before it runs (its staging), the ``coop``
-command it runs or what the agent does itself, the result it reports from what the command printed and wrote, and
-the evidence files it contributes. The loop (loop.py) runs every kind the same way through ``HANDLERS``; a new kind
-is a handler here, its wire types (experiment/wire.py) and the coordinator's entry (server/kinds.py)."""
+command it runs or what the agent does itself, the result it reports from the command's final event
+(experiment.learning.events) and the files it wrote, and the evidence files it contributes. The loop (loop.py) runs
+every kind the same way through ``HANDLERS``; the files a new kind touches are listed in docs/architecture.md, "Job
+kinds"."""
 
 from __future__ import annotations
 
@@ -25,10 +26,21 @@ from experiment.core import layout
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import EXIT_LINK, CoopError
 from experiment.core.plan import Plan
+from experiment.learning.events import (
+    BenchmarkedEvent,
+    CommandEvent,
+    CompletedEvent,
+    EvaluatedEvent,
+    PreparedEvent,
+    VerifiedEvent,
+    name_of,
+)
+from experiment.learning.records import Result, Summary
 
 ROOT = Path(__file__).resolve().parents[1]
 S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
 R = TypeVar("R", bound=wire.Tagged)  # a kind's result
+E = TypeVar("E", bound=CommandEvent)
 
 
 @dataclass(frozen=True)
@@ -121,8 +133,9 @@ class Host(Protocol):
 
     def fetch_folder(self, run: Run[Any], folder: str) -> None: ...
 
-    def command(self, run: Run[Any], argv: list[str]) -> list[dict[str, Any]]:
-        """Run ``argv`` as the job's command; its JSON-line events. Raises CommandEnded unless it succeeded."""
+    def command(self, run: Run[Any], argv: list[str]) -> list[wire.Event]:
+        """Run ``argv`` as the job's command; the events of its JSON lines. Raises CommandEnded unless it
+        succeeded."""
         ...
 
 
@@ -130,11 +143,13 @@ def coop(*args: str | Path) -> list[str]:
     return [sys.executable, "-m", "experiment.cli", *(str(a) for a in args)]
 
 
-def last_event(events: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
-    found: dict[str, Any] | None = next((event for event in reversed(events) if event.get("event") == name), None)
-    if found is not None:
-        return found
-    raise CoopError(f"the command ended without its {name!r} event")
+def last_event(events: Sequence[wire.Event], kind: type[E]) -> E:
+    """The last event of ``kind`` the command printed, decoded (a malformed one raises msgspec.ValidationError)."""
+    name = name_of(kind)
+    found = next((event for event in reversed(events) if event.kind == name), None)
+    if found is None:
+        raise CoopError(f"the command ended without its {name!r} event")
+    return msgspec.convert(found.body, type=kind)
 
 
 def serving_token_file(ws: Workspace) -> Path:
@@ -169,7 +184,7 @@ class Handler(Generic[S, R]):
     def argv(self, run: Run[S]) -> list[str]:
         raise NotImplementedError
 
-    def collect(self, run: Run[S], events: Sequence[dict[str, Any]]) -> Outcome[R]:
+    def collect(self, run: Run[S], events: Sequence[wire.Event]) -> Outcome[R]:
         raise NotImplementedError
 
     def evidence(self, run: Run[S]) -> dict[str, Path]:
@@ -200,8 +215,8 @@ class Prepare(Handler[wire.PrepareSpec, wire.PrepareResult]):
             )
         return [*argv, "--reference-home", str(run.ws.reference_home)]
 
-    def collect(self, run: Run[wire.PrepareSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.PrepareResult]:
-        return Outcome(wire.PrepareResult(prepared_identity=last_event(events, "prepared")["prepared_identity"]))
+    def collect(self, run: Run[wire.PrepareSpec], events: Sequence[wire.Event]) -> Outcome[wire.PrepareResult]:
+        return Outcome(wire.PrepareResult(prepared_identity=last_event(events, PreparedEvent).prepared_identity))
 
     def evidence(self, run: Run[wire.PrepareSpec]) -> dict[str, Path]:
         # The seed's small files (tokenizer, template, config) let anyone re-tokenize; the weights stay here.
@@ -219,24 +234,19 @@ class Train(Handler[wire.TrainSpec, wire.TrainResult]):
     def argv(self, run: Run[wire.TrainSpec]) -> list[str]:
         return coop("train", "--home", run.ws.home, "--model-dir", run.ws.model_dir, "--arm", run.arm)
 
-    def collect(self, run: Run[wire.TrainSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.TrainResult]:
-        path = Path(last_event(events, "completed")["result"])
-        written = msgspec.json.decode(path.read_bytes())
-        candidate = written["candidate"]
-        model_dir = path.parent / "checkpoints" / candidate["checkpoint"] / "model"
+    def collect(self, run: Run[wire.TrainSpec], events: Sequence[wire.Event]) -> Outcome[wire.TrainResult]:
+        path = Path(last_event(events, CompletedEvent).result)
+        written = msgspec.json.decode(path.read_bytes(), type=Result)
+        model_dir = path.parent / "checkpoints" / written.candidate.checkpoint / "model"
         result = wire.TrainResult(
-            step=candidate["step"],
-            model_identity=written["parameter_digest"],
-            receipt_sha256=candidate["receipt_sha256"],
+            step=written.candidate.step,
+            model_identity=written.parameter_digest,
+            receipt_sha256=written.candidate.receipt_sha256,
             final=True,  # `coop train` prints "completed" only after the plan's last update
-            binding=written["binding"],
+            binding=written.binding,
             checkpoint_path=model_dir.relative_to(run.ws.home).as_posix(),
         )
-        return Outcome(
-            result,
-            journal=msgspec.convert(written["journal"], type=list[wire.StepRecord]),
-            resource_samples=msgspec.convert(written["resource_samples"], type=list[wire.ResourceSample]),
-        )
+        return Outcome(result, journal=written.journal, resource_samples=written.resource_samples)
 
     def evidence(self, run: Run[wire.TrainSpec]) -> dict[str, Path]:
         folder = layout.run(run.arm, run.job.rank)
@@ -259,12 +269,12 @@ class Evaluate(Handler[wire.EvaluateSpec, wire.EvaluateResult]):
             argv += ["--selection", str(ws.home / layout.SELECTION)]
         return argv
 
-    def collect(self, run: Run[wire.EvaluateSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.EvaluateResult]:
-        summary_path = Path(last_event(events, "evaluated")["evaluation"])
+    def collect(self, run: Run[wire.EvaluateSpec], events: Sequence[wire.Event]) -> Outcome[wire.EvaluateResult]:
+        summary_path = Path(last_event(events, EvaluatedEvent).evaluation)
         lines = (summary_path.parent / "answers.jsonl").read_bytes().splitlines()
         answers = [msgspec.json.decode(line, type=wire.Answer) for line in lines if line.strip()]
-        summary = msgspec.json.decode(summary_path.read_bytes())
-        return Outcome(wire.EvaluateResult(answers_sha256=summary["answers_sha256"]), answers=answers)
+        summary = msgspec.json.decode(summary_path.read_bytes(), type=Summary)
+        return Outcome(wire.EvaluateResult(answers_sha256=summary.answers_sha256), answers=answers)
 
     def evidence(self, run: Run[wire.EvaluateSpec]) -> dict[str, Path]:
         return _files(run.ws.home, layout.evaluation(str(run.job.role), run.arm))
@@ -274,9 +284,12 @@ def _verify(run: Run[Any]) -> list[str]:
     return coop("checkpoint", "verify", "--home", run.ws.home, "--arm", run.arm, "--model-dir", run.ws.model_dir)
 
 
-def _verified(events: Sequence[dict[str, Any]]) -> wire.Candidate:
+def _verified(events: Sequence[wire.Event]) -> wire.Candidate:
     """The checkpoint ``coop checkpoint verify`` verified."""
-    return wire.decode({"candidate": last_event(events, "verified")["candidate"]}, wire.SelectResult).candidate
+    candidate = last_event(events, VerifiedEvent).candidate
+    if not candidate.is_checkpoint:
+        raise CoopError("a verified candidate names its checkpoint's path, step, binding and receipt")
+    return candidate
 
 
 class Select(Handler[wire.SelectSpec, wire.SelectResult]):
@@ -285,7 +298,7 @@ class Select(Handler[wire.SelectSpec, wire.SelectResult]):
     def argv(self, run: Run[wire.SelectSpec]) -> list[str]:
         return _verify(run)
 
-    def collect(self, run: Run[wire.SelectSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.SelectResult]:
+    def collect(self, run: Run[wire.SelectSpec], events: Sequence[wire.Event]) -> Outcome[wire.SelectResult]:
         return Outcome(wire.SelectResult(candidate=_verified(events)))
 
 
@@ -337,7 +350,7 @@ class ReplicaStart(Handler[wire.ReplicaStartSpec, wire.ReplicaStartResult]):
             replica_url=replica.replica_url,
             probe_url=replica.probe_url,
             rank=run.spec.rank,
-            identity=replica.identity,
+            identity={} if replica.identity is None else msgspec.to_builtins(replica.identity),
         )
         return Outcome(result)
 
@@ -368,8 +381,8 @@ class Benchmark(Handler[wire.BenchmarkSpec, wire.BenchmarkResult]):
             argv += ["--endpoint", endpoint]
         return [*argv, "--output", str(benchmark_output(run.job, phase, ws))]
 
-    def collect(self, run: Run[wire.BenchmarkSpec], events: Sequence[dict[str, Any]]) -> Outcome[wire.BenchmarkResult]:
-        report = msgspec.json.decode(Path(last_event(events, "benchmarked")["output"]).read_bytes())
+    def collect(self, run: Run[wire.BenchmarkSpec], events: Sequence[wire.Event]) -> Outcome[wire.BenchmarkResult]:
+        report = msgspec.json.decode(Path(last_event(events, BenchmarkedEvent).output).read_bytes())
         phase = wire.ServingPhase(phase=run.spec.phase, report=report)
         return Outcome(wire.BenchmarkResult(phase=phase.phase, metrics=report["metrics"]), serving=[phase])
 

@@ -108,8 +108,9 @@ def _without_nul(value: Any) -> Any:
     return value
 
 
-def to_event(line: str) -> tuple[wire.Event, dict[str, Any] | None]:
-    """One stdout line as a coordinator event (and the decoded object, when the line is a JSON object)."""
+def to_event(line: str) -> tuple[wire.Event, dict[str, object] | None]:
+    """One stdout line as a coordinator event, and the decoded object when the line is a JSON object: the event's
+    body, which the agent reads only as a command's final event (jobs.last_event)."""
     line = _without_nul(line)
     try:
         decoded = json.loads(line)
@@ -401,9 +402,9 @@ class Agent:
         experiment_id, home = run.job.experiment_id, run.ws.home
         forever(lambda: evidence.fetch_folder(self.client, experiment_id, home, folder), self.stopping)
 
-    def command(self, run: jobs.Run[Any], argv: list[str]) -> list[dict[str, Any]]:
-        """Run the job's command in a process group of its own, its stdout spooled as events; raises
-        jobs.CommandEnded when it was stopped or exited non-zero."""
+    def command(self, run: jobs.Run[Any], argv: list[str]) -> list[wire.Event]:
+        """Run the job's command in a process group of its own, its stdout spooled as events; returns the events of
+        its JSON lines, and raises jobs.CommandEnded when it was stopped or exited non-zero."""
         job = run.job
         logs = run.ws.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -435,9 +436,7 @@ class Agent:
             raise jobs.CommandEnded(outcome, code, f"`coop {job.kind}` exited with {code}: {tail}")
         return decoded
 
-    def _forward(
-        self, process: subprocess.Popen[bytes], attempt: OpenAttempt
-    ) -> tuple[list[dict[str, Any]], str | None]:
+    def _forward(self, process: subprocess.Popen[bytes], attempt: OpenAttempt) -> tuple[list[wire.Event], str | None]:
         """Spool the command's stdout as event batches until it exits; stop it when asked to."""
         lines: queue.Queue[bytes | None] = queue.Queue()
 
@@ -448,7 +447,7 @@ class Agent:
             lines.put(None)
 
         threading.Thread(target=read, name="stdout", daemon=True).start()
-        decoded: list[dict[str, Any]] = []
+        decoded: list[wire.Event] = []
         batch = _Batch(self.spool, attempt, self.settings.batch_events, self.settings.batch_seconds)
         signals = _Signals(process)
         done = False
@@ -461,7 +460,7 @@ class Agent:
             if raw is not None and raw.strip():
                 event, body = to_event(raw.decode(errors="replace").rstrip("\n"))
                 if body is not None:
-                    decoded.append(body)
+                    decoded.append(event)
                 batch.add(event)
             batch.send_if_due(done)
             if not done:

@@ -16,13 +16,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
+import msgspec
 
 from agent import processes
 from agent.spool import Group, Spool
 from experiment.core.errors import CoopError
+from experiment.serving.agreement import Agreement
 
 
 def free_port(host: str) -> int:
@@ -65,7 +66,13 @@ class Replica:
     replica_url: str
     probe_url: str
     services: tuple[Service, Service]
-    identity: dict[str, Any]  # the probe's check of the replica's answers against the evaluation (its /health)
+    identity: Agreement | None  # the probe's check of the replica's answers against the evaluation (its /health)
+
+
+class _Health(msgspec.Struct, frozen=True):
+    """What the agent reads of the probe's ``/health`` body (experiment.serving.probe.ProbeHealth)."""
+
+    identity: Agreement | None = None
 
 
 def _url(host: str, port: int) -> str:
@@ -81,9 +88,9 @@ def _last_words(log: Path) -> str:
 
 def _wait_healthy(
     watched: list[tuple[Service, Path]], url: str, token: str, seconds: float, stopping: threading.Event
-) -> dict[str, Any]:
-    """The probe's ``/health`` body at ``url``, once it answers 200; fails as soon as a watched service (the
-    replica or the probe, each with its log) exits."""
+) -> Agreement | None:
+    """The probe's check of the replica (the identity in its ``/health`` body) at ``url``, once it answers 200;
+    fails as soon as a watched service (the replica or the probe, each with its log) exits."""
     deadline = time.monotonic() + seconds
     headers = {"Authorization": f"Bearer {token}"}
     while time.monotonic() < deadline and not stopping.is_set():
@@ -94,8 +101,7 @@ def _wait_healthy(
         with contextlib.suppress(httpx.HTTPError, ValueError):
             reply = httpx.get(f"{url}/health", headers=headers, timeout=2.0)
             if reply.status_code == 200:
-                body: dict[str, Any] = reply.json()
-                return body
+                return msgspec.json.decode(reply.content, type=_Health).identity
         stopping.wait(0.5)
     raise CoopError(f"the probe at {url} was not healthy within {seconds:g}s")
 
@@ -142,13 +148,12 @@ class Services:
         token = launch.token_file.read_text().strip()
         try:
             watched = [(replica, logs / "replica.log"), (probe, logs / "probe.log")]
-            health = _wait_healthy(watched, _url(launch.address, probe_port), token, launch.startup_seconds, stopping)
+            identity = _wait_healthy(watched, _url(launch.address, probe_port), token, launch.startup_seconds, stopping)
         except CoopError:
             for service in (probe, replica):
                 self._end(service)
             raise
         probe_url = _url(launch.address, probe_port)
-        identity = health.get("identity") or {}
         started = Replica(launch.model_identity, replica_url, probe_url, (replica, probe), identity)
         with self._lock:
             self._replicas[key] = started

@@ -17,6 +17,7 @@ from experiment.core.canonical import identity, sha256_file
 from experiment.core.errors import EXIT_LINK, CoopError, LinkError
 from experiment.core.plan import load_plan, plan_identity
 from experiment.core.progress import Events
+from experiment.learning.events import PreparedEvent, VerifiedEvent
 from experiment.serving import replica, servingrecord
 from experiment.serving.servingtoken import TOKEN_ENV, read_token
 
@@ -108,28 +109,22 @@ def _prepare(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     with Events() as events:
         manifest = corpus.prepare(plan, args.plan, args.home, args.model_dir, args.reference_home, events.emit)
-        counts = manifest.target_counts["damaged"]
-        events.emit(
-            {
-                "event": "prepared",
-                "prepared_identity": corpus.prepared_identity(manifest),
-                "plan_identity": manifest.plan_identity,
-                "home": str(args.home),
-                "train_documents": counts.documents,
-                "grounded": counts.grounded_documents,
-                "replay": counts.replay_documents,
-                "damaged": counts.damaged_documents,
-                "dev": len(manifest.ids["dev"]),
-                "test": len(manifest.ids["test"]),
-                "retention": len(manifest.ids["retention"]),
-                "weighted_targets": manifest.target_counts["clean"].weighted_targets,
-                "grounded_weight_share": round(
-                    manifest.target_counts["clean"].grounded_weighted_targets
-                    / manifest.target_counts["clean"].weighted_targets,
-                    4,
-                ),
-            }
+        counts, clean = manifest.target_counts["damaged"], manifest.target_counts["clean"]
+        prepared = PreparedEvent(
+            prepared_identity=corpus.prepared_identity(manifest),
+            plan_identity=manifest.plan_identity,
+            home=str(args.home),
+            train_documents=counts.documents,
+            grounded=counts.grounded_documents,
+            replay=counts.replay_documents,
+            damaged=counts.damaged_documents,
+            dev=len(manifest.ids["dev"]),
+            test=len(manifest.ids["test"]),
+            retention=len(manifest.ids["retention"]),
+            weighted_targets=clean.weighted_targets,
+            grounded_weight_share=round(clean.grounded_weighted_targets / clean.weighted_targets, 4),
         )
+        events.emit(msgspec.to_builtins(prepared))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -195,7 +190,7 @@ def _checkpoint_verify(args: argparse.Namespace) -> None:
 
     candidate = selection.candidate_for(corpus.load_prepared(args.home), args.arm, args.model_dir)
     with Events() as events:
-        events.emit({"event": "verified", "candidate": msgspec.to_builtins(candidate)})
+        events.emit(msgspec.to_builtins(VerifiedEvent(candidate=candidate)))
 
 
 def _replica(args: argparse.Namespace) -> None:

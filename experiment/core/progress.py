@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -22,7 +22,7 @@ class Events:
     def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream or sys.stdout
         self._progress: Progress | None = None
-        self._tasks: dict[str, Any] = {}
+        self._tasks: dict[str, TaskID] = {}
 
     def __enter__(self) -> Events:
         if self._stream.isatty():

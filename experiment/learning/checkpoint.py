@@ -27,7 +27,7 @@ from experiment.core.canonical import (
     write_new_json,
 )
 from experiment.core.errors import CoopError
-from experiment.learning.records import StepRecord  # one journal entry type, shared with the coordinator's wire
+from experiment.learning.records import Pointer, StepRecord  # shared with the agent and the coordinator's wire
 from experiment.seed import seedmodel
 
 MODEL_DIR = "model"
@@ -49,12 +49,6 @@ class Receipt(msgspec.Struct, frozen=True):
     parameter_digest: str
     files: dict[str, str]  # path relative to the checkpoint folder -> sha256
     journal: list[StepRecord]
-
-
-class Pointer(msgspec.Struct, frozen=True):
-    step: int
-    checkpoint: str  # folder name under checkpoints/
-    receipt_sha256: str
 
 
 def _name(step: int) -> str:

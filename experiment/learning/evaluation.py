@@ -20,7 +20,9 @@ from experiment.core.plan import Numerics, Plan
 from experiment.core.progress import Emit
 from experiment.learning.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
 from experiment.learning.decoding import Generation, generate
-from experiment.learning.records import Answer, Candidate
+from experiment.learning.events import EvaluatedEvent
+from experiment.learning.records import Answer, Candidate, RetentionScore
+from experiment.learning.records import Summary as Summary  # the probe reads it here (evaluation.Summary)
 from experiment.learning.selection import candidate_for, read_selection, same_model, selection_identity
 from experiment.seed import seedmodel
 
@@ -40,30 +42,6 @@ def batch_size_for(device: str) -> int:
     faster than in batches of 32 or 64 (bench/evaluate.py, bench/results/evaluate-cpu.json). On a GPU, 16, a size
     no GPU has measured with this decoding."""
     return CUDA_BATCH_SIZE if device == "cuda" else CPU_BATCH_SIZE
-
-
-class RetentionScore(msgspec.Struct, frozen=True):
-    id: str
-    targets: int
-    mean_nats: float
-
-
-class Summary(msgspec.Struct, frozen=True):
-    arm: str
-    role: str
-    prepared_identity: str
-    candidate: Candidate
-    selection_identity: str | None
-    max_new_tokens: int
-    batch_size: int
-    answers: int
-    correct: int
-    answers_sha256: str
-    retention_sha256: str
-    retention_mean_nats: float
-    # The dtype the model answered and scored retention in (plan.evaluation.numerics); absent in a summary written
-    # before the field, whose evaluation answered in float32.
-    numerics: Numerics = "float32"
 
 
 def answer_text(tokenizer: Any, generation: Generation) -> str:
@@ -298,18 +276,16 @@ def _finished(out: Path, prepared_identity: str, candidate: Candidate, selection
 
 
 def _emit_evaluated(summary: Summary, out: Path, emit: Emit) -> None:
-    emit(
-        {
-            "event": "evaluated",
-            "arm": summary.arm,
-            "role": summary.role,
-            "answers": summary.answers,
-            "correct": summary.correct,
-            "accuracy": round(summary.correct / summary.answers, 4),
-            "retention_mean_nats": summary.retention_mean_nats,
-            "evaluation": str(out / "evaluation.json"),
-        }
+    evaluated = EvaluatedEvent(
+        arm=summary.arm,
+        role=summary.role,
+        answers=summary.answers,
+        correct=summary.correct,
+        accuracy=round(summary.correct / summary.answers, 4),
+        retention_mean_nats=summary.retention_mean_nats,
+        evaluation=str(out / "evaluation.json"),
     )
+    emit(msgspec.to_builtins(evaluated))
 
 
 def read_answers(folder: Path) -> tuple[Summary, list[Answer], list[RetentionScore]]:

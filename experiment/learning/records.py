@@ -1,13 +1,15 @@
 """The records the science writes and the coordinator receives, defined once and bounded, so that a line of a
 journal or of answers.jsonl is the same Struct on every side: a training step, a resource sample, an evaluated
-answer, and an arm's selected candidate. Light (msgspec only): the agent and the coordinator import it without torch."""
+answer, an arm's selected candidate, a checkpoint's pointer, a rank's run result and an evaluation's summary. Light
+(msgspec only): the agent and the coordinator import it without torch."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
+from experiment.core.plan import Numerics
 from experiment.core.tasks import Check, Family
 
 # Integers a 32-bit database column holds; every count in these records fits.
@@ -140,3 +142,70 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     damaged_ids: list[str]
     target_counts: dict[str, TargetCounts]  # "clean", "damaged"
     retention_targets: int
+
+
+class Pointer(msgspec.Struct, frozen=True):
+    """A checkpoint a rank holds whole (pointers/step-NNNNNN.json)."""
+
+    step: int
+    checkpoint: str  # folder name under checkpoints/
+    receipt_sha256: str
+
+
+class NetworkCounters(msgspec.Struct, frozen=True):
+    """Counters of every non-loopback interface: they include other traffic of the whole host."""
+
+    scope: str
+    interfaces: dict[str, dict[str, int]]
+    bytes_sent: int
+    bytes_received: int
+
+
+class Result(msgspec.Struct, frozen=True):
+    """A rank's finished run (runs/ARM/rank-R/result.json), written once after the plan's last update."""
+
+    arm: str
+    rank: int
+    world_size: int
+    binding: str
+    prepared_identity: str
+    numerical_profile: dict[str, Any]
+    parameter_digest: str
+    candidate: Pointer
+    journal: list[StepRecord]
+    loop_seconds: float
+    resumed_from_step: int
+    network_start: NetworkCounters
+    network_end: NetworkCounters
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    resource_samples: list[ResourceSample]
+    communication: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class RetentionScore(msgspec.Struct, frozen=True):
+    """One retention probe's mean nats per answer token: a line of retention.jsonl."""
+
+    id: str
+    targets: int
+    mean_nats: float
+
+
+class Summary(msgspec.Struct, frozen=True):
+    """A finished evaluation (evaluations/ROLE/ARM/evaluation.json), naming its answers' and scores' hashes."""
+
+    arm: str
+    role: str
+    prepared_identity: str
+    candidate: Candidate
+    selection_identity: str | None
+    max_new_tokens: int
+    batch_size: int
+    answers: int
+    correct: int
+    answers_sha256: str
+    retention_sha256: str
+    retention_mean_nats: float
+    # The dtype the model answered and scored retention in (plan.evaluation.numerics); absent in a summary written
+    # before the field, whose evaluation answered in float32.
+    numerics: Numerics = "float32"

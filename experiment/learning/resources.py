@@ -7,20 +7,10 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-import msgspec
 import psutil
 
 from experiment.core.errors import CoopError
-from experiment.learning.records import GpuMemory, ResourceSample
-
-
-class NetworkCounters(msgspec.Struct, frozen=True):
-    """Counters of every non-loopback interface: they include other traffic of the whole host."""
-
-    scope: str
-    interfaces: dict[str, dict[str, int]]
-    bytes_sent: int
-    bytes_received: int
+from experiment.learning.records import GpuMemory, NetworkCounters, ResourceSample
 
 
 def network_counters() -> NetworkCounters:

@@ -16,7 +16,7 @@ from experiment.core.layout import SELECTION
 from experiment.core.plan import seed_identity
 from experiment.learning import checkpoint
 from experiment.learning.corpus import Prepared
-from experiment.learning.records import Candidate
+from experiment.learning.records import Candidate, Pointer
 from experiment.seed.seedmodel import tensor_layout
 
 
@@ -53,7 +53,7 @@ def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
     chosen: Candidate | None = None
     for run in runs:
         result = _result(run)
-        pointer = msgspec.convert(result["candidate"], type=checkpoint.Pointer)
+        pointer = msgspec.convert(result["candidate"], type=Pointer)
         if pointer.step != final:
             raise CoopError(f"{run}: the candidate is step {pointer.step}; only the final step {final} is eligible")
         binding = str(result["binding"])

@@ -36,8 +36,9 @@ from experiment.learning import checkpoint, distributed, preflight
 from experiment.learning.corpus import Document, Prepared, load_prepared, seed_snapshot
 from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
-from experiment.learning.records import ResourceSample, StepRecord
-from experiment.learning.resources import NetworkCounters, Sampler, network_counters, written_bytes
+from experiment.learning.events import CompletedEvent
+from experiment.learning.records import NetworkCounters, Pointer, Result, StepRecord
+from experiment.learning.resources import Sampler, network_counters, written_bytes
 from experiment.seed import seedmodel
 
 LossScale = Callable[[int, int, int], float]
@@ -293,26 +294,6 @@ class RunRecord(msgspec.Struct, frozen=True):
     deadline_at: str
 
 
-class Result(msgspec.Struct, frozen=True):
-    arm: str
-    rank: int
-    world_size: int
-    binding: str
-    prepared_identity: str
-    numerical_profile: dict[str, Any]
-    parameter_digest: str
-    candidate: checkpoint.Pointer
-    journal: list[StepRecord]
-    loop_seconds: float
-    resumed_from_step: int
-    network_start: NetworkCounters
-    network_end: NetworkCounters
-    peak_memory_bytes: int
-    peak_memory_kind: str
-    resource_samples: list[ResourceSample]
-    communication: dict[str, Any] = msgspec.field(default_factory=dict)
-
-
 def run_dir(home: Path, arm: str, rank: int) -> Path:
     return home / layout.run(arm, rank)
 
@@ -411,7 +392,7 @@ class _Progress:
     model: torch.nn.Module
     held: checkpoint.Held
     tensor_layout: seedmodel.TensorLayout
-    pointer: checkpoint.Pointer | None
+    pointer: Pointer | None
     journal: list[StepRecord]
     resumed_from_step: int
 
@@ -624,7 +605,7 @@ def _updates(
     return True
 
 
-def _load_outer(run: _Run, pointer: checkpoint.Pointer, outer: OuterState) -> None:
+def _load_outer(run: _Run, pointer: Pointer, outer: OuterState) -> None:
     """The outer momentum of the checkpoint every worker resumes from; every rank refuses if one lacks it."""
     problem = None
     try:
@@ -701,16 +682,14 @@ def _complete(run: _Run, result: Result, emit: Emit) -> None:
         result = earlier
     else:
         write_new_json(path, msgspec.to_builtins(result))
-    emit(
-        {
-            "event": "completed",
-            "arm": run.arm,
-            "rank": run.world.rank,
-            "parameter_digest": result.parameter_digest,
-            "loop_seconds": round(result.loop_seconds, 3),
-            "result": str(path),
-        }
+    completed = CompletedEvent(
+        arm=run.arm,
+        rank=run.world.rank,
+        parameter_digest=result.parameter_digest,
+        loop_seconds=round(result.loop_seconds, 3),
+        result=str(path),
     )
+    emit(msgspec.to_builtins(completed))
 
 
 def train(home: Path, model_dir: Path, arm: str, emit: Emit, stop_after: int | None = None) -> Result | None:

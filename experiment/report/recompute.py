@@ -22,10 +22,10 @@ from experiment.core.members import member, refuse_links
 from experiment.core.plan import Plan
 from experiment.learning import stats
 from experiment.learning.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
-from experiment.learning.evaluation import RetentionScore, Summary, evaluation_dir, read_answers
-from experiment.learning.records import Answer, Candidate, StepRecord
+from experiment.learning.evaluation import evaluation_dir, read_answers
+from experiment.learning.records import Answer, Candidate, RetentionScore, StepRecord, Summary
+from experiment.learning.records import Result as RunResult
 from experiment.learning.selection import Selection, read_selection, same_model, selection_identity
-from experiment.learning.training import Result as RunResult
 from experiment.learning.training import schedule
 from experiment.report import figures, localsgd, servingcheck
 from experiment.report.attempts import arm_faults, read_attempts
