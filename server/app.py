@@ -125,8 +125,7 @@ async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]
         await asyncio.sleep(settings.reap_seconds)
         try:
             async with sessions() as session, session.begin():
-                ended = await queue.reap(session, settings)
-                await reactions.ended(session, settings, ended)
+                ended = await reactions.reap(session, settings)
         except Exception:  # the reaper must outlive a failed round (a dropped connection, a lock timeout)
             log.exception("reaper round failed; retrying in %ss", settings.reap_seconds)
             continue

@@ -1,27 +1,71 @@
-"""What the coordinator does when attempts end or their commands print: the one place that reacts to the queue.
+"""Every way an attempt ends, and what the coordinator does then: the one place that reacts to the queue.
 
-The queue (queue.py) ends attempts and settles their jobs, and knows nothing else; each call that ends something
-returns it (``queue.Ended``) and its caller hands that here, in the same transaction. A job that succeeded records
-what its kind commits (kinds.settle) and lets autopilot advance the experiment (phases.autopilot); a job whose
-command printed a signal may queue another (a failure-phase benchmark's replica stop: serving.stop_due).
+The queue (queue.py) ends attempts and settles their jobs, and knows nothing else. Its ending calls (an agent's
+result, a heartbeat that finds an attempt no longer held, the operator's cancel, the reaper) are made only from
+here, and each passes what ended to ``_react`` in the same transaction: a job that succeeded records what its kind
+commits (kinds.settle) and lets autopilot advance the experiment (phases.autopilot). A job whose command printed
+a signal may queue another (a failure-phase benchmark's replica stop: serving.stop_due).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import experiments, kinds, models, phases
+from experiment import wire
+from server import experiments, kinds, models, phases, queue
 from server.queue import Ended
 from server.settings import Settings
 
 
-async def ended(session: AsyncSession, settings: Settings, done: Sequence[Ended]) -> None:
+async def _react(session: AsyncSession, settings: Settings, done: Sequence[Ended]) -> None:
     for item in done:
         if item.succeeded:
             await kinds.settle(session, settings, item.job)
             await phases.autopilot(session, settings, await experiments.load(session, item.job.experiment_id))
+
+
+async def finish(
+    session: AsyncSession,
+    settings: Settings,
+    job: models.Job,
+    attempt: models.Attempt,
+    outcome: wire.Outcome,
+    *,
+    exit_code: int | None = None,
+    reason: str | None = None,
+    result: dict[str, Any] | None = None,
+) -> None:
+    """End an attempt as its agent (or the coordinator's report loop) reports it."""
+    ended = await queue.finish(session, job, attempt, outcome, exit_code=exit_code, reason=reason, result=result)
+    await _react(session, settings, [ended])
+
+
+async def heartbeat(
+    session: AsyncSession,
+    settings: Settings,
+    agent: models.Agent,
+    attempt_ids: Sequence[uuid.UUID],
+    claiming: str | None = None,
+) -> wire.HeartbeatReply:
+    """Renew the agent's leases; an attempt it no longer holds ends lost (queue.heartbeat says which)."""
+    reply, ended = await queue.heartbeat(session, settings, agent, attempt_ids, claiming)
+    await _react(session, settings, ended)
+    return reply
+
+
+async def cancel(session: AsyncSession, settings: Settings, job: models.Job, grace_seconds: float) -> None:
+    await _react(session, settings, await queue.cancel(session, job, grace_seconds))
+
+
+async def reap(session: AsyncSession, settings: Settings) -> list[Ended]:
+    """End expired leases and overdue cancellations; what ended."""
+    ended = await queue.reap(session, settings)
+    await _react(session, settings, ended)
+    return ended
 
 
 async def printed(session: AsyncSession, settings: Settings, job: models.Job, names: set[str]) -> None:

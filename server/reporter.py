@@ -86,11 +86,12 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
             failpoints.reach("report.stored")
             result = wire.untagged(wire.ReportResult(report_identity=identity))
             reason = f"report written to {folder / 'report.json'}"
-            ended = await queue.finish(session, job, attempt, "succeeded", exit_code=0, reason=reason, result=result)
+            await reactions.finish(
+                session, settings, job, attempt, "succeeded", exit_code=0, reason=reason, result=result
+            )
         else:
             log.error("report of experiment %s failed: %s", assignment.experiment_id, failure)
-            ended = await queue.finish(session, job, attempt, "failed", reason=failure[:4000])
-        await reactions.ended(session, settings, [ended])
+            await reactions.finish(session, settings, job, attempt, "failed", reason=failure[:4000])
     return True
 
 

@@ -19,11 +19,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import JobState
+from experiment.learning.events import StopReplicaEvent, name_of
 from server import experiments, models, queue
 from server.lifecycle import JOB_ACTIVE, Refused
 
 STOPPED_RANK = 1  # the failure phase stops the replica of the pair's rank 1
-STOP_SIGNAL = "stop-replica"  # the event the failure phase's benchmark prints when the replica is to stop
+STOP_SIGNAL = name_of(StopReplicaEvent)  # the event the failure phase's benchmark prints when the replica is to stop
 # A stop in one of these states is taken to end the replica; a failed or cancelled one is not.
 _STOPPING = frozenset({JobState.QUEUED, *JOB_ACTIVE, JobState.SUCCEEDED})
 _LIVE = frozenset({JobState.QUEUED, *JOB_ACTIVE})

@@ -69,10 +69,9 @@ async def result(
         result = await kinds.record_result(session, settings, job, attempt, body)
         if body.evidence:
             await evidence.record(session, job, attempt, body.evidence, kinds.of(job.kind).writes(job, attempt))
-        ended = await queue.finish(
-            session, job, attempt, body.outcome, exit_code=body.exit_code, reason=body.reason, result=result
+        await reactions.finish(
+            session, settings, job, attempt, body.outcome, exit_code=body.exit_code, reason=body.reason, result=result
         )
-        await reactions.ended(session, settings, [ended])
         await session.flush()
         failpoints.reach("result.settled")
         return 200, msgspec.json.encode(views.attempt(attempt))

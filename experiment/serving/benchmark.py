@@ -19,6 +19,7 @@ from experiment.core.errors import CoopError
 from experiment.core.plan import ServingPlan, plan_identity
 from experiment.core.progress import Emit
 from experiment.learning.corpus import load_prepared
+from experiment.learning.events import BenchmarkedEvent, StopReplicaEvent
 from experiment.serving.probe import InferAnswer
 from experiment.serving.servingrecord import (
     Attempt,
@@ -286,7 +287,7 @@ class PhaseRun:
     def announce_stop(self) -> None:
         """Ask for the replica to be stopped (the coordinator acts on this event); new requests wait for it."""
         self._stop_announced = True
-        self.emit({"event": "stop-replica", "phase": self.phase, "completed": len(self.completions)})
+        self.emit(msgspec.to_builtins(StopReplicaEvent(phase=self.phase, completed=len(self.completions))))
 
     def _progress(self) -> None:
         self.emit(
@@ -402,5 +403,6 @@ def run_phase(
         failures=sorted(runner.failures, key=lambda f: f.request_id),
     )
     write_new_json(output, msgspec.to_builtins(result))
-    emit({"event": "benchmarked", "phase": phase, "output": str(output), **msgspec.to_builtins(result.metrics)})
+    done = BenchmarkedEvent(phase=phase, output=str(output))
+    emit(msgspec.to_builtins(done) | msgspec.to_builtins(result.metrics))
     return result

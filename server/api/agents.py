@@ -72,9 +72,7 @@ class AgentController(Controller):
         settings: NamedDependency[Settings],
         agent: NamedDependency[models.Agent],
     ) -> wire.HeartbeatReply:
-        reply, ended = await queue.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
-        await reactions.ended(db_session, settings, ended)
-        return reply
+        return await reactions.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
 
     @post("/claim", operation_id="claimJob", status_code=200, **spec.write("agent", found=False))
     async def claim(

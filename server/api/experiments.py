@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, commitments, experiments, kinds, models, phases, views
+from server import actions, commitments, experiments, models, views
 from server.api import spec
 from server.errors import BadRequest
 from server.settings import Settings
@@ -39,8 +39,7 @@ class ExperimentController(Controller):
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
-        experiment = await phases.create(db_session, settings, data)
-        audit.record(db_session, principal, "experiment.create", f"experiment:{experiment.id}", commit=data.commit)
+        experiment = await actions.create(db_session, settings, principal, data)
         return await _view(db_session, experiment)
 
     @get("/", operation_id="listExperiments", **spec.read(found=False))
@@ -63,8 +62,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        await phases.commit(db_session, settings, experiment)
-        audit.record(db_session, principal, "experiment.commit", f"experiment:{experiment.id}")
+        await actions.commit(db_session, settings, principal, experiment)
         return await _view(db_session, experiment)
 
     @get("/{experiment_id:uuid}/arms", operation_id="listArms", **spec.read())
@@ -102,8 +100,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Job:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        job = await kinds.enqueue(db_session, settings, experiment, kinds.order_of(data))
-        audit.record(db_session, principal, "job.queue", f"job:{job.id}", kind=data.kind, arm=data.arm, role=data.role)
+        job = await actions.queue_job(db_session, settings, principal, experiment, data)
         await db_session.flush()
         await db_session.refresh(job)
         return views.job(job)
@@ -120,9 +117,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        await experiments.select_checkpoints(db_session, settings, experiment, data)
-        audit.record(db_session, principal, "experiment.select", f"experiment:{experiment.id}")
-        await phases.autopilot(db_session, settings, experiment)
+        await actions.select(db_session, settings, principal, experiment, data)
         return await _view(db_session, experiment)
 
     @post("/{experiment_id:uuid}/advance", operation_id="advanceExperiment", status_code=200, **spec.write("operator"))
@@ -135,8 +130,7 @@ class ExperimentController(Controller):
     ) -> wire.Advanced:
         """Queue the next phase's jobs (409 with rule ``phase-running`` while the current phase runs)."""
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        action = await phases.advance(db_session, settings, experiment)
-        audit.record(db_session, principal, "experiment.advance", f"experiment:{experiment.id}", queued=action)
+        action = await actions.advance(db_session, settings, principal, experiment)
         return wire.Advanced(await _view(db_session, experiment), action)
 
     @post("/{experiment_id:uuid}/autopilot", operation_id="setAutopilot", status_code=200, **spec.write("operator"))
@@ -150,9 +144,7 @@ class ExperimentController(Controller):
     ) -> wire.Experiment:
         """Switch autopilot on or off; switched on, it advances at once if the current phase is done."""
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        phases.set_autopilot(experiment, data.on)
-        audit.record(db_session, principal, "experiment.autopilot", f"experiment:{experiment.id}", on=data.on)
-        await phases.autopilot(db_session, settings, experiment)
+        await actions.set_autopilot(db_session, settings, principal, experiment, data.on)
         return await _view(db_session, experiment)
 
     @post("/{experiment_id:uuid}/serving", operation_id="commitServing", **spec.write("operator"))
@@ -164,8 +156,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        await experiments.start_serving(db_session, experiment, data)
-        audit.record(db_session, principal, "experiment.serve", f"experiment:{experiment.id}", arm=data.arm)
+        await actions.serve(db_session, principal, experiment, data)
         return await _view(db_session, experiment)
 
     @post("/{experiment_id:uuid}/report", operation_id="requestReport", **spec.write("operator"))
@@ -182,8 +173,7 @@ class ExperimentController(Controller):
         if (await request.body()).strip():
             raise BadRequest("a report request has no body: the coordinator computes the report itself")
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        job = await phases.request_report(db_session, settings, experiment)
-        audit.record(db_session, principal, "experiment.report", f"experiment:{experiment.id}", job=str(job.id))
+        job = await actions.request_report(db_session, settings, principal, experiment)
         await db_session.flush()
         await db_session.refresh(job)
         return views.job(job)
@@ -208,6 +198,5 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await experiments.load(db_session, experiment_id, lock=True)
-        experiments.halt(db_session, experiment, f"halted by {principal.name}")
-        audit.record(db_session, principal, "experiment.halt", f"experiment:{experiment.id}")
+        actions.halt(db_session, principal, experiment)
         return await _view(db_session, experiment)

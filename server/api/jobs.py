@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, models, queue, reactions, views
+from server import actions, models, views
 from server.api import spec
 from server.errors import NotFound
 from server.settings import Settings
@@ -55,8 +55,7 @@ class JobController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Job:
         job = await _job(db_session, job_id, lock=True)
-        await reactions.ended(db_session, settings, await queue.cancel(db_session, job, data.grace_seconds))
-        audit.record(db_session, principal, "job.cancel", f"job:{job.id}", grace_seconds=data.grace_seconds)
+        await actions.cancel(db_session, settings, principal, job, data.grace_seconds)
         await db_session.flush()
         await db_session.refresh(job)
         return views.job(job)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import JobState
-from server import audit, experiments, models, queue, reactions
+from server import actions, experiments, models
 from server.errors import NotFound
 from server.lifecycle import JOB_FINAL, Refused
 from server.settings import Settings
@@ -179,10 +179,9 @@ class JobPages(Controller):
             )
         grace = wire.CancelRequest().grace_seconds
         try:
-            await reactions.ended(db_session, settings, await queue.cancel(db_session, job, grace))
+            await actions.cancel(db_session, settings, operator, job, grace)
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, f"/jobs/{job_id}")
-        audit.record(db_session, operator, "job.cancel", f"job:{job_id}", grace_seconds=grace)
         await db_session.commit()
         access.notify(request, f"asked job {job_id} to stop")
         return Redirect(f"/jobs/{job_id}", status_code=303)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import ExperimentState
-from server import audit, commitments, experiments, phases
+from server import actions, commitments, experiments
 from server.errors import BadRequest
 from server.lifecycle import EXPERIMENT_FINAL, Refused
 from server.settings import Settings
@@ -91,8 +91,7 @@ class OverviewPages(Controller):
             body = msgspec.convert(fields, type=wire.ExperimentCreate)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"the plan cannot be used: {exc}") from exc
-        experiment = await phases.create(db_session, settings, body)
-        audit.record(db_session, operator, "experiment.create", f"experiment:{experiment.id}", commit=body.commit)
+        experiment = await actions.create(db_session, settings, operator, body)
         await db_session.commit()
         access.notify(request, f"created experiment {experiment.name} ({experiment.state})")
         return Redirect(f"/experiments/{experiment.id}", status_code=303)
@@ -136,10 +135,9 @@ class OverviewPages(Controller):
                 back=back,
             )
         try:
-            message = await phases.advance(db_session, settings, experiment)
+            message = await actions.advance(db_session, settings, operator, experiment)
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, back)
-        audit.record(db_session, operator, "experiment.advance", f"experiment:{experiment.id}", queued=message)
         await db_session.commit()
         access.notify(request, message)
         return Redirect(back, status_code=303)
@@ -174,10 +172,9 @@ class OverviewPages(Controller):
                 back=back,
             )
         try:
-            experiments.halt(db_session, experiment, f"halted by {operator.name}")
+            actions.halt(db_session, operator, experiment)
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, back)
-        audit.record(db_session, operator, "experiment.halt", f"experiment:{experiment.id}")
         await db_session.commit()
         access.notify(request, f"halted {experiment.name}")
         return Redirect(back, status_code=303)
@@ -195,10 +192,8 @@ class OverviewPages(Controller):
         operator = access.operator(request)
         experiment = await experiments.load(db_session, experiment_id, lock=True)
         back = f"/experiments/{experiment_id}"
-        phases.set_autopilot(experiment, data.value)
-        audit.record(db_session, operator, "experiment.autopilot", f"experiment:{experiment.id}", on=data.value)
         try:
-            advanced = await phases.autopilot(db_session, settings, experiment)
+            advanced = await actions.set_autopilot(db_session, settings, operator, experiment, data.value)
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, back)
         await db_session.commit()

@@ -13,8 +13,7 @@ from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment import wire
-from server import audit, experiments, kinds, results, serving
+from server import actions, experiments, results, serving
 from server.lifecycle import Refused
 from server.settings import Settings
 from server.web import access, benchmarks, render
@@ -68,16 +67,10 @@ class ServingPages(Controller):
                 button="Stop replica",
                 back=back,
             )
-        plan = experiments.plan_of(experiment)
-        if not plan.serves():
-            return await access.refused(request, db_session, f"plan {plan.name} serves no arm", back)
         try:
-            served = plan.served_arm()
-            order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=served, spec={"rank": rank}))
-            job = await kinds.enqueue(db_session, settings, experiment, order)
+            await actions.stop_replica(db_session, settings, operator, experiment, rank)
         except Refused as exc:
             return await access.refused(request, db_session, exc.detail, back)
-        audit.record(db_session, operator, "replica.stop", f"job:{job.id}", rank=rank)
         await db_session.commit()
         access.notify(request, f"queued replica-stop for rank {rank}")
         return Redirect(back, status_code=303)

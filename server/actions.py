@@ -1,0 +1,100 @@
+"""The operator's actions, one function each: the REST API and the web UI both call these, so an action does the
+same thing, and leaves the same audit row, whichever way it was asked for. Each takes the experiment or job its
+caller loaded under lock (the web UI shows it in a confirmation first) and the principal who asked."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from experiment import wire
+from server import audit, experiments, kinds, models, phases, reactions
+from server.lifecycle import Refused
+from server.settings import Settings
+from server.tokens import Principal
+
+
+def _target(experiment: models.Experiment) -> str:
+    return f"experiment:{experiment.id}"
+
+
+async def create(
+    session: AsyncSession, settings: Settings, who: Principal, body: wire.ExperimentCreate
+) -> models.Experiment:
+    experiment = await phases.create(session, settings, body)
+    audit.record(session, who, "experiment.create", _target(experiment), commit=body.commit)
+    return experiment
+
+
+async def commit(session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment) -> None:
+    await phases.commit(session, settings, experiment)
+    audit.record(session, who, "experiment.commit", _target(experiment))
+
+
+async def advance(session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment) -> str:
+    """Queue the next phase's jobs, or make the commitment the phase waits for; what was done, in words."""
+    action = await phases.advance(session, settings, experiment)
+    audit.record(session, who, "experiment.advance", _target(experiment), queued=action)
+    return action
+
+
+async def set_autopilot(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, on: bool
+) -> str | None:
+    """Switch autopilot; switched on, it advances at once if the current phase is done (what it did, if anything)."""
+    phases.set_autopilot(experiment, on)
+    audit.record(session, who, "experiment.autopilot", _target(experiment), on=on)
+    return await phases.autopilot(session, settings, experiment)
+
+
+async def select(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.SelectionCreate
+) -> None:
+    await experiments.select_checkpoints(session, settings, experiment, body)
+    audit.record(session, who, "experiment.select", _target(experiment))
+    await phases.autopilot(session, settings, experiment)
+
+
+async def serve(session: AsyncSession, who: Principal, experiment: models.Experiment, body: wire.ServingCreate) -> None:
+    await experiments.start_serving(session, experiment, body)
+    audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
+
+
+async def request_report(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment
+) -> models.Job:
+    job = await phases.request_report(session, settings, experiment)
+    audit.record(session, who, "experiment.report", _target(experiment), job=str(job.id))
+    return job
+
+
+def halt(session: AsyncSession, who: Principal, experiment: models.Experiment) -> None:
+    """End the experiment as halted, which is final."""
+    experiments.halt(session, experiment, f"halted by {who.name}")
+    audit.record(session, who, "experiment.halt", _target(experiment))
+
+
+async def queue_job(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.JobCreate
+) -> models.Job:
+    job = await kinds.enqueue(session, settings, experiment, kinds.order_of(body))
+    audit.record(session, who, "job.queue", f"job:{job.id}", kind=body.kind, arm=body.arm, role=body.role)
+    return job
+
+
+async def stop_replica(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, rank: int
+) -> models.Job:
+    """Queue a replica-stop job on the host of the served arm's rank ``rank``."""
+    plan = experiments.plan_of(experiment)
+    if not plan.serves():
+        raise Refused("serving-not-planned", f"plan {plan.name} serves no arm")
+    order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=plan.served_arm(), spec={"rank": rank}))
+    job = await kinds.enqueue(session, settings, experiment, order)
+    audit.record(session, who, "replica.stop", f"job:{job.id}", rank=rank)
+    return job
+
+
+async def cancel(session: AsyncSession, settings: Settings, who: Principal, job: models.Job, grace: float) -> None:
+    """Cancel a job: a queued one at once, a running one asked to stop and forced after ``grace`` seconds."""
+    await reactions.cancel(session, settings, job, grace)
+    audit.record(session, who, "job.cancel", f"job:{job.id}", grace_seconds=grace)
