@@ -394,7 +394,8 @@ async def _statement_floor(url: str, token_secret: str, count: int = 2000) -> di
     coordinator's session."""
     from sqlalchemy import bindparam, select, text
 
-    from server import db, models, tokens
+    from server import db, models
+    from server.access import tokens
 
     engine = db.create_engine(url)
     sessions = db.session_maker(engine)

@@ -133,7 +133,7 @@ class ServingCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # being the job's kind. On the wire a spec or result is the untagged object beside its job's ``kind`` (the kind is
 # the tag, said once): ``decode`` reads one strictly as its kind's type (the string "1" is no rank), ``untagged``
 # writes one. A new job kind adds its spec and result here, and one entry to each side's table of kinds (the
-# coordinator's server/kinds.py, the agent's agent/jobs.py).
+# coordinator's server/protocol/kinds.py, the agent's agent/jobs.py).
 
 Rank = Annotated[int, msgspec.Meta(ge=0, le=63)]
 Url = Annotated[str, msgspec.Meta(min_length=1, max_length=500)]

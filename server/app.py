@@ -20,7 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from experiment import wire
 from experiment.core.errors import CoopError
 from experiment.core.states import JobState
-from server import auth, blobs, bodies, claims, db, failpoints, queue, reactions, reporter
+from server import db, failpoints, reporter
+from server.access import auth
 from server.api import spec
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
@@ -30,7 +31,9 @@ from server.api.experiments import ExperimentController
 from server.api.jobs import JobController
 from server.api.metrics import scrape
 from server.api.results import ResultController
-from server.errors import (
+from server.dispatch import queue, waiters
+from server.dispatch.lifecycle import Refused
+from server.httperrors import (
     BadRequest,
     Forbidden,
     IdempotencyConflict,
@@ -39,9 +42,10 @@ from server.errors import (
     TooLarge,
     Unauthenticated,
 )
-from server.lifecycle import Refused
-from server.metrics import Metrics
+from server.prometheus import Metrics
+from server.protocol import reactions
 from server.settings import Settings, from_env
+from server.store import blobstore, bodies
 from server.web import routes as web_routes
 from server.web import template_config as web_templates
 
@@ -60,7 +64,7 @@ _STATUS: dict[type[CoopError], int] = {
 }
 
 
-# The reason a refused upload is counted under (server.metrics) when no protocol rule names it.
+# The reason a refused upload is counted under (server.prometheus) when no protocol rule names it.
 _REASONS = {
     400: "bad-request",
     401: "unauthenticated",
@@ -134,7 +138,7 @@ async def _reaper(settings: Settings, sessions: async_sessionmaker[AsyncSession]
 
 
 def _background(
-    settings: Settings, sessions: async_sessionmaker[AsyncSession], woken: claims.Claims, metrics: Metrics
+    settings: Settings, sessions: async_sessionmaker[AsyncSession], woken: waiters.Claims, metrics: Metrics
 ) -> Callable[[Litestar], contextlib.AbstractAsyncContextManager[None]]:
     """The coordinator's own tasks while the app serves: the reaper, the report worker and, on Postgres, the
     listener that wakes claims for jobs other coordinator processes queue."""
@@ -152,7 +156,7 @@ def _background(
             asyncio.create_task(reporter.loop(sessions, settings, woken)),
         ]
         if not db.is_sqlite(settings.database_url):
-            tasks.append(asyncio.create_task(claims.listen(settings.database_url, woken)))
+            tasks.append(asyncio.create_task(waiters.listen(settings.database_url, woken)))
         try:
             yield
         finally:
@@ -174,18 +178,18 @@ STOP_SECONDS = 10.0  # how long the app's stop waits for its background tasks
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or from_env()
     failpoints.arm(settings.failpoints)
-    blobs.clear_incoming(settings)
+    blobstore.clear_incoming(settings)
     if db.is_sqlite(settings.database_url):
         settings.home.mkdir(parents=True, exist_ok=True)
     engine = db.create_engine(settings.database_url)
-    woken = claims.Claims(take_turns=db.is_sqlite(settings.database_url))
+    woken = waiters.Claims(take_turns=db.is_sqlite(settings.database_url))
     config = SQLAlchemyAsyncConfig(
         engine_instance=engine,
         # advanced-alchemy's file-object and cache listeners serve columns and caches this coordinator does not
         # have; switched off (the first is never registered, the second returns at once), a flush and a commit no
         # longer look for them (a tenth of a claim's CPU).
         session_config=AsyncSessionConfig(
-            expire_on_commit=False, info={claims.CLAIMS: woken, "enable_cache_listener": False}
+            expire_on_commit=False, info={waiters.CLAIMS: woken, "enable_cache_listener": False}
         ),
         enable_file_object_listener=False,
         before_send_handler="autocommit",

@@ -36,8 +36,10 @@ from experiment.core.canonical import canonical_bytes, fsync_path, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.plan import Sha256
 from experiment.core.progress import Emit
-from server import blobs, db, migrate, models, secret
+from server import db, migrate, models
+from server.access import secret
 from server.settings import Settings, sqlite_url
+from server.store import blobstore
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -219,7 +221,7 @@ def _blob_files(settings: Settings, emit: Emit) -> list[Path]:
     if not settings.blob_dir.is_dir():
         return found
     for folder in sorted(settings.blob_dir.iterdir()):
-        if folder.name == blobs.INCOMING:
+        if folder.name == blobstore.INCOMING:
             continue
         paths = sorted(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else [folder]
         for path in paths:

@@ -20,7 +20,7 @@ import msgspec
 
 from experiment.core.errors import CoopError
 from experiment.core.states import ExperimentState
-from server.roles import ROLES
+from server.access.roles import ROLES
 from server.settings import Settings, from_env
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ def _prepare_home(settings: Settings) -> None:
 
 
 async def _create_token(settings: Settings, role: str, name: str) -> str:
-    from server import db, tokens
+    from server import db
+    from server.access import tokens
 
     engine = db.create_engine(settings.database_url)
     try:
@@ -46,7 +47,8 @@ async def _create_token(settings: Settings, role: str, name: str) -> str:
 
 
 async def _revoke_token(settings: Settings, name: str) -> None:
-    from server import db, tokens
+    from server import db
+    from server.access import tokens
 
     engine = db.create_engine(settings.database_url)
     try:
@@ -58,7 +60,8 @@ async def _revoke_token(settings: Settings, name: str) -> None:
 
 async def _verify(settings: Settings, experiment_id: uuid.UUID) -> int:
     from experiment.core.ledger import verify_ledger
-    from server import commitments, db
+    from server import db
+    from server.store import commitments
 
     engine = db.create_engine(settings.database_url)
     try:
@@ -212,7 +215,7 @@ GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def _serve(args: argparse.Namespace, settings: Settings) -> None:
-    from server import tls
+    from server.access import tls
 
     if (args.certfile is None) != (args.keyfile is None):
         raise CoopError("TLS needs both --certfile and --keyfile")

@@ -2,12 +2,13 @@
 stored evidence.
 
 A report job is claimed through the queue like any job (an attempt row, a lease, the same start and finish), but
-only by this worker, never by an agent (server.kinds: its kind is not run by agents). The evidence bundle and
+only by this worker, never by an agent (server.protocol.kinds: its kind is not run by agents). The evidence bundle and
 ledger.json are written under ``COOP_HOME/reports/EXPERIMENT/JOB/attempt-N/evidence``, the report is computed there
 in a worker thread (report.json and report.html beside the bundle) while the worker renews the attempt's lease,
-and the report's blob is named in the attempt's result; the job's success commits it (server.reactions). A report
-that fails a check fails the job with the report's message naming the file and field. An attempt the coordinator
-was running when it stopped loses its lease and is retried like any lost attempt.
+and the report's blob is named in the attempt's result; the job's success commits it
+(server.protocol.reactions). A report that fails a check fails the job with the report's message naming the file
+and field. An attempt the coordinator was running when it stopped loses its lease and is retried like any lost
+attempt.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from experiment import wire
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import CoopError
-from server import claims, evidence, experiments, failpoints, kinds, models, queue, reactions
+from server import failpoints, models
+from server.dispatch import queue, waiters
+from server.protocol import kinds, reactions, recording
 from server.settings import Settings
+from server.store import evidencefiles
 
 log = logging.getLogger("coop.server.reporter")
 
@@ -36,7 +40,7 @@ def report_dir(settings: Settings, experiment_id: uuid.UUID, job_id: uuid.UUID, 
     return settings.home / "reports" / str(experiment_id) / str(job_id) / f"attempt-{attempt}"
 
 
-def _compute(members: list[evidence.Member], folder: Path) -> dict[str, Any]:
+def _compute(members: list[evidencefiles.Member], folder: Path) -> dict[str, Any]:
     from experiment.report.recompute import write_report  # torch and the tokenizer load only when a report runs
 
     bundle = folder / "evidence"
@@ -67,7 +71,7 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
             return False
         await queue.start(session, None, assignment.attempt_id, assignment.lease_token)
         folder = report_dir(settings, assignment.experiment_id, assignment.job_id, assignment.number)
-        members = await evidence.members(session, settings, assignment.experiment_id)
+        members = await evidencefiles.members(session, settings, assignment.experiment_id)
     renewing = asyncio.create_task(_renew(sessions, settings, assignment.attempt_id))
     try:
         report = await asyncio.to_thread(_compute, members, folder)
@@ -82,7 +86,7 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
     async with sessions() as session, session.begin():
         job, attempt = await queue.owned_attempt(session, None, assignment.attempt_id, assignment.lease_token)
         if failure is None:
-            identity = await experiments.store_report(session, settings, report)
+            identity = await recording.store_report(session, settings, report)
             failpoints.reach("report.stored")
             result = wire.untagged(wire.ReportResult(report_identity=identity))
             reason = f"report written to {folder / 'report.json'}"
@@ -95,8 +99,8 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
     return True
 
 
-async def loop(sessions: async_sessionmaker[AsyncSession], settings: Settings, woken: claims.Claims) -> None:
-    """Run report jobs as they are queued (woken like an agent's claim, server.claims)."""
+async def loop(sessions: async_sessionmaker[AsyncSession], settings: Settings, woken: waiters.Claims) -> None:
+    """Run report jobs as they are queued (woken like an agent's claim, server.dispatch.waiters)."""
     while True:
         ticket = woken.ticket()
         try:

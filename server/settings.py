@@ -52,7 +52,7 @@ class Settings:
     public_read: bool = True
     # The longest a claim may wait for work (long poll).
     max_claim_wait_seconds: float = 30.0
-    # A waiting claim is woken when work is queued (server.claims); unwoken, it looks again this often.
+    # A waiting claim is woken when work is queued (server.dispatch.waiters); unwoken, it looks again this often.
     claim_recheck_seconds: float = 5.0
     # A job whose attempt was lost is retried as a new attempt until it has had this many.
     max_attempts: int = 3

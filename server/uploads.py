@@ -10,9 +10,12 @@ from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import evidence, failpoints, idempotency, kinds, measurements, models, queue, reactions, views
-from server.idempotency import Stored
+from server import failpoints, models
+from server.dispatch import queue
+from server.protocol import kinds, reactions
 from server.settings import Settings
+from server.store import evidencefiles, idempotency, measurements, views
+from server.store.idempotency import Stored
 
 
 async def events(
@@ -68,7 +71,7 @@ async def result(
         queue.require_active(attempt)
         result = await kinds.record_result(session, settings, job, attempt, body)
         if body.evidence:
-            await evidence.record(session, job, attempt, body.evidence, kinds.of(job.kind).writes(job, attempt))
+            await evidencefiles.record(session, job, attempt, body.evidence, kinds.of(job.kind).writes(job, attempt))
         await reactions.finish(
             session, settings, job, attempt, body.outcome, exit_code=body.exit_code, reason=body.reason, result=result
         )

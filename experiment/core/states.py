@@ -1,5 +1,5 @@
 """The states of an experiment and of a job (and of one attempt at it), defined once: the coordinator's
-columns, its transition table (server/lifecycle.py), the wire and the report all take them from here."""
+columns, its transition table (server/dispatch/lifecycle.py), the wire and the report all take them from here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from enum import StrEnum
 
 
 class ExperimentState(StrEnum):
-    """An experiment's place in the protocol; the coordinator's transition table is server/lifecycle.py."""
+    """An experiment's place in the protocol; the coordinator's transition table is server/dispatch/lifecycle.py."""
 
     DRAFT = "draft"
     COMMITTED = "committed"

@@ -12,11 +12,15 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, claims, kinds, models, queue, reactions, views
+from server import models
+from server.access import audit
+from server.access.tokens import Principal
 from server.api import spec
-from server.metrics import Metrics
+from server.dispatch import queue, waiters
+from server.prometheus import Metrics
+from server.protocol import kinds, reactions
 from server.settings import Settings
-from server.tokens import Principal
+from server.store import views
 
 
 class AgentController(Controller):
@@ -84,12 +88,12 @@ class AgentController(Controller):
         agent: NamedDependency[models.Agent],
         metrics: NamedDependency[Metrics],
     ) -> wire.ClaimReply:
-        """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.claims)."""
+        """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.dispatch.waiters)."""
         arrived = time.monotonic()
         deadline = arrived + min(data.wait_seconds, settings.max_claim_wait_seconds)
         # Agents run every kind but the coordinator's own (server.reporter), or those they ask for among them.
         wanted = [name for name in kinds.BY_AGENTS if data.kinds is None or name in data.kinds]
-        waiting = claims.of(db_session)
+        waiting = waiters.of(db_session)
         while True:
             ticket = waiting.ticket()
             async with waiting.turn():

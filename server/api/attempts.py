@@ -12,12 +12,15 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, cursors, models, queue, uploads, views
+from server import models, uploads
+from server.access import audit
+from server.access.tokens import Principal
 from server.api import spec
-from server.errors import NotFound
-from server.idempotency import Stored
+from server.dispatch import queue
+from server.httperrors import NotFound
 from server.settings import Settings
-from server.tokens import Principal
+from server.store import cursors, views
+from server.store.idempotency import Stored
 
 IdempotencyKey = Annotated[
     str | None, HeaderParameter(name="Idempotency-Key", description="job:attempt:sequence ('result' for results)")

@@ -16,11 +16,13 @@ from litestar.response import File
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, auth, blobs, queue
+from server.access import audit, auth
+from server.access.tokens import Principal
 from server.api import spec
-from server.errors import BadRequest
+from server.dispatch import queue
+from server.httperrors import BadRequest
 from server.settings import Settings
-from server.tokens import Principal
+from server.store import blobstore
 
 _SHA256 = re.compile("^[0-9a-f]{64}$")
 
@@ -90,7 +92,7 @@ class BlobController(Controller):
         if principal.role == "agent":
             await _require_active_attempt(db_session, request, principal, attempt)
             await db_session.commit()  # the check's transaction ends before the body streams
-        blob = await blobs.store(
+        blob = await blobstore.store(
             db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length
         )
         if blob.created:
@@ -103,5 +105,5 @@ class BlobController(Controller):
     ) -> File:
         """The stored bytes, always as an attachment of type application/octet-stream: a blob is served as data,
         never with a content type an uploader chose."""
-        _, path = await blobs.find(db_session, settings, _digest(sha256))
+        _, path = await blobstore.find(db_session, settings, _digest(sha256))
         return File(path, media_type="application/octet-stream", filename=sha256)

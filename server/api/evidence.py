@@ -11,10 +11,12 @@ from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, evidence, experiments
+from server.access import audit
+from server.access.tokens import Principal
 from server.api import spec
+from server.protocol import recording
 from server.settings import Settings
-from server.tokens import Principal
+from server.store import evidencefiles
 
 
 class EvidenceController(Controller):
@@ -26,8 +28,8 @@ class EvidenceController(Controller):
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.EvidenceFile]:
         """The bundle's files as the export will contain them (ledger.json besides)."""
-        await experiments.load(db_session, experiment_id)
-        return await evidence.listing(db_session, experiment_id)
+        await recording.load(db_session, experiment_id)
+        return await evidencefiles.listing(db_session, experiment_id)
 
     @post("/evidence", operation_id="attachEvidence", **spec.write("operator", body=spec.DOCUMENT))
     async def attach(
@@ -38,11 +40,11 @@ class EvidenceController(Controller):
         principal: NamedDependency[Principal],
     ) -> list[wire.EvidenceFile]:
         """Name blobs the operator uploaded as bundle files (selection.json, the seed's files)."""
-        await experiments.load(db_session, experiment_id, lock=True)
-        await evidence.attach(db_session, experiment_id, data.files)
+        await recording.load(db_session, experiment_id, lock=True)
+        await evidencefiles.attach(db_session, experiment_id, data.files)
         audit.record(db_session, principal, "evidence.attach", f"experiment:{experiment_id}", paths=sorted(data.files))
         await db_session.flush()
-        return await evidence.listing(db_session, experiment_id)
+        return await evidencefiles.listing(db_session, experiment_id)
 
     @get("/evidence.tar", operation_id="exportEvidence", media_type="application/x-tar", **spec.read())
     async def export(
@@ -52,10 +54,10 @@ class EvidenceController(Controller):
         settings: NamedDependency[Settings],
     ) -> Stream:
         """A tar of the evidence bundle plus ledger.json; extract it and run `coop report --home BUNDLE`."""
-        await experiments.load(db_session, experiment_id)
-        members = await evidence.members(db_session, settings, experiment_id)
+        await recording.load(db_session, experiment_id)
+        members = await evidencefiles.members(db_session, settings, experiment_id)
         return Stream(
-            evidence.tar_stream(members),
+            evidencefiles.tar_stream(members),
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="evidence-{experiment_id}.tar"'},
         )

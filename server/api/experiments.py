@@ -13,11 +13,13 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import actions, commitments, experiments, models, views
+from server import models
+from server.access.tokens import Principal
 from server.api import spec
-from server.errors import BadRequest
+from server.httperrors import BadRequest
+from server.protocol import actions, recording
 from server.settings import Settings
-from server.tokens import Principal
+from server.store import commitments, views
 
 
 async def _view(session: AsyncSession, experiment: models.Experiment) -> wire.Experiment:
@@ -51,7 +53,7 @@ class ExperimentController(Controller):
     async def get_experiment(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> wire.Experiment:
-        return views.experiment(await experiments.load(db_session, experiment_id))
+        return views.experiment(await recording.load(db_session, experiment_id))
 
     @post("/{experiment_id:uuid}/commit", operation_id="commitPlan", **spec.write("operator"))
     async def commit(
@@ -61,7 +63,7 @@ class ExperimentController(Controller):
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         await actions.commit(db_session, settings, principal, experiment)
         return await _view(db_session, experiment)
 
@@ -69,22 +71,22 @@ class ExperimentController(Controller):
     async def arms(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Arm]:
-        await experiments.load(db_session, experiment_id)
-        arms = await experiments.arms_of(db_session, experiment_id)
+        await recording.load(db_session, experiment_id)
+        arms = await recording.arms_of(db_session, experiment_id)
         return [views.arm(arms[name]) for name in sorted(arms)]
 
     @get("/{experiment_id:uuid}/ledger", operation_id="getLedger", **spec.read())
     async def ledger(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.LedgerEntry]:
-        await experiments.load(db_session, experiment_id)
+        await recording.load(db_session, experiment_id)
         return await commitments.entries(db_session, experiment_id)
 
     @get("/{experiment_id:uuid}/jobs", operation_id="listExperimentJobs", **spec.read())
     async def jobs(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Job]:
-        await experiments.load(db_session, experiment_id)
+        await recording.load(db_session, experiment_id)
         rows = await db_session.scalars(
             select(models.Job).where(models.Job.experiment_id == experiment_id).order_by(models.Job.id)
         )
@@ -99,7 +101,7 @@ class ExperimentController(Controller):
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Job:
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         job = await actions.queue_job(db_session, settings, principal, experiment, data)
         await db_session.flush()
         await db_session.refresh(job)
@@ -116,7 +118,7 @@ class ExperimentController(Controller):
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         await actions.select(db_session, settings, principal, experiment, data)
         return await _view(db_session, experiment)
 
@@ -129,7 +131,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Advanced:
         """Queue the next phase's jobs (409 with rule ``phase-running`` while the current phase runs)."""
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         action = await actions.advance(db_session, settings, principal, experiment)
         return wire.Advanced(await _view(db_session, experiment), action)
 
@@ -143,7 +145,7 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         """Switch autopilot on or off; switched on, it advances at once if the current phase is done."""
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         await actions.set_autopilot(db_session, settings, principal, experiment, data.on)
         return await _view(db_session, experiment)
 
@@ -155,7 +157,7 @@ class ExperimentController(Controller):
         db_session: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         await actions.serve(db_session, principal, experiment, data)
         return await _view(db_session, experiment)
 
@@ -172,7 +174,7 @@ class ExperimentController(Controller):
         The request has no body: a report is only ever the coordinator's recomputation, never one sent to it."""
         if (await request.body()).strip():
             raise BadRequest("a report request has no body: the coordinator computes the report itself")
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         job = await actions.request_report(db_session, settings, principal, experiment)
         await db_session.flush()
         await db_session.refresh(job)
@@ -186,8 +188,8 @@ class ExperimentController(Controller):
         settings: NamedDependency[Settings],
     ) -> File:
         """The report JSON the coordinator computed and committed (404 until then)."""
-        await experiments.load(db_session, experiment_id)
-        path = await experiments.report_file(db_session, settings, experiment_id)
+        await recording.load(db_session, experiment_id)
+        path = await recording.report_file(db_session, settings, experiment_id)
         return File(path, media_type="application/json", content_disposition_type="inline")
 
     @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", **spec.write("operator"))
@@ -197,6 +199,6 @@ class ExperimentController(Controller):
         db_session: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         actions.halt(db_session, principal, experiment)
         return await _view(db_session, experiment)

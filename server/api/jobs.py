@@ -11,11 +11,13 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import actions, models, views
+from server import models
+from server.access.tokens import Principal
 from server.api import spec
-from server.errors import NotFound
+from server.httperrors import NotFound
+from server.protocol import actions
 from server.settings import Settings
-from server.tokens import Principal
+from server.store import views
 
 
 async def _job(session: AsyncSession, job_id: uuid.UUID, *, lock: bool = False) -> models.Job:

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the coordinator's Prometheus metrics (server.metrics), for an operator or a reader token.
+"""``GET /metrics``: the coordinator's Prometheus metrics (server.prometheus), for an operator or a reader token.
 
 Not a public read: the scrape names every agent and when it was last heard from. Prometheus sends a bearer token
 from a file (``authorization: credentials_file``): a reader token of its own, made with
@@ -12,10 +12,10 @@ from litestar import Request, Response, get
 from litestar.di import NamedDependency
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import blobs
 from server.api import spec
-from server.metrics import Metrics, jobs_by_state, last_contacts
+from server.prometheus import Metrics, jobs_by_state, last_contacts
 from server.settings import Settings
+from server.store import blobstore
 
 
 @get(
@@ -34,5 +34,7 @@ async def scrape(
 ) -> Response[bytes]:
     jobs = await jobs_by_state(db_session)
     agents = await last_contacts(db_session)
-    body, content_type = metrics.exposition(jobs, agents, blobs.free_bytes(settings), request.headers.get("accept", ""))
+    body, content_type = metrics.exposition(
+        jobs, agents, blobstore.free_bytes(settings), request.headers.get("accept", "")
+    )
     return Response(body, media_type=content_type)

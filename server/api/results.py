@@ -14,13 +14,15 @@ from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, measurements, models, results, tables
+from server import models
 from server.api import spec
-from server.errors import NotFound
+from server.httperrors import NotFound
+from server.protocol import recording
+from server.store import listings, measurements, tables
 
 Cursor = Annotated[str | None, QueryParameter(max_length=64, description="the next cursor of the page before")]
 MeasurementLimit = Annotated[int, QueryParameter(ge=1, le=measurements.MAX_PAGE)]
-AnswerLimit = Annotated[int, QueryParameter(ge=1, le=results.MAX_PAGE)]
+AnswerLimit = Annotated[int, QueryParameter(ge=1, le=listings.MAX_PAGE)]
 Variant = Annotated[int | None, QueryParameter(ge=0, le=wire.INT32_MAX)]
 CSV = "text/csv; charset=utf-8"
 
@@ -31,9 +33,9 @@ def answer_filter(
     family: FromQuery[wire.Family | None] = None,
     variant: Variant = None,
     correct: FromQuery[bool | None] = None,
-) -> results.AnswerFilter:
+) -> listings.AnswerFilter:
     """The answer listings' filters, the same for the JSON pages and the CSV."""
-    return results.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
+    return listings.AnswerFilter(arm=arm, role=role, family=family, variant=variant, correct=correct)
 
 
 FILTERS = {"where": Provide(answer_filter, sync_to_thread=False)}
@@ -93,13 +95,13 @@ class ResultController(Controller):
         self,
         experiment_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
-        where: NamedDependency[results.AnswerFilter],
+        where: NamedDependency[listings.AnswerFilter],
         after: Cursor = None,
         limit: AnswerLimit = 100,
     ) -> wire.AnswerPage:
         """Every recorded answer (the protocol publishes all final-test answers), in arm, role and task order."""
-        await experiments.load(db_session, experiment_id)
-        return await results.answers(db_session, experiment_id, where, limit, after=after)
+        await recording.load(db_session, experiment_id)
+        return await listings.answers(db_session, experiment_id, where, limit, after=after)
 
     @get(
         "/experiments/{experiment_id:uuid}/answers.csv",
@@ -112,16 +114,16 @@ class ResultController(Controller):
         self,
         experiment_id: FromPath[uuid.UUID],
         db_session: NamedDependency[AsyncSession],
-        where: NamedDependency[results.AnswerFilter],
+        where: NamedDependency[listings.AnswerFilter],
     ) -> Stream:
         """Every answer the filters match, as CSV (the answer's text and check; its token ids only in the JSON)."""
-        await experiments.load(db_session, experiment_id)
-        every = await results.every_answer(db_session, experiment_id, where)
+        await recording.load(db_session, experiment_id)
+        every = await listings.every_answer(db_session, experiment_id, where)
         return _csv(tables.answers(every), f"answers-{experiment_id}")
 
     @get("/experiments/{experiment_id:uuid}/serving-results", operation_id="listServingResults", **spec.read())
     async def serving_results(
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.ServingResult]:
-        await experiments.load(db_session, experiment_id)
-        return await results.serving_results(db_session, experiment_id)
+        await recording.load(db_session, experiment_id)
+        return await listings.serving_results(db_session, experiment_id)

@@ -9,7 +9,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
 
 from experiment import wire
-from server.roles import ROLES
+from server.access.roles import ROLES
 
 # The handler option that names an agent upload (events, result, blob).
 UPLOAD = "upload"
@@ -73,7 +73,7 @@ def write(
 ) -> dict[str, Any]:
     """A write by ``role``. ``body`` is its body limit (None: the app-wide limit); a route that ``streams`` its
     body enforces its own limit while it reads. ``upload`` names an agent upload, whose refusals are counted
-    (server.metrics)."""
+    (server.prometheus)."""
     roles = (role,) if isinstance(role, str) else role
     limit = {"request_max_body_size": None} if streams else {} if body is None else {"request_max_body_size": body}
     return {

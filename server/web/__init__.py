@@ -1,6 +1,6 @@
 """The web UI: server-rendered pages (web/templates) with htmx polling their live parts, on the same app as
 the API. Its router carries its own session cookie, CSRF check and sign-in guard, so the bearer-token API
-never sees them; ``server.auth.authorize`` leaves the router's handlers (marked ``opt["web"]``) to it."""
+never sees them; ``server.access.auth.authorize`` leaves the router's handlers (marked ``opt["web"]``) to it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from litestar.types import ASGIApp, ControllerRouterHandler
 
 from experiment.core.errors import CoopError
 from server.settings import Settings
-from server.web import access, errors, keys, render
+from server.web import errors, gate, keys, render
 from server.web.agents import AgentPages
 from server.web.evaluations import EvaluationPages
 from server.web.jobs import JobPages
@@ -71,7 +71,7 @@ def routes(settings: Settings) -> list[ControllerRouterHandler]:
             DefineMiddleware(_sessions, secret=secrets.session, secure=settings.tls),
             DefineMiddleware(CSRFMiddleware, config=csrf),
         ],
-        guards=[access.guard],
+        guards=[gate.guard],
         exception_handlers={CoopError: errors.page, HTTPException: errors.page},
         opt=OPT,
         include_in_schema=False,

@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.settings import Settings
 from server.web import queries, render
-from server.web.access import WebRequest
+from server.web.gate import WebRequest
 
 
 class AgentPages(Controller):

@@ -14,9 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core import layout
-from server import blobs, evidence, models
-from server.errors import NotFound
+from server import models
+from server.httperrors import NotFound
 from server.settings import Settings
+from server.store import blobstore, evidencefiles
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,10 @@ async def prepared_task(
 ) -> PreparedTask | None:
     """The task's prompt and expected answer, where the prepare job uploaded its role file; else None."""
     path = ROLE_FILES.get(role)
-    listed = next((f for f in await evidence.listing(session, experiment_id) if f.path == path), None)
+    listed = next((f for f in await evidencefiles.listing(session, experiment_id) if f.path == path), None)
     if listed is None:
         return None
-    _, file = await blobs.find(session, settings, listed.sha256)
+    _, file = await blobstore.find(session, settings, listed.sha256)
     with file.open("rb") as lines:
         line = next((line for number, line in enumerate(lines) if number == index), None)
     if line is None:

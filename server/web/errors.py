@@ -10,10 +10,10 @@ from litestar.exceptions import HTTPException
 from litestar.response import Redirect
 
 from experiment.core.errors import CoopError
-from server.errors import BadRequest, Forbidden, NotFound, TooLarge, Unauthenticated
-from server.lifecycle import Refused
-from server.web import access, render
-from server.web.access import WebRequest
+from server.dispatch.lifecycle import Refused
+from server.httperrors import BadRequest, Forbidden, NotFound, TooLarge, Unauthenticated
+from server.web import gate, render
+from server.web.gate import WebRequest
 
 _STATUS: tuple[tuple[type[CoopError], int], ...] = (
     (NotFound, 404),
@@ -26,7 +26,7 @@ _STATUS: tuple[tuple[type[CoopError], int], ...] = (
 
 
 def page(request: WebRequest, exc: Exception) -> Response[Any]:
-    if isinstance(exc, access.SignInRequired):
+    if isinstance(exc, gate.SignInRequired):
         back = request.url.path if request.method == "GET" else "/"
         return Redirect(f"/login?next={quote(back)}", status_code=303)
     if isinstance(exc, HTTPException):

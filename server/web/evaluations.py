@@ -15,11 +15,12 @@ from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, results
-from server.errors import BadRequest
+from server.httperrors import BadRequest
+from server.protocol import recording
 from server.settings import Settings
+from server.store import listings
 from server.web import answers, render
-from server.web.access import WebRequest
+from server.web.gate import WebRequest
 
 PAGE = 50
 ROLES: tuple[str, ...] = get_args(wire.Role)
@@ -37,7 +38,7 @@ class Filters:
     variant: str
     outcome: str
 
-    def check(self, arms: tuple[str, ...]) -> results.AnswerFilter:
+    def check(self, arms: tuple[str, ...]) -> listings.AnswerFilter:
         for name, value, allowed in (
             ("role", self.role, ROLES),
             ("arm", self.arm, ("", *arms)),
@@ -48,7 +49,7 @@ class Filters:
                 raise BadRequest(f"{name} {value!r} is not one of {', '.join(repr(a) for a in allowed)}")
         if self.variant and not self.variant.isdigit():
             raise BadRequest(f"variant {self.variant!r} is not a wording number")
-        return results.AnswerFilter(
+        return listings.AnswerFilter(
             arm=self.arm or None,
             role=self.role,
             family=self.family or None,
@@ -77,10 +78,10 @@ class EvaluationPages(Controller):
         outcome: FromQuery[str] = "",
         offset: Annotated[int, QueryParameter(ge=0)] = 0,
     ) -> Template:
-        experiment = await experiments.load(db_session, experiment_id)
-        arms = experiments.plan_of(experiment).arm_names()
+        experiment = await recording.load(db_session, experiment_id)
+        arms = recording.plan_of(experiment).arm_names()
         filters = Filters(role, arm, family, variant, outcome)
-        page = await results.answers(db_session, experiment_id, filters.check(arms), PAGE, offset)
+        page = await listings.answers(db_session, experiment_id, filters.check(arms), PAGE, offset)
         return render.page(
             request,
             "evaluations.html",
@@ -108,9 +109,9 @@ class EvaluationPages(Controller):
         """Every arm's answer to one task side by side, under its prompt and expected answer."""
         if role not in ROLES:
             raise BadRequest(f"role {role!r} is not one of {', '.join(repr(r) for r in ROLES)}")
-        experiment = await experiments.load(db_session, experiment_id)
+        experiment = await recording.load(db_session, experiment_id)
         found = await answers.task_answers(
-            db_session, experiment_id, experiments.plan_of(experiment).arm_names(), role, task_id
+            db_session, experiment_id, recording.plan_of(experiment).arm_names(), role, task_id
         )
         first = found[0].answer
         task = await answers.prepared_task(db_session, settings, experiment_id, role, first.index, task_id)
@@ -128,7 +129,7 @@ class EvaluationPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Template:
-        experiment = await experiments.load(db_session, experiment_id)
+        experiment = await recording.load(db_session, experiment_id)
         row, answer = await answers.answer(db_session, experiment_id, arm, role, task_id)
         task = await answers.prepared_task(db_session, settings, experiment_id, role, answer.index, task_id)
         return render.page(

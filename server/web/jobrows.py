@@ -17,7 +17,7 @@ from experiment import wire
 from experiment.core.states import JobState
 from experiment.report.figures import Span
 from server import models
-from server.lifecycle import JOB_ACTIVE, JOB_FINAL
+from server.dispatch.lifecycle import JOB_ACTIVE, JOB_FINAL
 from server.web import charts
 from server.web.queries import COORDINATOR, AttemptRow, StateChange
 

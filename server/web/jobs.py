@@ -17,13 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import JobState
-from server import actions, experiments, models
-from server.errors import NotFound
-from server.lifecycle import JOB_FINAL, Refused
+from server import models
+from server.dispatch.lifecycle import JOB_FINAL, Refused
+from server.httperrors import NotFound
+from server.protocol import actions, recording
 from server.settings import Settings
-from server.web import access, jobrows, queries, render
-from server.web.access import WebRequest
+from server.web import gate, jobrows, queries, render
 from server.web.forms import Confirmation
+from server.web.gate import WebRequest
 
 TIMELINE_SECONDS = 5  # how often the page asks for the hosts' timeline again
 
@@ -44,7 +45,7 @@ class _Work:
 
 async def _work(db_session: AsyncSession, experiment_id: uuid.UUID) -> _Work:
     return _Work(
-        await experiments.load(db_session, experiment_id),
+        await recording.load(db_session, experiment_id),
         await queries.jobs(db_session, experiment_id),
         await queries.experiment_attempts(db_session, experiment_id),
         await queries.job_changes(db_session, experiment_id),
@@ -79,7 +80,7 @@ async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUI
     return {
         "job": job,
         "job_name": jobrows.name(job),
-        "experiment": await experiments.load(db_session, job.experiment_id),
+        "experiment": await recording.load(db_session, job.experiment_id),
         "attempts": attempts,
         "shown": shown,
         "log": await queries.log_tail(db_session, shown.attempt.id) if shown is not None else [],
@@ -148,7 +149,7 @@ class JobPages(Controller):
             headers={"Content-Disposition": f'attachment; filename="{name}"'},
         )
 
-    @post("/jobs/{job_id:uuid}/cancel", opt=access.ACTION)
+    @post("/jobs/{job_id:uuid}/cancel", opt=gate.ACTION)
     async def cancel(
         self,
         request: WebRequest,
@@ -157,7 +158,7 @@ class JobPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator = access.operator(request)
+        operator = gate.operator(request)
         job = await queries.job(db_session, job_id, lock=True)
         what = "cancel this job"
         if data.confirm != "yes":
@@ -165,7 +166,7 @@ class JobPages(Controller):
                 request,
                 "confirm.html",
                 tab="jobs",
-                experiment=await experiments.load(db_session, job.experiment_id),
+                experiment=await recording.load(db_session, job.experiment_id),
                 title=f"{what.capitalize()}?",
                 explanation=(
                     f"The {job.kind} job {job.id} ends as cancelled, which is final: a queued job is cancelled at "
@@ -181,7 +182,7 @@ class JobPages(Controller):
         try:
             await actions.cancel(db_session, settings, operator, job, grace)
         except Refused as exc:
-            return await access.refused(request, db_session, exc.detail, f"/jobs/{job_id}")
+            return await gate.refused(request, db_session, exc.detail, f"/jobs/{job_id}")
         await db_session.commit()
-        access.notify(request, f"asked job {job_id} to stop")
+        gate.notify(request, f"asked job {job_id} to stop")
         return Redirect(f"/jobs/{job_id}", status_code=303)

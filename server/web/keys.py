@@ -1,12 +1,12 @@
-"""The web UI's keys, derived from the coordinator home's secret (server.secret): the session cookie's key and the
-CSRF tokens' HMAC key, so that sessions outlive a restart."""
+"""The web UI's keys, derived from the coordinator home's secret (server.access.secret): the session cookie's key
+and the CSRF tokens' HMAC key, so that sessions outlive a restart."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from server import secret
+from server.access import secret
 
 
 @dataclass(frozen=True)

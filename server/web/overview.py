@@ -17,13 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import ExperimentState
-from server import actions, commitments, experiments
-from server.errors import BadRequest
-from server.lifecycle import EXPERIMENT_FINAL, Refused
+from server.dispatch.lifecycle import EXPERIMENT_FINAL, Refused
+from server.httperrors import BadRequest
+from server.protocol import actions, recording
 from server.settings import Settings
-from server.web import access, queries, render
-from server.web.access import WebRequest
+from server.store import commitments
+from server.web import gate, queries, render
 from server.web.forms import Confirmation, Switch
+from server.web.gate import WebRequest
 
 
 @dataclass
@@ -51,7 +52,7 @@ IRREVERSIBLE = {
 
 
 async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
-    experiment = await experiments.load(db_session, experiment_id)
+    experiment = await recording.load(db_session, experiment_id)
     changes = await queries.timeline(db_session, experiment_id)
     return {
         "experiment": experiment,
@@ -69,7 +70,7 @@ class OverviewPages(Controller):
     async def home(self, request: WebRequest, db_session: NamedDependency[AsyncSession]) -> Template:
         return render.page(request, "experiments.html", experiments=await queries.experiment_list(db_session))
 
-    @post("/experiments", opt=access.ACTION)
+    @post("/experiments", opt=gate.ACTION)
     async def create(
         self,
         request: WebRequest,
@@ -77,7 +78,7 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect:
-        operator = access.operator(request)
+        operator = gate.operator(request)
         text = data.plan_toml
         if data.plan_file is not None and data.plan_file.filename:
             try:
@@ -93,7 +94,7 @@ class OverviewPages(Controller):
             raise BadRequest(f"the plan cannot be used: {exc}") from exc
         experiment = await actions.create(db_session, settings, operator, body)
         await db_session.commit()
-        access.notify(request, f"created experiment {experiment.name} ({experiment.state})")
+        gate.notify(request, f"created experiment {experiment.name} ({experiment.state})")
         return Redirect(f"/experiments/{experiment.id}", status_code=303)
 
     @get("/experiments/{experiment_id:uuid}")
@@ -108,7 +109,7 @@ class OverviewPages(Controller):
     ) -> Template:
         return render.fragment(request, "fragments/status.html", **await _status(db_session, experiment_id))
 
-    @post("/experiments/{experiment_id:uuid}/advance", opt=access.ACTION)
+    @post("/experiments/{experiment_id:uuid}/advance", opt=gate.ACTION)
     async def advance(
         self,
         request: WebRequest,
@@ -117,8 +118,8 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator = access.operator(request)
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        operator = gate.operator(request)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         back = f"/experiments/{experiment_id}"
         warning = IRREVERSIBLE.get(experiment.state)
         if warning is not None and data.confirm != "yes":
@@ -137,12 +138,12 @@ class OverviewPages(Controller):
         try:
             message = await actions.advance(db_session, settings, operator, experiment)
         except Refused as exc:
-            return await access.refused(request, db_session, exc.detail, back)
+            return await gate.refused(request, db_session, exc.detail, back)
         await db_session.commit()
-        access.notify(request, message)
+        gate.notify(request, message)
         return Redirect(back, status_code=303)
 
-    @post("/experiments/{experiment_id:uuid}/halt", opt=access.ACTION)
+    @post("/experiments/{experiment_id:uuid}/halt", opt=gate.ACTION)
     async def halt(
         self,
         request: WebRequest,
@@ -151,8 +152,8 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
     ) -> Redirect | Template:
         """As the API's halt: the experiment ends as halted, which is final."""
-        operator = access.operator(request)
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        operator = gate.operator(request)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         back = f"/experiments/{experiment_id}"
         if data.confirm != "yes":
             return render.page(
@@ -174,12 +175,12 @@ class OverviewPages(Controller):
         try:
             actions.halt(db_session, operator, experiment)
         except Refused as exc:
-            return await access.refused(request, db_session, exc.detail, back)
+            return await gate.refused(request, db_session, exc.detail, back)
         await db_session.commit()
-        access.notify(request, f"halted {experiment.name}")
+        gate.notify(request, f"halted {experiment.name}")
         return Redirect(back, status_code=303)
 
-    @post("/experiments/{experiment_id:uuid}/autopilot", opt=access.ACTION)
+    @post("/experiments/{experiment_id:uuid}/autopilot", opt=gate.ACTION)
     async def autopilot(
         self,
         request: WebRequest,
@@ -189,14 +190,14 @@ class OverviewPages(Controller):
         settings: NamedDependency[Settings],
     ) -> Redirect:
         """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
-        operator = access.operator(request)
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        operator = gate.operator(request)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         back = f"/experiments/{experiment_id}"
         try:
             advanced = await actions.set_autopilot(db_session, settings, operator, experiment, data.value)
         except Refused as exc:
-            return await access.refused(request, db_session, exc.detail, back)
+            return await gate.refused(request, db_session, exc.detail, back)
         await db_session.commit()
         state = "on" if data.value else "off"
-        access.notify(request, f"autopilot {state}" + (f"; {advanced}" if advanced else ""))
+        gate.notify(request, f"autopilot {state}" + (f"; {advanced}" if advanced else ""))
         return Redirect(back, status_code=303)

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.report.model import Report
 from server import models
-from server.errors import NotFound
+from server.httperrors import NotFound
 
 ROLE = "test"  # every paired comparison of the report is on the final test items
 

@@ -15,7 +15,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.plan import ArmPlan
-from server import experiments, models
+from server import models
+from server.protocol import recording
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dic
 
 
 async def training(session: AsyncSession, experiment: models.Experiment) -> list[ArmProgress]:
-    plan = experiments.plan_of(experiment)
+    plan = recording.plan_of(experiment)
     updates = plan.training.updates
-    arms = await experiments.arms_of(session, experiment.id)
+    arms = await recording.arms_of(session, experiment.id)
     jobs = {
         job.arm: job
         for job in await session.scalars(

@@ -12,9 +12,10 @@ import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import experiments, models
-from server.errors import NotFound
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
+from server import models
+from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
+from server.httperrors import NotFound
+from server.protocol import recording
 from server.web import render
 
 LOG_LINES = 80
@@ -84,7 +85,7 @@ class Clock:
 
 
 def clock(experiment: models.Experiment, changes: Sequence[StateChange]) -> Clock:
-    plan = experiments.plan_of(experiment)
+    plan = recording.plan_of(experiment)
     final = experiment.state in EXPERIMENT_FINAL
     return Clock(
         created_at=experiment.created_at,

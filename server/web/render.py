@@ -11,8 +11,8 @@ from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Template
 from litestar.template.config import TemplateConfig
 
-from server.web import access
-from server.web.access import WebRequest
+from server.web import gate
+from server.web.gate import WebRequest
 
 WEB = Path(__file__).resolve().parents[2] / "web"
 TEMPLATES = WEB / "templates"
@@ -82,11 +82,11 @@ def template_config() -> TemplateConfig[JinjaTemplateEngine]:
 
 def page(request: WebRequest, name: str, status_code: int = 200, **context: Any) -> Template:
     """A whole page; it shows who is signed in and, once, the notice an action left."""
-    viewer = access.viewer(request)
-    notice = access.take_notice(request) if viewer is not None else None
+    viewer = gate.viewer(request)
+    notice = gate.take_notice(request) if viewer is not None else None
     return Template(
         template_name=name,
-        context={"viewer": viewer, "reader": access.signed_in(request) if viewer is None else None, "notice": notice}
+        context={"viewer": viewer, "reader": gate.signed_in(request) if viewer is None else None, "notice": notice}
         | context,
         status_code=status_code,
     )
@@ -94,4 +94,4 @@ def page(request: WebRequest, name: str, status_code: int = 200, **context: Any)
 
 def fragment(request: WebRequest, name: str, **context: Any) -> Template:
     """A part of a page that htmx polls; pages include the same template, so they work without JavaScript."""
-    return Template(template_name=name, context={"viewer": access.viewer(request), **context})
+    return Template(template_name=name, context={"viewer": gate.viewer(request), **context})

@@ -15,16 +15,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.report.figures import SERVING_PHASES
 from experiment.report.model import Report, read_report
-from server import experiments
-from server.errors import NotFound
+from server.httperrors import NotFound
+from server.protocol import recording
 from server.settings import Settings
 from server.web import charts, paired, render
-from server.web.access import WebRequest
+from server.web.gate import WebRequest
 
 
 async def recorded(db_session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> Report:
     """The recorded report, decoded; NotFound (with why) where there is none, or none this coordinator reads."""
-    path = await experiments.report_file(db_session, settings, experiment_id)
+    path = await recording.report_file(db_session, settings, experiment_id)
     try:
         return read_report(path.read_bytes())
     except msgspec.ValidationError as exc:
@@ -45,9 +45,9 @@ class ReportPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Template:
-        experiment = await experiments.load(db_session, experiment_id)
+        experiment = await recording.load(db_session, experiment_id)
         try:
-            path = await experiments.report_file(db_session, settings, experiment_id)
+            path = await recording.report_file(db_session, settings, experiment_id)
         except NotFound:
             return render.page(request, "report.html", tab="report", experiment=experiment, report=None, figures={})
         try:
@@ -78,7 +78,7 @@ class ReportPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Template:
-        experiment = await experiments.load(db_session, experiment_id)
+        experiment = await recording.load(db_session, experiment_id)
         document = await recorded(db_session, settings, experiment_id)
         comparison = paired.find(document, arm, baseline)
         found = await paired.discordant(db_session, experiment_id, baseline, arm)

@@ -13,16 +13,16 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import experiments
-from server.lifecycle import EXPERIMENT_FINAL
+from server.dispatch.lifecycle import EXPERIMENT_FINAL
+from server.protocol import recording
 from server.web import render, samples
-from server.web.access import WebRequest
+from server.web.gate import WebRequest
 
 POLL_SECONDS = 10  # the figures are redrawn for every new sample: less often than the text parts
 
 
 async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
-    experiment = await experiments.load(db_session, experiment_id)
+    experiment = await recording.load(db_session, experiment_id)
     found = await samples.sampled(db_session, experiment_id)
     # Drawing the figures is CPU work that would hold up every other request.
     drawn = await anyio.to_thread.run_sync(samples.view, found)

@@ -13,12 +13,13 @@ from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import actions, experiments, results, serving
-from server.lifecycle import Refused
+from server.dispatch.lifecycle import Refused
+from server.protocol import actions, recording, replicas
 from server.settings import Settings
-from server.web import access, benchmarks, render
-from server.web.access import WebRequest
+from server.store import listings
+from server.web import benchmarks, gate, render
 from server.web.forms import Confirmation
+from server.web.gate import WebRequest
 
 
 class ServingPages(Controller):
@@ -28,16 +29,16 @@ class ServingPages(Controller):
     async def serving(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        experiment = await experiments.load(db_session, experiment_id)
-        recorded = await results.serving_results(db_session, experiment_id)
-        replicas = sorted((await serving.replicas(db_session, experiment_id)).values(), key=lambda r: r.rank)
+        experiment = await recording.load(db_session, experiment_id)
+        recorded = await listings.serving_results(db_session, experiment_id)
+        running = sorted((await replicas.replicas(db_session, experiment_id)).values(), key=lambda r: r.rank)
         # Decoding the reports and drawing their figures is CPU work that would hold up every other request.
         found = await anyio.to_thread.run_sync(benchmarks.view, recorded)
         return render.page(
-            request, "serving.html", tab="serving", experiment=experiment, serving=found, replicas=replicas
+            request, "serving.html", tab="serving", experiment=experiment, serving=found, replicas=running
         )
 
-    @post("/replicas/{rank:int}/stop", opt=access.ACTION)
+    @post("/replicas/{rank:int}/stop", opt=gate.ACTION)
     async def stop(
         self,
         request: WebRequest,
@@ -47,8 +48,8 @@ class ServingPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator = access.operator(request)
-        experiment = await experiments.load(db_session, experiment_id, lock=True)
+        operator = gate.operator(request)
+        experiment = await recording.load(db_session, experiment_id, lock=True)
         back = f"/experiments/{experiment_id}/serving"
         if data.confirm != "yes":
             return render.page(
@@ -70,7 +71,7 @@ class ServingPages(Controller):
         try:
             await actions.stop_replica(db_session, settings, operator, experiment, rank)
         except Refused as exc:
-            return await access.refused(request, db_session, exc.detail, back)
+            return await gate.refused(request, db_session, exc.detail, back)
         await db_session.commit()
-        access.notify(request, f"queued replica-stop for rank {rank}")
+        gate.notify(request, f"queued replica-stop for rank {rank}")
         return Redirect(back, status_code=303)

@@ -9,9 +9,9 @@ from litestar.params import FromQuery, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import audit, tokens
-from server.web import access, render
-from server.web.access import WebRequest
+from server.access import audit, tokens
+from server.web import gate, render
+from server.web.gate import WebRequest
 
 
 class SignInForm(msgspec.Struct, frozen=True):
@@ -26,7 +26,7 @@ def _local(target: str) -> str:
 
 class SignInPages(Controller):
     path = "/"
-    opt = access.PUBLIC
+    opt = gate.PUBLIC
 
     @get("/login")
     async def form(self, request: WebRequest, next: FromQuery[str] = "/") -> Template:
@@ -40,13 +40,13 @@ class SignInPages(Controller):
         db_session: NamedDependency[AsyncSession],
     ) -> Redirect | Template:
         principal = await tokens.lookup(db_session, data.token.strip())
-        if principal is None or principal.role not in access.SIGNS_IN:
+        if principal is None or principal.role not in gate.SIGNS_IN:
             problem = (
                 "That is not an operator or a reader token, or it was revoked. "
                 "Create one with coop-server token create."
             )
             return render.page(request, "login.html", status_code=401, next=_local(data.next), problem=problem)
-        access.sign_in(request, principal)
+        gate.sign_in(request, principal)
         audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")
         await db_session.commit()
         return Redirect(_local(data.next), status_code=303)

@@ -11,14 +11,14 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import experiments
-from server.lifecycle import EXPERIMENT_FINAL
+from server.dispatch.lifecycle import EXPERIMENT_FINAL
+from server.protocol import recording
 from server.web import charts, progress, render
-from server.web.access import WebRequest
+from server.web.gate import WebRequest
 
 
 async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
-    experiment = await experiments.load(db_session, experiment_id)
+    experiment = await recording.load(db_session, experiment_id)
     arms = await progress.training(db_session, experiment)
     return {
         "experiment": experiment,

@@ -11,7 +11,8 @@ from litestar.testing import TestClient
 from playwright.sync_api import Browser, expect
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import migrate, tokens
+from server import migrate
+from server.access import tokens
 from server.app import create_app
 from server.settings import Settings, sqlite_url
 from tests.browser.conftest import screenshot

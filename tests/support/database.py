@@ -15,7 +15,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from server import db, models, tokens
+from server import db, models
+from server.access import tokens
 from server.settings import Settings
 
 T = TypeVar("T")
@@ -82,11 +83,11 @@ def make_token(url: str, role: str, name: str) -> str:
 def record_report(database_url: str, home: Path, experiment_id: str, report: dict[str, Any]) -> str:
     """Commit ``report`` as the coordinator's report job does (server.reporter), for tests of what a recorded
     report looks like; over HTTP an operator can only ask the coordinator to compute one."""
-    from server import experiments
+    from server.protocol import recording
 
     async def record(session: AsyncSession) -> str:
-        experiment = await experiments.load(session, uuid.UUID(experiment_id), lock=True)
+        experiment = await recording.load(session, uuid.UUID(experiment_id), lock=True)
         settings = Settings(home=home, database_url=database_url)
-        return await experiments.record_report(session, settings, experiment, report)
+        return await recording.record_report(session, settings, experiment, report)
 
     return with_session(database_url, record)

@@ -17,7 +17,7 @@ from agent import jobs
 from experiment import cli, wire
 from experiment.core import ledger
 from experiment.core.plan import load_plan, plan_identity
-from server import kinds
+from server.protocol import kinds
 from tests.support import ROOT
 
 # The kinds whose handler runs no `coop` command: the agent stops the replica it keeps itself (agent/services.py).

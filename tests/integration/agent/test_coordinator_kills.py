@@ -23,8 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment.core.errors import CoopError
 from experiment.core.ledger import verify_ledger
 from experiment.seed import seedmodel
-from server import commitments, models
-from server.blobs import INCOMING
+from server import models
+from server.store import commitments
+from server.store.blobstore import INCOMING
 from tests.conftest import write_plan
 from tests.integration.agent.support import AgentProcess
 from tests.support import ROOT

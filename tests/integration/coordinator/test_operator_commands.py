@@ -86,7 +86,7 @@ def test_an_operator_lists_shows_halts_and_exports_and_a_reader_or_no_token_cann
     with tarfile.open(out) as tar:
         names = tar.getnames()
         ledger = json.load(tar.extractfile("ledger.json") or io.BytesIO())
-    # The bundle: the listed files, the ledger and every training attempt (server.evidence).
+    # The bundle: the listed files, the ledger and every training attempt (server.store.evidencefiles).
     assert sorted(names) == sorted([entry["path"] for entry in listing] + ["attempts.json", "ledger.json"])
     recorded = httpx.get(f"{served}/api/experiments/{experiment}/ledger").json()
     assert ledger == recorded

@@ -13,7 +13,8 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import db, models, queue
+from server import db, models
+from server.dispatch import queue
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
 from tests.support import ROOT

@@ -5,7 +5,7 @@ copy) behind its probe; rank 0's host then benchmarks the single phase (its own 
 the failure phase (both), in which the coordinator stops rank 1's replica as soon as the benchmark reports the set
 number of completions (its ``stop-replica`` event); finally both replicas are stopped. The probes' bearer token is
 derived from the coordinator's secret per experiment and handed only to the agents that claim a serving job
-(server.secret); it is stored nowhere.
+(server.access.secret); it is stored nowhere.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.core.states import JobState
 from experiment.learning.events import StopReplicaEvent, name_of
-from server import experiments, models, queue
-from server.lifecycle import JOB_ACTIVE, Refused
+from server import models
+from server.dispatch import queue
+from server.dispatch.lifecycle import JOB_ACTIVE, Refused
+from server.protocol import recording
 
 STOPPED_RANK = 1  # the failure phase stops the replica of the pair's rank 1
 STOP_SIGNAL = name_of(StopReplicaEvent)  # the event the failure phase's benchmark prints when the replica is to stop
@@ -42,7 +44,7 @@ class Replica:
 
 async def pair_hosts(session: AsyncSession, experiment: models.Experiment) -> dict[int, uuid.UUID]:
     """Rank -> agent of the served arm's training generation that succeeded (each holds that rank's checkpoint)."""
-    served = experiments.plan_of(experiment).served_arm()
+    served = recording.plan_of(experiment).served_arm()
     job = await session.scalar(
         select(models.Job).filter_by(experiment_id=experiment.id, kind="train", arm=served, state=JobState.SUCCEEDED)
     )
@@ -78,8 +80,8 @@ async def _probes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[int, 
     found = {}
     for rank, replica in (await replicas(session, experiment_id)).items():
         if replica.state == "running":
-            results = await experiments.results_of(session, replica.start)
-            (started,) = experiments.decoded(results, wire.ReplicaStartResult, replica.start)
+            results = await recording.results_of(session, replica.start)
+            (started,) = recording.decoded(results, wire.ReplicaStartResult, replica.start)
             found[rank] = started.probe_url
     return found
 

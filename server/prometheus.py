@@ -14,7 +14,8 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.states import JobState
-from server import kinds, models
+from server import models
+from server.protocol import kinds
 
 # Claims are answered from a few milliseconds (work was queued) to the long poll's end (up to 600 s).
 CLAIM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)

@@ -21,10 +21,19 @@ from experiment.core.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged, seed_identity
 from experiment.core.states import ExperimentState, JobState
-from server import blobs, commitments, evidence, models, queue
-from server.errors import NotFound
-from server.lifecycle import Refused, TrainedArm, experiment_target, guard_selection, guard_serving, move_experiment
+from server import models
+from server.dispatch import queue
+from server.dispatch.lifecycle import (
+    Refused,
+    TrainedArm,
+    experiment_target,
+    guard_selection,
+    guard_serving,
+    move_experiment,
+)
+from server.httperrors import NotFound
 from server.settings import Settings
+from server.store import blobstore, commitments, evidencefiles
 
 E = ExperimentState
 R = TypeVar("R", bound=wire.Tagged)
@@ -235,8 +244,8 @@ async def commit_selection(
     async def chunks() -> AsyncIterator[bytes]:
         yield data
 
-    await blobs.store(session, settings, sha256_bytes(data), chunks(), "application/json", len(data))
-    await evidence.attach(session, experiment.id, {layout.SELECTION: sha256_bytes(data)})
+    await blobstore.store(session, settings, sha256_bytes(data), chunks(), "application/json", len(data))
+    await evidencefiles.attach(session, experiment.id, {layout.SELECTION: sha256_bytes(data)})
     await commitments.append(session, experiment.id, "selection", selection_identity, document)
     experiment.selection_identity = selection_identity
     move_experiment(session, experiment, E.SELECTED, "final checkpoints selected")
@@ -265,7 +274,7 @@ async def store_report(session: AsyncSession, settings: Settings, report: dict[s
     async def chunks() -> AsyncIterator[bytes]:
         yield data
 
-    await blobs.store(session, settings, report_identity, chunks(), "application/json", len(data))
+    await blobstore.store(session, settings, report_identity, chunks(), "application/json", len(data))
     return report_identity
 
 
@@ -292,7 +301,7 @@ async def report_file(session: AsyncSession, settings: Settings, experiment_id: 
     entry = (await commitments.by_kind(session, experiment_id)).get("report")
     if entry is None:
         raise NotFound(f"experiment {experiment_id} has no recorded report yet")
-    _, path = await blobs.find(session, settings, entry.identity)
+    _, path = await blobstore.find(session, settings, entry.identity)
     return path
 
 

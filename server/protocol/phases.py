@@ -12,7 +12,7 @@ UI); with autopilot on, the coordinator does the same as soon as every job of a 
     tested               the serving commitment: the served arm's selected final checkpoint (no job); a plan
                          that serves no arm (the local-SGD design) has its report instead
     serving              a replica on each host of the pair where none was started, the single, pair and
-                         failure benchmarks (the failure phase stops rank 1's replica midway: serving.py),
+                         failure benchmarks (the failure phase stops rank 1's replica midway: replicas.py),
                          both replicas stopped, then the report, run by the coordinator itself on the stored
                          evidence
 
@@ -31,9 +31,10 @@ from experiment import wire
 from experiment.core.plan import Plan
 from experiment.core.states import ExperimentState, JobState
 from experiment.serving.servingrecord import PHASES
-from server import experiments, kinds, models
-from server.kinds import Order
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, Refused, report_follows, report_state
+from server import models
+from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, Refused, report_follows, report_state
+from server.protocol import kinds, recording
+from server.protocol.kinds import Order
 from server.settings import Settings
 
 E = ExperimentState
@@ -106,7 +107,7 @@ def _next_stage(plan: Plan, state: ExperimentState, jobs: list[models.Job]) -> l
 
 async def create(session: AsyncSession, settings: Settings, body: wire.ExperimentCreate) -> models.Experiment:
     """A new experiment from its plan, committed (and its prepare job queued) unless the body says not yet."""
-    experiment = await experiments.create(session, body)
+    experiment = await recording.create(session, body)
     if body.commit:
         await commit(session, settings, experiment)
     return experiment
@@ -114,7 +115,7 @@ async def create(session: AsyncSession, settings: Settings, body: wire.Experimen
 
 async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
     """Commit a draft's plan and queue its first job."""
-    await experiments.commit_plan(session, experiment)
+    await recording.commit_plan(session, experiment)
     await kinds.enqueue(session, settings, experiment, Order(wire.PrepareSpec()))
 
 
@@ -124,12 +125,12 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
     if state == E.DRAFT:
         await commit(session, settings, experiment)
         return "plan committed; prepare queued"
-    plan = experiments.plan_of(experiment)
+    plan = recording.plan_of(experiment)
     if state == E.TESTED and plan.serves():
         name = plan.served_arm()
-        served = (await experiments.arms_of(session, experiment.id))[name]
+        served = (await recording.arms_of(session, experiment.id))[name]
         body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
-        await experiments.start_serving(session, experiment, body)
+        await recording.start_serving(session, experiment, body)
         return f"serving committed: the {name} final checkpoint {body.model_identity[:12]}"
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; there is nothing to advance")
@@ -149,7 +150,7 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
     state = experiment.state
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; its report can no longer change")
-    plan = experiments.plan_of(experiment)
+    plan = recording.plan_of(experiment)
     after = report_follows(plan)
     if state != report_state(plan):
         raise Refused("report-not-ready", f"the report is computed after {after}; the experiment is {state}")
@@ -169,11 +170,11 @@ async def autopilot(session: AsyncSession, settings: Settings, experiment: model
         state = experiment.state
         jobs = await jobs_of(session, experiment.id)
         # The serving commitment needs no job: replicas may still start.
-        commitment = state == E.TESTED and experiments.plan_of(experiment).serves()
+        commitment = state == E.TESTED and recording.plan_of(experiment).serves()
         if not commitment and _busy(jobs):
             break
         if not commitment:
-            missing = _next_stage(experiments.plan_of(experiment), state, jobs)
+            missing = _next_stage(recording.plan_of(experiment), state, jobs)
             if not missing or any(order.matches(job) for order in missing for job in jobs):
                 break  # done, or a job of this stage ended without success: the operator decides
         actions.append(await advance(session, settings, experiment))

@@ -16,8 +16,10 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import experiments, kinds, models, phases, queue
-from server.queue import Ended
+from server import models
+from server.dispatch import queue
+from server.dispatch.queue import Ended
+from server.protocol import kinds, phases, recording
 from server.settings import Settings
 
 
@@ -25,7 +27,7 @@ async def _react(session: AsyncSession, settings: Settings, done: Sequence[Ended
     for item in done:
         if item.succeeded:
             await kinds.settle(session, settings, item.job)
-            await phases.autopilot(session, settings, await experiments.load(session, item.job.experiment_id))
+            await phases.autopilot(session, settings, await recording.load(session, item.job.experiment_id))
 
 
 async def finish(
@@ -72,7 +74,7 @@ async def printed(session: AsyncSession, settings: Settings, job: models.Job, na
     """The attempt of ``job`` sent events named ``names``."""
     if kinds.of(job.kind).printed is None:
         return
-    experiment = await experiments.load(session, job.experiment_id, lock=True)
+    experiment = await recording.load(session, job.experiment_id, lock=True)
     order = await kinds.printed(session, job, names)
     if order is not None:
         await kinds.enqueue(session, settings, experiment, order)

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.errors import CoopError
 from server import models
-from server.roles import ROLES, Role
+from server.access.roles import ROLES, Role
 
 PREFIX = "coop_"
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.errors import BadRequest
+from server.httperrors import BadRequest
 
 Row = TypeVar("Row")
 

@@ -18,10 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.core import layout
 from experiment.core.states import JobState
-from server import claims, commitments, experiments, lifecycle, models, results, secret, serving
-from server.errors import BadRequest
-from server.lifecycle import Refused
+from server import models
+from server.access import secret
+from server.dispatch import lifecycle, waiters
+from server.dispatch.lifecycle import Refused
+from server.httperrors import BadRequest
+from server.protocol import recording, replicas
 from server.settings import Settings
+from server.store import commitments, listings
 
 S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
 R = TypeVar("R", bound=wire.Tagged)  # a kind's result
@@ -50,20 +54,20 @@ async def _anywhere(session: AsyncSession, experiment: models.Experiment, arm: s
 
 async def _as_gang(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
     """A train job has one rank per member of its arm's gang."""
-    return Placement(spec, world_size=experiments.plan_of(experiment).world_size(str(arm)))
+    return Placement(spec, world_size=recording.plan_of(experiment).world_size(str(arm)))
 
 
 async def _on_holder(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
     """Evaluations and selection of a trained arm need its checkpoint: they run on the host holding it."""
-    if arm is None or experiments.plan_of(experiment).role_of(arm) == "baseline":
+    if arm is None or recording.plan_of(experiment).role_of(arm) == "baseline":
         return Placement(spec)
-    return Placement(spec, pinned=(await experiments.arms_of(session, experiment.id))[arm].holder_agent_id)
+    return Placement(spec, pinned=(await recording.arms_of(session, experiment.id))[arm].holder_agent_id)
 
 
 def _on_pair_host(
     place: Callable[[AsyncSession, models.Experiment, S], Awaitable[tuple[uuid.UUID, S]]],
 ) -> Place[S]:
-    """A serving job runs on the pair host serving.py names for it."""
+    """A serving job runs on the pair host replicas.py names for it."""
 
     async def placed(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
         host, filled = await place(session, experiment, spec)
@@ -100,7 +104,7 @@ async def _answers(
     body: wire.AttemptResult,
     result: wire.EvaluateResult,
 ) -> None:
-    await results.record_answers(session, settings, job, attempt, body, result.answers_sha256)
+    await listings.record_answers(session, settings, job, attempt, body, result.answers_sha256)
 
 
 async def _prepared(
@@ -110,7 +114,7 @@ async def _prepared(
     job: models.Job,
     done: list[wire.PrepareResult],
 ) -> None:
-    await experiments.record_prepared(session, experiment, job, done[0].prepared_identity)
+    await recording.record_prepared(session, experiment, job, done[0].prepared_identity)
 
 
 async def _trained(
@@ -120,7 +124,7 @@ async def _trained(
     job: models.Job,
     done: list[wire.TrainResult],
 ) -> None:
-    await experiments.record_training(session, experiment, job, done)
+    await recording.record_training(session, experiment, job, done)
 
 
 async def _evaluated(
@@ -130,7 +134,7 @@ async def _evaluated(
     job: models.Job,
     done: list[wire.EvaluateResult],
 ) -> None:
-    await experiments.record_evaluation(session, experiment, job)
+    await recording.record_evaluation(session, experiment, job)
 
 
 async def _verified(
@@ -140,7 +144,7 @@ async def _verified(
     job: models.Job,
     done: list[wire.SelectResult],
 ) -> None:
-    await experiments.record_verified_checkpoint(session, settings, experiment)
+    await recording.record_verified_checkpoint(session, settings, experiment)
 
 
 async def _reported(
@@ -150,11 +154,11 @@ async def _reported(
     job: models.Job,
     done: list[wire.ReportResult],
 ) -> None:
-    await experiments.commit_report(session, experiment, done[0].report_identity)
+    await recording.commit_report(session, experiment, done[0].report_identity)
 
 
 def _training_queued(session: AsyncSession, experiment: models.Experiment) -> None:
-    experiments.training_queued(session, experiment)
+    recording.training_queued(session, experiment)
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             wire.ReplicaStartResult,
             lifecycle.guard_replica_job,
             needs_arm=True,
-            place=_on_pair_host(serving.place_replica_start),
+            place=_on_pair_host(replicas.place_replica_start),
             serving_token=True,
             spec_rule="serving-spec",
         ),
@@ -226,7 +230,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             wire.ReplicaStopResult,
             lifecycle.guard_replica_job,
             needs_arm=True,
-            place=_on_pair_host(serving.place_replica_stop),
+            place=_on_pair_host(replicas.place_replica_stop),
             serving_token=True,
             spec_rule="serving-spec",
         ),
@@ -235,10 +239,10 @@ TABLE: dict[str, Kind[Any, Any]] = {
             wire.BenchmarkSpec,
             wire.BenchmarkResult,
             lifecycle.guard_benchmark,
-            place=_on_pair_host(serving.place_benchmark),
+            place=_on_pair_host(replicas.place_benchmark),
             writes=_writes_serving,
             serving=True,
-            printed=serving.stop_due,
+            printed=replicas.stop_due,
             serving_token=True,
             spec_rule="serving-spec",
         ),
@@ -302,7 +306,7 @@ async def enqueue(session: AsyncSession, settings: Settings, experiment: models.
     """Queue a job the protocol allows now, where it must run."""
     kind = of(order.kind)
     ledger = await commitments.committed(session, experiment.id)
-    plan = experiments.plan_of(experiment)
+    plan = recording.plan_of(experiment)
     proposal = lifecycle.Proposal(order.kind, experiment.state, ledger, plan, order.arm, order.role)
     lifecycle.guard_job(proposal, needs_arm=kind.needs_arm)
     kind.guard(proposal)
@@ -323,7 +327,7 @@ async def enqueue(session: AsyncSession, settings: Settings, experiment: models.
     )
     session.add(job)
     await session.flush()
-    claims.claimable(session)
+    waiters.claimable(session)
     if kind.queued is not None:
         kind.queued(session, experiment)
     return job
@@ -351,7 +355,7 @@ async def record_result(
             raise BadRequest(f"the result of a {job.kind} job is malformed: {_at(exc, '$.result')}") from None
     elif body.result:
         raise BadRequest("a result accompanies a succeeded outcome only")
-    await results.record(session, job, attempt, body)
+    await listings.record(session, job, attempt, body)
     if body.answers and kind.answers is None:
         doers = ", ".join(name for name, other in TABLE.items() if other.answers is not None)
         raise BadRequest(f"a {job.kind} job reports no answers; only {doers} jobs do")
@@ -361,7 +365,7 @@ async def record_result(
     if result is not None and kind.answers is not None:
         await kind.answers(session, settings, job, attempt, body, result)
     if body.serving:
-        results.record_serving(session, job, attempt, body.serving)
+        listings.record_serving(session, job, attempt, body.serving)
     return {} if result is None else wire.untagged(result)
 
 
@@ -370,8 +374,8 @@ async def settle(session: AsyncSession, settings: Settings, job: models.Job) -> 
     kind = of(job.kind)
     if kind.settle is None:
         return
-    experiment = await experiments.load(session, job.experiment_id, lock=True)
-    done = experiments.decoded(await experiments.results_of(session, job), kind.result, job)
+    experiment = await recording.load(session, job.experiment_id, lock=True)
+    done = recording.decoded(await recording.results_of(session, job), kind.result, job)
     await kind.settle(session, settings, experiment, job, done)
 
 

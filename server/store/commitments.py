@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core import ledger
 from server import failpoints, models
-from server.lifecycle import Ledger
+from server.dispatch.lifecycle import Ledger
 
 
 def _entry(row: models.Commitment) -> ledger.Entry:

@@ -3,7 +3,7 @@
 Agents upload each evidence file as a blob and name it in their result (path in the bundle -> sha256);
 the operator attaches what it wrote (selection.json). The export is a tar of the files of every job's
 succeeded generation plus ``ledger.json``, the commitment ledger as ``experiment.core.ledger`` reads it, and
-``attempts.json``, every training attempt (server.trainattempts).
+``attempts.json``, every training attempt (server.store.trainattempts).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.core.layout import ATTEMPTS, LEDGER
 from experiment.core.states import JobState
-from server import blobs, commitments, models, trainattempts
-from server.errors import BadRequest
-from server.lifecycle import Refused
+from server import models
+from server.dispatch.lifecycle import Refused
+from server.httperrors import BadRequest
 from server.settings import Settings
+from server.store import blobstore, commitments, trainattempts
 
 CHUNK = 1 << 20
 BLOCK = tarfile.BLOCKSIZE
@@ -39,7 +40,7 @@ def _check_path(path: str) -> None:
 
 
 async def _require_blobs(session: AsyncSession, files: Mapping[str, str]) -> None:
-    stored = await blobs.sizes(session, set(files.values()))
+    stored = await blobstore.sizes(session, set(files.values()))
     missing = sorted(path for path, sha256 in files.items() if sha256 not in stored)
     if missing:
         raise Refused(
@@ -68,8 +69,8 @@ async def record(
     files: Mapping[str, str],
     prefixes: tuple[str, ...],
 ) -> None:
-    """Record the evidence an attempt wrote under the folders its job's kind writes (``prefixes``: server.kinds);
-    the caller checked that it succeeded."""
+    """Record the evidence an attempt wrote under the folders its job's kind writes (``prefixes``:
+    server.protocol.kinds); the caller checked that it succeeded."""
     for path in files:
         _check_path(path)
         if not path.startswith(prefixes):
@@ -127,7 +128,7 @@ async def listing(session: AsyncSession, experiment_id: uuid.UUID) -> list[wire.
         earlier = chosen.setdefault(row.path, row)
         if earlier.sha256 != row.sha256:
             raise Refused("evidence-path-conflict", f"{row.path} is recorded twice with different content")
-    sizes = await blobs.sizes(session, {row.sha256 for row in chosen.values()})
+    sizes = await blobstore.sizes(session, {row.sha256 for row in chosen.values()})
     return [wire.EvidenceFile(path, row.sha256, sizes[row.sha256], row.attempt_id) for path, row in chosen.items()]
 
 
@@ -139,7 +140,9 @@ class Member:
 
 
 async def members(session: AsyncSession, settings: Settings, experiment_id: uuid.UUID) -> list[Member]:
-    listed = [Member(f.path, f.size, blobs.path_of(settings, f.sha256)) for f in await listing(session, experiment_id)]
+    listed = [
+        Member(f.path, f.size, blobstore.path_of(settings, f.sha256)) for f in await listing(session, experiment_id)
+    ]
     ledger = msgspec.json.encode(await commitments.entries(session, experiment_id))
     attempts = await trainattempts.record(session, experiment_id)
     written = [Member(LEDGER, len(ledger), ledger), Member(ATTEMPTS, len(attempts), attempts)]

@@ -19,7 +19,8 @@ from experiment.core.errors import CoopError
 from experiment.core.plan import Plan
 from experiment.core.states import ExperimentState, JobState
 from experiment.wire import Outcome
-from server import claims, models
+from server import models
+from server.dispatch import waiters
 
 
 class Refused(CoopError):
@@ -152,7 +153,7 @@ def move_job(session: AsyncSession, job: models.Job, target: JobState, reason: s
     before = job.state
     job.state = job_target(before, target)
     if target == JobState.QUEUED:
-        claims.claimable(session)
+        waiters.claimable(session)
     _state_event(
         session,
         experiment_id=job.experiment_id,

@@ -7,10 +7,12 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import audit, experiments, kinds, models, phases, reactions
-from server.lifecycle import Refused
+from server import models
+from server.access import audit
+from server.access.tokens import Principal
+from server.dispatch.lifecycle import Refused
+from server.protocol import kinds, phases, reactions, recording
 from server.settings import Settings
-from server.tokens import Principal
 
 
 def _target(experiment: models.Experiment) -> str:
@@ -49,13 +51,13 @@ async def set_autopilot(
 async def select(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.SelectionCreate
 ) -> None:
-    await experiments.select_checkpoints(session, settings, experiment, body)
+    await recording.select_checkpoints(session, settings, experiment, body)
     audit.record(session, who, "experiment.select", _target(experiment))
     await phases.autopilot(session, settings, experiment)
 
 
 async def serve(session: AsyncSession, who: Principal, experiment: models.Experiment, body: wire.ServingCreate) -> None:
-    await experiments.start_serving(session, experiment, body)
+    await recording.start_serving(session, experiment, body)
     audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
 
 
@@ -69,7 +71,7 @@ async def request_report(
 
 def halt(session: AsyncSession, who: Principal, experiment: models.Experiment) -> None:
     """End the experiment as halted, which is final."""
-    experiments.halt(session, experiment, f"halted by {who.name}")
+    recording.halt(session, experiment, f"halted by {who.name}")
     audit.record(session, who, "experiment.halt", _target(experiment))
 
 
@@ -85,7 +87,7 @@ async def stop_replica(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, rank: int
 ) -> models.Job:
     """Queue a replica-stop job on the host of the served arm's rank ``rank``."""
-    plan = experiments.plan_of(experiment)
+    plan = recording.plan_of(experiment)
     if not plan.serves():
         raise Refused("serving-not-planned", f"plan {plan.name} serves no arm")
     order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=plan.served_arm(), spec={"rank": rank}))

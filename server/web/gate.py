@@ -13,11 +13,12 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import auth, models
-from server.auth import Connection
-from server.errors import Forbidden, Unauthenticated
-from server.roles import Role
-from server.tokens import Principal
+from server import models
+from server.access import auth
+from server.access.auth import Connection
+from server.access.roles import Role
+from server.access.tokens import Principal
+from server.httperrors import Forbidden, Unauthenticated
 
 # Handler options: an action changes something and needs a signed-in operator; a public page (sign-in)
 # is open even where reads are not.

@@ -1,7 +1,7 @@
 """The leased job queue: atomic claims, gang claims for multi-rank jobs, heartbeats, the reaper, cancel.
 
 It knows jobs and attempts only: every call that ends attempts returns what ended (``Ended``), and the caller
-hands that to server.reactions, which records what a success commits and advances the experiment.
+hands that to server.protocol.reactions, which records what a success commits and advances the experiment.
 
 A claim is one UPDATE … RETURNING of one job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on Postgres,
 where claims also take turns on an advisory lock; on SQLite the write lock taken at BEGIN IMMEDIATE serialises
@@ -43,9 +43,10 @@ from uuid_utils.compat import uuid7
 
 from experiment import wire
 from experiment.core.states import JobState
-from server import claims, lifecycle, models
-from server.errors import Forbidden, NotFound
-from server.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, Refused
+from server import models
+from server.dispatch import lifecycle, waiters
+from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, JOB_FINAL, Refused
+from server.httperrors import Forbidden, NotFound
 from server.settings import Settings
 
 J = JobState
@@ -272,7 +273,7 @@ async def claim(
     if job.ranks_open == 0:
         job.formation_deadline = None
     else:
-        claims.claimable(session)  # the gang's other ranks are open to other agents
+        waiters.claimable(session)  # the gang's other ranks are open to other agents
     attempt = models.Attempt(
         id=uuid7(),  # the key the row would get at its INSERT, known now: the claim's rows are written in one flush
         job_id=job.id,

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from litestar import Request
 
-from server.errors import BadRequest
+from server.httperrors import BadRequest
 
 NUL = "\x00"
 

@@ -13,8 +13,9 @@ from sqlalchemy import ColumnElement, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import cursors, models
-from server.errors import BadRequest
+from server import models
+from server.httperrors import BadRequest
+from server.store import cursors
 
 MAX_PAGE = 10_000
 STEP_FIELDS = wire.StepRecord.__struct_fields__

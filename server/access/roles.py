@@ -1,4 +1,4 @@
-"""The roles a bearer token holds: what each may do is declared by the routes (server.auth, server.api.spec)."""
+"""The roles a bearer token holds: what each may do is declared by the routes (server.access.auth, server.api.spec)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.core import canonical
 from server import failpoints, models
-from server.errors import BadRequest, InsufficientStorage, NotFound, TooLarge
+from server.httperrors import BadRequest, InsufficientStorage, NotFound, TooLarge
 from server.settings import Settings
 
 INCOMING = ".incoming"

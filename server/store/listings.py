@@ -1,5 +1,5 @@
 """What attempts produced, as rows to filter: evaluated answers and serving phases, written once from an attempt's
-result (with its measurements: server.measurements) and read back by the API."""
+result (with its measurements: server.store.measurements) and read back by the API."""
 
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ from sqlalchemy.orm import InstrumentedAttribute
 
 from experiment import wire
 from experiment.core import layout
-from server import blobs, cursors, measurements, models
-from server.errors import BadRequest
-from server.lifecycle import Refused
+from server import models
+from server.dispatch.lifecycle import Refused
+from server.httperrors import BadRequest
 from server.settings import Settings
+from server.store import blobstore, cursors, measurements
 
 MAX_PAGE = 1000
 
 
 async def record(session: AsyncSession, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult) -> None:
-    """Store the result's measurements, whatever its outcome (its job's kind records the rest: server.kinds)."""
+    """Store the result's measurements, whatever its outcome (its job's kind records the rest:
+    server.protocol.kinds)."""
     if len({entry.step for entry in body.journal}) != len(body.journal):
         raise BadRequest("the journal names a step twice; each update appears once")
     if body.outcome != "succeeded" and (body.answers or body.serving or body.evidence):
@@ -71,7 +73,7 @@ async def _check_answers(
         raise BadRequest(f"an evaluate result names its answers file {path} among its evidence")
     if claimed != sha256:
         raise BadRequest(f"result.answers_sha256 {claimed!r} is not the sha256 of {path} ({sha256})")
-    _, file = await blobs.find(session, settings, sha256)
+    _, file = await blobstore.find(session, settings, sha256)
     try:
         lines = [line for line in file.read_bytes().splitlines() if line.strip()]
         recorded = [msgspec.json.decode(line, type=wire.Answer) for line in lines]

@@ -17,11 +17,12 @@ from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from server import db, models, tokens
-from server.errors import Forbidden, Unauthenticated
-from server.lifecycle import Refused
+from server import db, models
+from server.access import tokens
+from server.access.tokens import Principal
+from server.dispatch.lifecycle import Refused
+from server.httperrors import Forbidden, Unauthenticated
 from server.settings import Settings
-from server.tokens import Principal
 
 STATE_KEY = "coop"
 

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.canonical import identity
 from server import models
-from server.errors import BadRequest, IdempotencyConflict
+from server.httperrors import BadRequest, IdempotencyConflict
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
-from server.tokens import Principal
+from server.access.tokens import Principal
 
 
 def record(session: AsyncSession, principal: Principal, action: str, target: str, **detail: Any) -> None:
