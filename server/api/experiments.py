@@ -155,10 +155,11 @@ class ExperimentController(Controller):
         experiment_id: FromPath[uuid.UUID],
         data: JSONBody[wire.ServingCreate],
         db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.serve(db_session, principal, experiment, data)
+        await actions.serve(db_session, settings, principal, experiment, data)
         return await _view(db_session, experiment)
 
     @post("/{experiment_id:uuid}/report", operation_id="requestReport", **spec.write("operator"))

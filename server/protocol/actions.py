@@ -53,12 +53,16 @@ async def select(
 ) -> None:
     await recording.select_checkpoints(session, settings, experiment, body)
     audit.record(session, who, "experiment.select", _target(experiment))
+    await phases.progress(session, settings, experiment)
     await phases.autopilot(session, settings, experiment)
 
 
-async def serve(session: AsyncSession, who: Principal, experiment: models.Experiment, body: wire.ServingCreate) -> None:
+async def serve(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.ServingCreate
+) -> None:
     await recording.start_serving(session, experiment, body)
     audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
+    await phases.progress(session, settings, experiment)
 
 
 async def request_report(
@@ -71,7 +75,7 @@ async def request_report(
 
 def halt(session: AsyncSession, who: Principal, experiment: models.Experiment) -> None:
     """End the experiment as halted, which is final."""
-    recording.halt(session, experiment, f"halted by {who.name}")
+    phases.halt(session, experiment, f"halted by {who.name}")
     audit.record(session, who, "experiment.halt", _target(experiment))
 
 
@@ -80,6 +84,7 @@ async def queue_job(
 ) -> models.Job:
     job = await kinds.enqueue(session, settings, experiment, kinds.order_of(body))
     audit.record(session, who, "job.queue", f"job:{job.id}", kind=body.kind, arm=body.arm, role=body.role)
+    await phases.progress(session, settings, experiment)
     return job
 
 

@@ -107,60 +107,6 @@ async def _answers(
     await listings.record_answers(session, settings, job, attempt, body, result.answers_sha256)
 
 
-async def _prepared(
-    session: AsyncSession,
-    settings: Settings,
-    experiment: models.Experiment,
-    job: models.Job,
-    done: list[wire.PrepareResult],
-) -> None:
-    await recording.record_prepared(session, experiment, job, done[0].prepared_identity)
-
-
-async def _trained(
-    session: AsyncSession,
-    settings: Settings,
-    experiment: models.Experiment,
-    job: models.Job,
-    done: list[wire.TrainResult],
-) -> None:
-    await recording.record_training(session, experiment, job, done)
-
-
-async def _evaluated(
-    session: AsyncSession,
-    settings: Settings,
-    experiment: models.Experiment,
-    job: models.Job,
-    done: list[wire.EvaluateResult],
-) -> None:
-    await recording.record_evaluation(session, experiment, job)
-
-
-async def _verified(
-    session: AsyncSession,
-    settings: Settings,
-    experiment: models.Experiment,
-    job: models.Job,
-    done: list[wire.SelectResult],
-) -> None:
-    await recording.record_verified_checkpoint(session, settings, experiment)
-
-
-async def _reported(
-    session: AsyncSession,
-    settings: Settings,
-    experiment: models.Experiment,
-    job: models.Job,
-    done: list[wire.ReportResult],
-) -> None:
-    await recording.commit_report(session, experiment, done[0].report_identity)
-
-
-def _training_queued(session: AsyncSession, experiment: models.Experiment) -> None:
-    recording.training_queued(session, experiment)
-
-
 @dataclass(frozen=True)
 class Kind(Generic[S, R]):
     name: wire.JobKind
@@ -169,7 +115,6 @@ class Kind(Generic[S, R]):
     guard: Callable[[lifecycle.Proposal], None]  # lifecycle's rule for queueing one
     needs_arm: bool = False
     place: Place[S] = _anywhere
-    queued: Callable[[AsyncSession, models.Experiment], None] | None = None  # what queueing one changes
     writes: Writes = _writes_nothing  # the bundle folders one writes (docs/evidence.md)
     answers: Answers[R] | None = None  # a result with evaluated answers: how they are checked and kept
     serving: bool = False  # its result carries serving phases
@@ -189,7 +134,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             wire.PrepareResult,
             lifecycle.guard_prepare,
             writes=_writes_prepared,
-            settle=_prepared,
+            settle=recording.record_prepared,
         ),
         Kind(
             "train",
@@ -198,9 +143,8 @@ TABLE: dict[str, Kind[Any, Any]] = {
             lifecycle.guard_train,
             needs_arm=True,
             place=_as_gang,
-            queued=_training_queued,
             writes=_writes_run,
-            settle=_trained,
+            settle=recording.record_training,
         ),
         Kind(
             "evaluate",
@@ -211,9 +155,8 @@ TABLE: dict[str, Kind[Any, Any]] = {
             place=_on_holder,
             writes=_writes_evaluation,
             answers=_answers,
-            settle=_evaluated,
         ),
-        Kind("select", wire.SelectSpec, wire.SelectResult, lifecycle.guard_select, place=_on_holder, settle=_verified),
+        Kind("select", wire.SelectSpec, wire.SelectResult, lifecycle.guard_select, place=_on_holder),
         Kind(
             "replica-start",
             wire.ReplicaStartSpec,
@@ -246,7 +189,14 @@ TABLE: dict[str, Kind[Any, Any]] = {
             serving_token=True,
             spec_rule="serving-spec",
         ),
-        Kind("report", wire.ReportSpec, wire.ReportResult, lifecycle.guard_report, settle=_reported, by_agents=False),
+        Kind(
+            "report",
+            wire.ReportSpec,
+            wire.ReportResult,
+            lifecycle.guard_report,
+            settle=recording.record_report,
+            by_agents=False,
+        ),
     )
 }
 BY_AGENTS: tuple[str, ...] = tuple(name for name, entry in TABLE.items() if entry.by_agents)
@@ -328,8 +278,6 @@ async def enqueue(session: AsyncSession, settings: Settings, experiment: models.
     session.add(job)
     await session.flush()
     waiters.claimable(session)
-    if kind.queued is not None:
-        kind.queued(session, experiment)
     return job
 
 

@@ -16,6 +16,11 @@ UI); with autopilot on, the coordinator does the same as soon as every job of a 
                          both replicas stopped, then the report, run by the coordinator itself on the stored
                          evidence
 
+An experiment moves on in one place, ``progress``: a state is entered once the ledger holds the commitment it
+stands on (the plan, prepared inputs, selection, test results, serving, report), or, for training, once its jobs
+are queued and then all succeeded. Where a phase's own jobs make its commitment (the test evaluations, the
+select jobs' verified checkpoints), ``progress`` makes it when the stage that queues them has succeeded.
+
 Autopilot stops where a job failed or was cancelled: a failed job is final and deterministic, so the
 operator reads its reason and advances again (which queues the missing jobs) once the cause is fixed.
 """
@@ -32,14 +37,40 @@ from experiment.core.plan import Plan
 from experiment.core.states import ExperimentState, JobState
 from experiment.serving.servingrecord import PHASES
 from server import models
-from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE, Refused, report_follows, report_state
+from server.dispatch.lifecycle import (
+    EXPERIMENT_FINAL,
+    EXPERIMENT_TRANSITIONS,
+    JOB_ACTIVE,
+    Refused,
+    move_experiment,
+    report_follows,
+    report_state,
+)
 from server.protocol import kinds, recording
 from server.protocol.kinds import Order
 from server.settings import Settings
+from server.store import commitments
 
 E = ExperimentState
 J = JobState
 REPORT = Order(wire.ReportSpec())
+# The commitment each state stands on: the experiment enters the state once the ledger holds it.
+COMMITTED_BY: dict[ExperimentState, str] = {
+    E.COMMITTED: "plan",
+    E.PREPARED: "prepared",
+    E.SELECTED: "selection",
+    E.TESTED: "tested",
+    E.SERVING: "serving",
+    E.REPORTED: "report",
+}
+ENTERED_BECAUSE: dict[ExperimentState, str] = {
+    E.COMMITTED: "plan committed",
+    E.PREPARED: "prepared inputs committed",
+    E.SELECTED: "final checkpoints selected",
+    E.TESTED: "every arm was evaluated on the test role",
+    E.SERVING: "serving committed",
+    E.REPORTED: "report recorded",
+}
 
 
 def stages(plan: Plan, state: ExperimentState) -> list[list[Order]]:
@@ -116,7 +147,55 @@ async def create(session: AsyncSession, settings: Settings, body: wire.Experimen
 async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
     """Commit a draft's plan and queue its first job."""
     await recording.commit_plan(session, experiment)
+    await progress(session, settings, experiment)
     await kinds.enqueue(session, settings, experiment, Order(wire.PrepareSpec()))
+
+
+def _succeeded(orders: list[Order], jobs: list[models.Job]) -> list[models.Job] | None:
+    """The job that succeeded for each order, or None while one has not."""
+    done = [next((j for j in jobs if order.matches(j) and j.state == J.SUCCEEDED), None) for order in orders]
+    found = [job for job in done if job is not None]
+    return found if len(found) == len(orders) else None
+
+
+async def _next_state(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment
+) -> tuple[ExperimentState, str] | None:
+    """The state the experiment enters now, and why; None while its phase is not complete. Where the phase's own
+    jobs make the commitment the next state stands on, it is made here, from the stage that queued them."""
+    state, plan = experiment.state, recording.plan_of(experiment)
+    jobs = await jobs_of(session, experiment.id)
+    orders = [order for stage in stages(plan, state) for order in stage]
+    if state == E.PREPARED:
+        return (E.TRAINING, "training queued") if any(job.kind == "train" for job in jobs) else None
+    if state == E.TRAINING:
+        done = _succeeded(orders, jobs) is not None
+        return (E.TRAINED, "every arm has a verified final checkpoint") if done else None
+    ledger = await commitments.by_kind(session, experiment.id)
+    if state == E.TRAINED and "selection" not in ledger:
+        verified = _succeeded([order for order in orders if order.kind == "select"], jobs)
+        if verified is not None:
+            await recording.commit_verified(session, settings, experiment, verified)
+    if state == E.SELECTED and "tested" not in ledger:
+        tested = _succeeded([order for order in orders if order.kind == "evaluate" and order.role == "test"], jobs)
+        if tested is not None:
+            await recording.commit_tested(session, experiment, tested)
+    ledger = await commitments.by_kind(session, experiment.id)
+    for target in sorted(EXPERIMENT_TRANSITIONS[state]):
+        if COMMITTED_BY.get(target) in ledger:
+            return target, ENTERED_BECAUSE[target]
+    return None
+
+
+async def progress(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
+    """The one place an experiment moves on: while its phase is complete, it enters the next state."""
+    while (entered := await _next_state(session, settings, experiment)) is not None:
+        move_experiment(session, experiment, *entered)
+
+
+def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> None:
+    """End the experiment as halted, which is final."""
+    move_experiment(session, experiment, E.HALTED, reason)
 
 
 async def advance(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str:
@@ -131,6 +210,7 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
         served = (await recording.arms_of(session, experiment.id))[name]
         body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
         await recording.start_serving(session, experiment, body)
+        await progress(session, settings, experiment)
         return f"serving committed: the {name} final checkpoint {body.model_identity[:12]}"
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; there is nothing to advance")
@@ -141,6 +221,7 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
         raise Refused("phase-complete", f"every job of the {state} phase succeeded; nothing is left to queue")
     for order in missing:
         await kinds.enqueue(session, settings, experiment, order)
+    await progress(session, settings, experiment)
     return "queued " + ", ".join(str(order) for order in missing)
 
 

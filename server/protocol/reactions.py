@@ -27,7 +27,9 @@ async def _react(session: AsyncSession, settings: Settings, done: Sequence[Ended
     for item in done:
         if item.succeeded:
             await kinds.settle(session, settings, item.job)
-            await phases.autopilot(session, settings, await recording.load(session, item.job.experiment_id))
+            experiment = await recording.load(session, item.job.experiment_id)
+            await phases.progress(session, settings, experiment)
+            await phases.autopilot(session, settings, experiment)
 
 
 async def finish(

@@ -1,7 +1,8 @@
-"""The experiment service: creating experiments from a plan and recording what finished jobs commit.
+"""What an experiment records: its creation from a plan, what a finished job's result records, and the
+commitments of the ledger. It never moves the experiment: phases.progress does, from what is recorded here.
 
-Guards and transitions are lifecycle.py's; which jobs each phase queues is phases.py's; which record a job's
-success calls is its kind's (kinds.py).
+Guards and transitions are lifecycle.py's; which jobs each phase queues, and when a phase is complete, is
+phases.py's; which record a job's success calls is its kind's (kinds.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from experiment.core import layout
 from experiment.core.canonical import canonical_bytes, identity, sha256_bytes
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged, seed_identity
-from experiment.core.states import ExperimentState, JobState
+from experiment.core.states import ExperimentState
 from server import models
 from server.dispatch import queue
 from server.dispatch.lifecycle import (
@@ -29,7 +30,6 @@ from server.dispatch.lifecycle import (
     experiment_target,
     guard_selection,
     guard_serving,
-    move_experiment,
 )
 from server.httperrors import NotFound
 from server.settings import Settings
@@ -100,7 +100,7 @@ async def create(session: AsyncSession, body: wire.ExperimentCreate) -> models.E
 
 async def commit_plan(session: AsyncSession, experiment: models.Experiment) -> None:
     """Commit the plan (phases.commit queues the prepare job with it)."""
-    move_experiment(session, experiment, E.COMMITTED, "plan committed")
+    experiment_target(experiment.state, E.COMMITTED)
     await commitments.append(
         session, experiment.id, "plan", experiment.plan_identity, {"name": experiment.name, "plan": experiment.plan}
     )
@@ -119,22 +119,29 @@ def decoded(results: list[dict[str, Any]], kind: type[R], job: models.Job) -> li
         raise CoopError(f"the result of {job.kind} job {job.id} is malformed: {exc}") from exc
 
 
-async def record_prepared(session: AsyncSession, experiment: models.Experiment, job: models.Job, result: str) -> None:
+async def record_prepared(
+    session: AsyncSession,
+    settings: Settings,
+    experiment: models.Experiment,
+    job: models.Job,
+    done: list[wire.PrepareResult],
+) -> None:
     """Commit the prepared identity the prepare job computed."""
     experiment_target(experiment.state, E.PREPARED)
-    experiment.prepared_identity = result
-    await commitments.append(session, experiment.id, "prepared", result, {"plan_identity": experiment.plan_identity})
-    move_experiment(session, experiment, E.PREPARED, f"prepare job {job.id} succeeded")
-
-
-def training_queued(session: AsyncSession, experiment: models.Experiment) -> None:
-    if experiment.state == E.PREPARED:
-        move_experiment(session, experiment, E.TRAINING, "training queued")
+    prepared = done[0].prepared_identity
+    experiment.prepared_identity = prepared
+    await commitments.append(session, experiment.id, "prepared", prepared, {"plan_identity": experiment.plan_identity})
 
 
 async def record_training(
-    session: AsyncSession, experiment: models.Experiment, job: models.Job, trained: list[wire.TrainResult]
+    session: AsyncSession,
+    settings: Settings,
+    experiment: models.Experiment,
+    job: models.Job,
+    trained: list[wire.TrainResult],
 ) -> None:
+    """Record the arm's final checkpoint, which every rank of its train job reported alike, and the host that
+    holds it for the arm's evaluations and selection."""
     if len({(t.step, t.model_identity) for t in trained}) != 1:
         raise Refused("ranks-must-agree", f"the ranks of train job {job.id} report different final checkpoints")
     final = trained[0]
@@ -150,46 +157,24 @@ async def record_training(
     held = [other.holder_agent_id for other in arms.values() if other is not arm]
     hosts = [attempt.agent_id for attempt in ranks if attempt.agent_id is not None]
     arm.holder_agent_id = min(hosts, key=lambda host: (held.count(host), hosts.index(host)), default=None)
-    trained_arms = plan_of(experiment).trained_arms()
-    if experiment.state == E.TRAINING and all(arms[name].model_identity for name in trained_arms):
-        move_experiment(session, experiment, E.TRAINED, "every arm has a verified final checkpoint")
 
 
-async def _succeeded(session: AsyncSession, experiment_id: uuid.UUID, kind: wire.JobKind) -> list[models.Job]:
-    """The experiment's jobs of ``kind`` that succeeded, first queued first."""
-    rows = await session.scalars(
-        select(models.Job)
-        .filter_by(experiment_id=experiment_id, kind=kind, state=JobState.SUCCEEDED)
-        .order_by(models.Job.queued_at)
-    )
-    return list(rows)
-
-
-async def record_evaluation(session: AsyncSession, experiment: models.Experiment, job: models.Job) -> None:
-    """Once every arm was evaluated on the test role, commit their results (a dev evaluation commits nothing)."""
-    if job.role != "test":
-        return
-    by_arm: dict[str, list[dict[str, Any]]] = {}
-    for done in await _succeeded(session, experiment.id, "evaluate"):
-        if done.role == "test":
-            by_arm[done.arm or ""] = await results_of(session, done)
-    evaluated = plan_of(experiment).arm_names()
-    if experiment.state != E.SELECTED or any(arm not in by_arm for arm in evaluated):
-        return
-    body = {"arms": {arm: by_arm[arm] for arm in evaluated}}
+async def commit_tested(session: AsyncSession, experiment: models.Experiment, evaluations: list[models.Job]) -> None:
+    """Commit the test evaluations of every arm (phases.progress names them: its stage's, all succeeded)."""
+    experiment_target(experiment.state, E.TESTED)
+    by_arm = {job.arm or "": await results_of(session, job) for job in evaluations}
+    body = {"arms": {arm: by_arm[arm] for arm in plan_of(experiment).arm_names()}}
     await commitments.append(session, experiment.id, "tested", identity(body), body)
-    move_experiment(session, experiment, E.TESTED, "every arm was evaluated on the test role")
 
 
-async def record_verified_checkpoint(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
-    """Once every trained arm's host verified its final checkpoint (select jobs), commit the selection."""
-    verified = {job.arm or "": job for job in await _succeeded(session, experiment.id, "select")}
-    trained = plan_of(experiment).trained_arms()
-    if experiment.state != E.TRAINED or any(arm not in verified for arm in trained):
-        return
+async def commit_verified(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, selections: list[models.Job]
+) -> None:
+    """Commit the selection of the final checkpoints every trained arm's host verified (phases.progress names the
+    select jobs: its stage's, all succeeded)."""
     candidates: dict[str, dict[str, Any]] = {}
-    for arm in trained:
-        job = verified[arm]
+    for job in selections:
+        arm = job.arm or ""
         (result,) = decoded((await results_of(session, job))[:1], wire.SelectResult, job)
         if result.candidate.arm != arm:
             raise Refused("select-result-arm", f"select job {job.id} verified {result.candidate.arm}, not {arm}")
@@ -248,7 +233,6 @@ async def commit_selection(
     await evidencefiles.attach(session, experiment.id, {layout.SELECTION: sha256_bytes(data)})
     await commitments.append(session, experiment.id, "selection", selection_identity, document)
     experiment.selection_identity = selection_identity
-    move_experiment(session, experiment, E.SELECTED, "final checkpoints selected")
 
 
 async def start_serving(session: AsyncSession, experiment: models.Experiment, body: wire.ServingCreate) -> None:
@@ -262,7 +246,6 @@ async def start_serving(session: AsyncSession, experiment: models.Experiment, bo
         "selection_identity": experiment.selection_identity,
     }
     await commitments.append(session, experiment.id, "serving", identity(document), document)
-    move_experiment(session, experiment, E.SERVING, f"serving {body.arm}")
 
 
 async def store_report(session: AsyncSession, settings: Settings, report: dict[str, Any]) -> str:
@@ -279,13 +262,23 @@ async def store_report(session: AsyncSession, settings: Settings, report: dict[s
 
 
 async def commit_report(session: AsyncSession, experiment: models.Experiment, report_identity: str) -> None:
-    """Commit a stored report (its report job succeeded): the experiment is reported."""
+    """Commit a stored report."""
     experiment_target(experiment.state, E.REPORTED)
     await commitments.append(session, experiment.id, "report", report_identity, {"blob": report_identity})
-    move_experiment(session, experiment, E.REPORTED, "report recorded")
 
 
 async def record_report(
+    session: AsyncSession,
+    settings: Settings,
+    experiment: models.Experiment,
+    job: models.Job,
+    done: list[wire.ReportResult],
+) -> None:
+    """Commit the report the coordinator's report job stored (server.reporter)."""
+    await commit_report(session, experiment, done[0].report_identity)
+
+
+async def store_and_commit_report(
     session: AsyncSession, settings: Settings, experiment: models.Experiment, report: dict[str, Any]
 ) -> str:
     """Store and commit a report at once; returns its identity. Nothing but the coordinator's report job records
@@ -303,7 +296,3 @@ async def report_file(session: AsyncSession, settings: Settings, experiment_id: 
         raise NotFound(f"experiment {experiment_id} has no recorded report yet")
     _, path = await blobstore.find(session, settings, entry.identity)
     return path
-
-
-def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> None:
-    move_experiment(session, experiment, E.HALTED, reason)

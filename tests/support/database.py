@@ -83,11 +83,13 @@ def make_token(url: str, role: str, name: str) -> str:
 def record_report(database_url: str, home: Path, experiment_id: str, report: dict[str, Any]) -> str:
     """Commit ``report`` as the coordinator's report job does (server.reporter), for tests of what a recorded
     report looks like; over HTTP an operator can only ask the coordinator to compute one."""
-    from server.protocol import recording
+    from server.protocol import phases, recording
 
     async def record(session: AsyncSession) -> str:
         experiment = await recording.load(session, uuid.UUID(experiment_id), lock=True)
         settings = Settings(home=home, database_url=database_url)
-        return await recording.record_report(session, settings, experiment, report)
+        identity = await recording.store_and_commit_report(session, settings, experiment, report)
+        await phases.progress(session, settings, experiment)
+        return identity
 
     return with_session(database_url, record)
