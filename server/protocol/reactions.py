@@ -26,8 +26,11 @@ from server.settings import Settings
 async def _react(session: AsyncSession, settings: Settings, done: Sequence[Ended]) -> None:
     for item in done:
         if item.succeeded:
+            # Under lock: two jobs of one experiment that succeed at once are settled one after the other, so the
+            # second sees the first's success and the phase is found complete (on Postgres, each would otherwise
+            # see the other still running, and neither would move the experiment on).
+            experiment = await recording.load(session, item.job.experiment_id, lock=True)
             await kinds.settle(session, settings, item.job)
-            experiment = await recording.load(session, item.job.experiment_id)
             await phases.progress(session, settings, experiment)
             await phases.autopilot(session, settings, experiment)
 

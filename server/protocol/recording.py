@@ -59,8 +59,8 @@ def plan_of(experiment: models.Experiment) -> Plan:
 async def load(session: AsyncSession, experiment_id: uuid.UUID, *, lock: bool = False) -> models.Experiment:
     """The experiment row; ``lock`` serialises concurrent advances of one experiment (FOR UPDATE on Postgres)."""
     statement = select(models.Experiment).where(models.Experiment.id == experiment_id)
-    if lock:
-        statement = statement.with_for_update()
+    if lock:  # the row as the lock found it, even where this session had read it before
+        statement = statement.with_for_update().execution_options(populate_existing=True)
     experiment = await session.scalar(statement)
     if experiment is None:
         raise NotFound(f"experiment {experiment_id} does not exist")
