@@ -317,12 +317,11 @@ async def record_result(
     return {} if result is None else wire.untagged(result)
 
 
-async def settle(session: AsyncSession, settings: Settings, job: models.Job) -> None:
-    """Record what the job's success commits (every rank of it succeeded)."""
+async def settle(session: AsyncSession, settings: Settings, experiment: models.Experiment, job: models.Job) -> None:
+    """Record what the job's success commits (every rank of it succeeded); the caller holds the experiment's lock."""
     kind = of(job.kind)
     if kind.settle is None:
         return
-    experiment = await recording.load(session, job.experiment_id, lock=True)
     done = recording.decoded(await recording.results_of(session, job), kind.result, job)
     await kind.settle(session, settings, experiment, job, done)
 

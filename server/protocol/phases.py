@@ -176,11 +176,12 @@ async def _next_state(
         verified = _succeeded([order for order in orders if order.kind == "select"], jobs)
         if verified is not None:
             await recording.commit_verified(session, settings, experiment, verified)
+            return E.SELECTED, ENTERED_BECAUSE[E.SELECTED]
     if state == E.SELECTED and "tested" not in ledger:
         tested = _succeeded([order for order in orders if order.kind == "evaluate" and order.role == "test"], jobs)
         if tested is not None:
             await recording.commit_tested(session, experiment, tested)
-    ledger = await commitments.by_kind(session, experiment.id)
+            return E.TESTED, ENTERED_BECAUSE[E.TESTED]
     for target in sorted(EXPERIMENT_TRANSITIONS[state]):
         if COMMITTED_BY.get(target) in ledger:
             return target, ENTERED_BECAUSE[target]

@@ -30,7 +30,7 @@ async def _react(session: AsyncSession, settings: Settings, done: Sequence[Ended
             # second sees the first's success and the phase is found complete (on Postgres, each would otherwise
             # see the other still running, and neither would move the experiment on).
             experiment = await recording.load(session, item.job.experiment_id, lock=True)
-            await kinds.settle(session, settings, item.job)
+            await kinds.settle(session, settings, experiment, item.job)
             await phases.progress(session, settings, experiment)
             await phases.autopilot(session, settings, experiment)
 
