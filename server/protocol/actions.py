@@ -45,7 +45,7 @@ async def set_autopilot(
     """Switch autopilot; switched on, it advances at once if the current phase is done (what it did, if anything)."""
     phases.set_autopilot(experiment, on)
     audit.record(session, who, "experiment.autopilot", _target(experiment), on=on)
-    return await phases.autopilot(session, settings, experiment)
+    return await phases.progress(session, settings, experiment)
 
 
 async def select(
@@ -54,13 +54,13 @@ async def select(
     await recording.select_checkpoints(session, settings, experiment, body)
     audit.record(session, who, "experiment.select", _target(experiment))
     await phases.progress(session, settings, experiment)
-    await phases.autopilot(session, settings, experiment)
 
 
 async def serve(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.ServingCreate
 ) -> None:
-    await recording.start_serving(session, experiment, body)
+    document = await recording.serving(session, experiment, recording.plan_of(experiment), body)
+    await recording.commit(session, settings, experiment, document)
     audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
     await phases.progress(session, settings, experiment)
 

@@ -16,10 +16,14 @@ UI); with autopilot on, the coordinator does the same as soon as every job of a 
                          both replicas stopped, then the report, run by the coordinator itself on the stored
                          evidence
 
-An experiment moves on in one place, ``progress``: a state is entered once the ledger holds the commitment it
-stands on (the plan, prepared inputs, selection, test results, serving, report), or, for training, once its jobs
-are queued and then all succeeded. Where a phase's own jobs make its commitment (the test evaluations, the
-select jobs' verified checkpoints), ``progress`` makes it when the stage that queues them has succeeded.
+An experiment moves on in one place, ``progress``. Each step is decided from the experiment's standing (state,
+plan, jobs and ledger, read at once) by two pure functions, then taken:
+- ``entered``: a state is entered once the ledger holds the commitment it stands on (the plan, prepared inputs,
+  selection, test results, serving, report), or, for training, once its jobs are queued and then all succeeded.
+  Where a phase's own jobs make its commitment (the select jobs' verified checkpoints, the test evaluations), the
+  step makes it once the stage that queued them has succeeded.
+- ``driven``: what advancing does (the operator's ``advance``, and autopilot): the serving commitment once tested,
+  or the next stage's missing jobs.
 
 Autopilot stops where a job failed or was cancelled: a failed job is final and deterministic, so the
 operator reads its reason and advances again (which queues the missing jobs) once the cause is fixed.
@@ -28,11 +32,13 @@ operator reads its reason and advances again (which queues the missing jobs) onc
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.ledger import Entry
 from experiment.core.plan import Plan
 from experiment.core.states import ExperimentState, JobState
 from experiment.serving.servingrecord import PHASES
@@ -55,14 +61,7 @@ E = ExperimentState
 J = JobState
 REPORT = Order(wire.ReportSpec())
 # The commitment each state stands on: the experiment enters the state once the ledger holds it.
-COMMITTED_BY: dict[ExperimentState, str] = {
-    E.COMMITTED: "plan",
-    E.PREPARED: "prepared",
-    E.SELECTED: "selection",
-    E.TESTED: "tested",
-    E.SERVING: "serving",
-    E.REPORTED: "report",
-}
+COMMITTED_BY: dict[ExperimentState, str] = {state: kind for kind, state in recording.ENTERS.items()}
 ENTERED_BECAUSE: dict[ExperimentState, str] = {
     E.COMMITTED: "plan committed",
     E.PREPARED: "prepared inputs committed",
@@ -113,27 +112,157 @@ async def jobs_of(session: AsyncSession, experiment_id: uuid.UUID) -> list[model
     return list(rows)
 
 
-def _missing(stage: list[Order], jobs: list[models.Job]) -> list[Order]:
-    return [order for order in stage if not any(order.matches(j) and j.state == J.SUCCEEDED for j in jobs)]
+@dataclass(frozen=True)
+class Standing:
+    """What the experiment stands on now, read at once: its state, plan, jobs and ledger."""
+
+    state: ExperimentState
+    plan: Plan
+    jobs: list[models.Job]
+    ledger: dict[str, Entry]
+
+    def busy(self) -> list[models.Job]:
+        return [job for job in self.jobs if job.state in {J.QUEUED, *JOB_ACTIVE}]
+
+    def succeeded(self, orders: list[Order]) -> list[models.Job] | None:
+        """The job that succeeded for each order, or None while one has not."""
+        done = [next((j for j in self.jobs if o.matches(j) and j.state == J.SUCCEEDED), None) for o in orders]
+        found = [job for job in done if job is not None]
+        return found if len(found) == len(orders) else None
+
+    def next_stage(self) -> list[Order]:
+        """The orders of the phase's first stage that some order of has no succeeded job."""
+        for stage in stages(self.plan, self.state):
+            missing = [order for order in stage if self.succeeded([order]) is None]
+            if missing:
+                return missing
+        return []
 
 
-def _busy(jobs: list[models.Job]) -> list[models.Job]:
-    return [job for job in jobs if job.state in {J.QUEUED, *JOB_ACTIVE}]
+async def standing_of(session: AsyncSession, experiment: models.Experiment) -> Standing:
+    jobs = await jobs_of(session, experiment.id)
+    ledger = await commitments.by_kind(session, experiment.id)
+    return Standing(experiment.state, recording.plan_of(experiment), jobs, ledger)
 
 
-def _refuse_while_running(state: ExperimentState, jobs: list[models.Job]) -> None:
-    busy = _busy(jobs)
+# The steps that move an experiment, each decided from its standing alone.
+@dataclass(frozen=True)
+class Enter:
+    state: ExperimentState
+    reason: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The commitment the next state stands on: made from the jobs of the stage that queued them (selection:
+    the select jobs' verified checkpoints; tested: the test evaluations), or with no job (serving)."""
+
+    kind: str
+    jobs: list[models.Job]
+
+
+@dataclass(frozen=True)
+class Queue:
+    orders: list[Order]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No step to take now, and why (an operator's advance is refused with it)."""
+
+    rule: str
+    detail: str
+
+
+Step = Enter | Commit | Queue
+# The commitments a stage's own jobs make: (the commitment, the kind and role of the jobs it is made from).
+MADE_BY_JOBS: dict[ExperimentState, tuple[str, wire.JobKind, str | None]] = {
+    E.TRAINED: ("selection", "select", None),
+    E.SELECTED: ("tested", "evaluate", "test"),
+}
+
+
+def entered(standing: Standing) -> Step | None:
+    """The state the experiment enters now, or the commitment it makes to enter it; None while its phase is not
+    complete."""
+    state, jobs = standing.state, standing.jobs
+    orders = [order for stage in stages(standing.plan, state) for order in stage]
+    if state == E.PREPARED:
+        return Enter(E.TRAINING, "training queued") if any(job.kind == "train" for job in jobs) else None
+    if state == E.TRAINING:
+        done = standing.succeeded(orders) is not None
+        return Enter(E.TRAINED, "every arm has a verified final checkpoint") if done else None
+    if state in MADE_BY_JOBS and MADE_BY_JOBS[state][0] not in standing.ledger:
+        commitment, kind, role = MADE_BY_JOBS[state]
+        made = standing.succeeded([order for order in orders if order.kind == kind and order.role == role])
+        return None if made is None else Commit(commitment, made)
+    for target in sorted(EXPERIMENT_TRANSITIONS[state]):
+        if COMMITTED_BY.get(target) in standing.ledger:
+            return Enter(target, ENTERED_BECAUSE[target])
+    return None
+
+
+def driven(standing: Standing, *, retry: bool) -> Step | Wait:
+    """What advancing does now: the serving commitment once tested, else the next stage's missing jobs. Only the
+    operator retries (``retry``): autopilot waits where a job of the stage ended without success."""
+    state = standing.state
+    if state in {E.DRAFT, *EXPERIMENT_FINAL}:
+        return Wait("experiment-final", f"the experiment is {state}; there is nothing to advance")
+    if state == E.TESTED and standing.plan.serves():  # replicas may still start
+        return Commit("serving", [])
+    busy = standing.busy()
     if busy:
         names = ", ".join(f"{kinds.label(j.kind, j.arm, j.role)} ({j.state})" for j in busy)
-        raise Refused("phase-running", f"the {state} phase is still running: {names}")
+        return Wait("phase-running", f"the {state} phase is still running: {names}")
+    missing = standing.next_stage()
+    if not missing:
+        return Wait("phase-complete", f"every job of the {state} phase succeeded; nothing is left to queue")
+    if not retry and any(order.matches(job) for order in missing for job in standing.jobs):
+        return Wait("job-ended", f"a job of the {state} phase ended without success; the operator decides")
+    return Queue(missing)
 
 
-def _next_stage(plan: Plan, state: ExperimentState, jobs: list[models.Job]) -> list[Order]:
-    for stage in stages(plan, state):
-        missing = _missing(stage, jobs)
-        if missing:
-            return missing
-    return []
+async def _take(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, plan: Plan, step: Step
+) -> str:
+    """Take one step; what was done, in words."""
+    if isinstance(step, Enter):
+        move_experiment(session, experiment, step.state, step.reason)
+        return f"{step.state}: {step.reason}"
+    if isinstance(step, Queue):
+        for order in step.orders:
+            await kinds.enqueue(session, settings, experiment, order)
+        return "queued " + ", ".join(str(order) for order in step.orders)
+    if step.kind == "selection":
+        document = await recording.verified_selection(session, experiment, plan, step.jobs)
+    elif step.kind == "tested":
+        document = await recording.tested(session, plan, step.jobs)
+    else:
+        document = await recording.final_serving(session, experiment, plan)
+    await recording.commit(session, settings, experiment, document)
+    if document.kind != "serving":
+        return f"{document.kind} committed"
+    served = document.body
+    return f"serving committed: the {served['arm']} final checkpoint {served['model_identity'][:12]}"
+
+
+async def _enter(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> Standing:
+    """Enter each state whose phase is complete; the standing reached."""
+    while (step := entered(standing := await standing_of(session, experiment))) is not None:
+        await _take(session, settings, experiment, standing.plan, step)
+    return standing
+
+
+async def progress(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str | None:
+    """The one place an experiment moves on: it enters each state whose phase is complete and, with autopilot on,
+    advances as the operator would until a stage runs or a job of it ended without success. What autopilot did,
+    in words (None where it did nothing)."""
+    done = []
+    standing = await _enter(session, settings, experiment)
+    while experiment.autopilot and not isinstance(step := driven(standing, retry=False), Wait):
+        done.append(await _take(session, settings, experiment, standing.plan, step))
+        standing = await _enter(session, settings, experiment)
+    return "; ".join(done) or None
 
 
 async def create(session: AsyncSession, settings: Settings, body: wire.ExperimentCreate) -> models.Experiment:
@@ -146,52 +275,9 @@ async def create(session: AsyncSession, settings: Settings, body: wire.Experimen
 
 async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
     """Commit a draft's plan and queue its first job."""
-    await recording.commit_plan(session, experiment)
-    await progress(session, settings, experiment)
-    await kinds.enqueue(session, settings, experiment, Order(wire.PrepareSpec()))
-
-
-def _succeeded(orders: list[Order], jobs: list[models.Job]) -> list[models.Job] | None:
-    """The job that succeeded for each order, or None while one has not."""
-    done = [next((j for j in jobs if order.matches(j) and j.state == J.SUCCEEDED), None) for order in orders]
-    found = [job for job in done if job is not None]
-    return found if len(found) == len(orders) else None
-
-
-async def _next_state(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment
-) -> tuple[ExperimentState, str] | None:
-    """The state the experiment enters now, and why; None while its phase is not complete. Where the phase's own
-    jobs make the commitment the next state stands on, it is made here, from the stage that queued them."""
-    state, plan = experiment.state, recording.plan_of(experiment)
-    jobs = await jobs_of(session, experiment.id)
-    orders = [order for stage in stages(plan, state) for order in stage]
-    if state == E.PREPARED:
-        return (E.TRAINING, "training queued") if any(job.kind == "train" for job in jobs) else None
-    if state == E.TRAINING:
-        done = _succeeded(orders, jobs) is not None
-        return (E.TRAINED, "every arm has a verified final checkpoint") if done else None
-    ledger = await commitments.by_kind(session, experiment.id)
-    if state == E.TRAINED and "selection" not in ledger:
-        verified = _succeeded([order for order in orders if order.kind == "select"], jobs)
-        if verified is not None:
-            await recording.commit_verified(session, settings, experiment, verified)
-            return E.SELECTED, ENTERED_BECAUSE[E.SELECTED]
-    if state == E.SELECTED and "tested" not in ledger:
-        tested = _succeeded([order for order in orders if order.kind == "evaluate" and order.role == "test"], jobs)
-        if tested is not None:
-            await recording.commit_tested(session, experiment, tested)
-            return E.TESTED, ENTERED_BECAUSE[E.TESTED]
-    for target in sorted(EXPERIMENT_TRANSITIONS[state]):
-        if COMMITTED_BY.get(target) in ledger:
-            return target, ENTERED_BECAUSE[target]
-    return None
-
-
-async def progress(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
-    """The one place an experiment moves on: while its phase is complete, it enters the next state."""
-    while (entered := await _next_state(session, settings, experiment)) is not None:
-        move_experiment(session, experiment, *entered)
+    await recording.commit_plan(session, settings, experiment)
+    standing = await _enter(session, settings, experiment)
+    await _take(session, settings, experiment, standing.plan, Queue([Order(wire.PrepareSpec())]))
 
 
 def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> None:
@@ -200,30 +286,18 @@ def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> N
 
 
 async def advance(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str:
-    """Queue the next stage's jobs (or commit a draft's plan); refuses while the current stage runs."""
-    state = experiment.state
-    if state == E.DRAFT:
+    """Take the next step (commit a draft's plan, queue the next stage's jobs, or make the serving commitment);
+    refuses while the current stage runs."""
+    if experiment.state == E.DRAFT:
         await commit(session, settings, experiment)
         return "plan committed; prepare queued"
-    plan = recording.plan_of(experiment)
-    if state == E.TESTED and plan.serves():
-        name = plan.served_arm()
-        served = (await recording.arms_of(session, experiment.id))[name]
-        body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
-        await recording.start_serving(session, experiment, body)
-        await progress(session, settings, experiment)
-        return f"serving committed: the {name} final checkpoint {body.model_identity[:12]}"
-    if state in EXPERIMENT_FINAL:
-        raise Refused("experiment-final", f"the experiment is {state}; there is nothing to advance")
-    jobs = await jobs_of(session, experiment.id)
-    _refuse_while_running(state, jobs)
-    missing = _next_stage(plan, state, jobs)
-    if not missing:
-        raise Refused("phase-complete", f"every job of the {state} phase succeeded; nothing is left to queue")
-    for order in missing:
-        await kinds.enqueue(session, settings, experiment, order)
+    standing = await standing_of(session, experiment)
+    step = driven(standing, retry=True)
+    if isinstance(step, Wait):
+        raise Refused(step.rule, step.detail)
+    done = await _take(session, settings, experiment, standing.plan, step)
     await progress(session, settings, experiment)
-    return "queued " + ", ".join(str(order) for order in missing)
+    return done
 
 
 async def request_report(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> models.Job:
@@ -232,37 +306,18 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
     state = experiment.state
     if state in EXPERIMENT_FINAL:
         raise Refused("experiment-final", f"the experiment is {state}; its report can no longer change")
-    plan = recording.plan_of(experiment)
-    after = report_follows(plan)
-    if state != report_state(plan):
+    standing = await standing_of(session, experiment)
+    after = report_follows(standing.plan)
+    if state != report_state(standing.plan):
         raise Refused("report-not-ready", f"the report is computed after {after}; the experiment is {state}")
-    jobs = await jobs_of(session, experiment.id)
-    _refuse_while_running(state, jobs)
-    missing = _next_stage(plan, state, jobs)
+    step = driven(standing, retry=True)
+    if isinstance(step, Wait) and step.rule == "phase-running":
+        raise Refused(step.rule, step.detail)
+    missing = standing.next_stage()
     if missing != [REPORT]:
         waiting = ", ".join(str(order) for order in missing)
         raise Refused("report-not-ready", f"the report is computed after {after}; it still needs {waiting}")
     return await kinds.enqueue(session, settings, experiment, REPORT)
-
-
-async def autopilot(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> str | None:
-    """Advance if autopilot is on, nothing runs, and no job of the next stage has failed or been cancelled."""
-    actions = []
-    while experiment.autopilot and experiment.state not in {E.DRAFT, *EXPERIMENT_FINAL}:
-        state = experiment.state
-        jobs = await jobs_of(session, experiment.id)
-        # The serving commitment needs no job: replicas may still start.
-        commitment = state == E.TESTED and recording.plan_of(experiment).serves()
-        if not commitment and _busy(jobs):
-            break
-        if not commitment:
-            missing = _next_stage(recording.plan_of(experiment), state, jobs)
-            if not missing or any(order.matches(job) for order in missing for job in jobs):
-                break  # done, or a job of this stage ended without success: the operator decides
-        actions.append(await advance(session, settings, experiment))
-        if experiment.state == state:
-            break  # jobs were queued: the next step waits for them
-    return "; ".join(actions) or None
 
 
 def set_autopilot(experiment: models.Experiment, on: bool) -> None:

@@ -3,8 +3,8 @@
 The queue (queue.py) ends attempts and settles their jobs, and knows nothing else. Its ending calls (an agent's
 result, a heartbeat that finds an attempt no longer held, the operator's cancel, the reaper) are made only from
 here, and each passes what ended to ``_react`` in the same transaction: a job that succeeded records what its kind
-commits (kinds.settle) and lets autopilot advance the experiment (phases.autopilot). A job whose command printed
-a signal may queue another (a failure-phase benchmark's replica stop: serving.stop_due).
+commits (kinds.settle) and moves the experiment on (phases.progress, which also advances it with autopilot on). A
+job whose command printed a signal may queue another (a failure-phase benchmark's replica stop: replicas.stop_due).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ async def _react(session: AsyncSession, settings: Settings, done: Sequence[Ended
             experiment = await recording.load(session, item.job.experiment_id, lock=True)
             await kinds.settle(session, settings, experiment, item.job)
             await phases.progress(session, settings, experiment)
-            await phases.autopilot(session, settings, experiment)
 
 
 async def finish(

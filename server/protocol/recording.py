@@ -1,5 +1,6 @@
 """What an experiment records: its creation from a plan, what a finished job's result records, and the
 commitments of the ledger. It never moves the experiment: phases.progress does, from what is recorded here.
+Every commitment is appended by ``commit``, which checks that the state it lets the experiment enter may come next.
 
 Guards and transitions are lifecycle.py's; which jobs each phase queues, and when a phase is complete, is
 phases.py's; which record a job's success calls is its kind's (kinds.py).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +42,27 @@ R = TypeVar("R", bound=wire.Tagged)
 # experiment.learning.records.Candidate's fields, every one present (null where unknown): the committed document is
 # then exactly what experiment.learning.selection writes and reads, so both compute the same selection identity.
 CANDIDATE_FIELDS = wire.Candidate.__struct_fields__
+
+
+# The state each commitment lets the experiment enter (phases enters it once the ledger holds the commitment).
+ENTERS: dict[str, ExperimentState] = {
+    "plan": E.COMMITTED,
+    "prepared": E.PREPARED,
+    "selection": E.SELECTED,
+    "tested": E.TESTED,
+    "serving": E.SERVING,
+    "report": E.REPORTED,
+}
+
+
+@dataclass(frozen=True)
+class Document:
+    """A commitment to append: its kind, identity and body, and the bundle file kept with it, if any."""
+
+    kind: str
+    identity: str
+    body: dict[str, Any]
+    file: tuple[str, bytes] | None = None
 
 
 _PLANS: dict[str, Plan] = {}
@@ -98,12 +121,35 @@ async def create(session: AsyncSession, body: wire.ExperimentCreate) -> models.E
     return experiment
 
 
-async def commit_plan(session: AsyncSession, experiment: models.Experiment) -> None:
+async def _stored(session: AsyncSession, settings: Settings, data: bytes) -> str:
+    """Keep ``data`` as a blob; its name (the sha256 of the bytes)."""
+    digest = sha256_bytes(data)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    await blobstore.store(session, settings, digest, chunks(), "application/json", len(data))
+    return digest
+
+
+async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment, document: Document) -> None:
+    """Append a commitment to the experiment's ledger, with the bundle file it keeps; refused unless the state the
+    commitment lets the experiment enter may come next."""
+    experiment_target(experiment.state, ENTERS[document.kind])
+    if document.file is not None:
+        name, data = document.file
+        await evidencefiles.attach(session, experiment.id, {name: await _stored(session, settings, data)})
+    await commitments.append(session, experiment.id, document.kind, document.identity, document.body)
+    if document.kind == "prepared":
+        experiment.prepared_identity = document.identity
+    if document.kind == "selection":
+        experiment.selection_identity = document.identity
+
+
+async def commit_plan(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
     """Commit the plan (phases.commit queues the prepare job with it)."""
-    experiment_target(experiment.state, E.COMMITTED)
-    await commitments.append(
-        session, experiment.id, "plan", experiment.plan_identity, {"name": experiment.name, "plan": experiment.plan}
-    )
+    body = {"name": experiment.name, "plan": experiment.plan}
+    await commit(session, settings, experiment, Document("plan", experiment.plan_identity, body))
 
 
 async def results_of(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
@@ -127,10 +173,8 @@ async def record_prepared(
     done: list[wire.PrepareResult],
 ) -> None:
     """Commit the prepared identity the prepare job computed."""
-    experiment_target(experiment.state, E.PREPARED)
-    prepared = done[0].prepared_identity
-    experiment.prepared_identity = prepared
-    await commitments.append(session, experiment.id, "prepared", prepared, {"plan_identity": experiment.plan_identity})
+    body = {"plan_identity": experiment.plan_identity}
+    await commit(session, settings, experiment, Document("prepared", done[0].prepared_identity, body))
 
 
 async def record_training(
@@ -159,19 +203,19 @@ async def record_training(
     arm.holder_agent_id = min(hosts, key=lambda host: (held.count(host), hosts.index(host)), default=None)
 
 
-async def commit_tested(session: AsyncSession, experiment: models.Experiment, evaluations: list[models.Job]) -> None:
-    """Commit the test evaluations of every arm (phases.progress names them: its stage's, all succeeded)."""
-    experiment_target(experiment.state, E.TESTED)
+async def tested(session: AsyncSession, plan: Plan, evaluations: list[models.Job]) -> Document:
+    """The commitment of the test evaluations of every arm (phases.progress names them: its stage's, all
+    succeeded)."""
     by_arm = {job.arm or "": await results_of(session, job) for job in evaluations}
-    body = {"arms": {arm: by_arm[arm] for arm in plan_of(experiment).arm_names()}}
-    await commitments.append(session, experiment.id, "tested", identity(body), body)
+    body = {"arms": {arm: by_arm[arm] for arm in plan.arm_names()}}
+    return Document("tested", identity(body), body)
 
 
-async def commit_verified(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, selections: list[models.Job]
-) -> None:
-    """Commit the selection of the final checkpoints every trained arm's host verified (phases.progress names the
-    select jobs: its stage's, all succeeded)."""
+async def verified_selection(
+    session: AsyncSession, experiment: models.Experiment, plan: Plan, selections: list[models.Job]
+) -> Document:
+    """The selection of the final checkpoints every trained arm's host verified (phases.progress names the select
+    jobs: its stage's, all succeeded)."""
     candidates: dict[str, dict[str, Any]] = {}
     for job in selections:
         arm = job.arm or ""
@@ -179,13 +223,14 @@ async def commit_verified(
         if result.candidate.arm != arm:
             raise Refused("select-result-arm", f"select job {job.id} verified {result.candidate.arm}, not {arm}")
         candidates[arm] = msgspec.to_builtins(result.candidate)
-    await commit_selection(session, settings, experiment, candidates)
+    return await selection(session, experiment, plan, candidates)
 
 
 async def select_checkpoints(
     session: AsyncSession, settings: Settings, experiment: models.Experiment, body: wire.SelectionCreate
 ) -> None:
     """The operator's selection by REST: the named final checkpoints, as the coordinator recorded them."""
+    experiment_target(experiment.state, E.SELECTED)  # before the picks are checked against the arms
     arms = await arms_of(session, experiment.id)
     candidates = {
         name: {
@@ -198,16 +243,14 @@ async def select_checkpoints(
         }
         for name, pick in body.arms.items()
     }
-    await commit_selection(session, settings, experiment, candidates)
+    await commit(session, settings, experiment, await selection(session, experiment, plan_of(experiment), candidates))
 
 
-async def commit_selection(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, candidates: dict[str, dict[str, Any]]
-) -> None:
-    """Commit the selection document (experiment.learning.selection.Selection, the seed included) and keep it as the
-    bundle's selection.json: its identity is the one test evaluations and the report check."""
-    experiment_target(experiment.state, E.SELECTED)
-    plan = plan_of(experiment)
+async def selection(
+    session: AsyncSession, experiment: models.Experiment, plan: Plan, candidates: dict[str, dict[str, Any]]
+) -> Document:
+    """The selection document (experiment.learning.selection.Selection, the seed included), kept as the bundle's
+    selection.json: its identity is the one test evaluations and the report check."""
     arms = await arms_of(session, experiment.id)
     recorded = {name: TrainedArm(name, arm.final_step, arm.model_identity) for name, arm in arms.items()}
     chosen = {name: (int(pick["step"]), str(pick["model_identity"])) for name, pick in candidates.items()}
@@ -223,48 +266,44 @@ async def commit_selection(
             ).items()
         },
     }
-    selection_identity = identity(document)
     data = canonical_bytes(document) + b"\n"
-
-    async def chunks() -> AsyncIterator[bytes]:
-        yield data
-
-    await blobstore.store(session, settings, sha256_bytes(data), chunks(), "application/json", len(data))
-    await evidencefiles.attach(session, experiment.id, {layout.SELECTION: sha256_bytes(data)})
-    await commitments.append(session, experiment.id, "selection", selection_identity, document)
-    experiment.selection_identity = selection_identity
+    return Document("selection", identity(document), document, (layout.SELECTION, data))
 
 
-async def start_serving(session: AsyncSession, experiment: models.Experiment, body: wire.ServingCreate) -> None:
+async def final_serving(session: AsyncSession, experiment: models.Experiment, plan: Plan) -> Document:
+    """The serving commitment of the served arm's final checkpoint, which its selection names."""
+    name = plan.served_arm()
+    served = (await arms_of(session, experiment.id))[name]
+    body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
+    return await serving(session, experiment, plan, body)
+
+
+async def serving(
+    session: AsyncSession, experiment: models.Experiment, plan: Plan, body: wire.ServingCreate
+) -> Document:
+    """The serving commitment the operator asked for: the served arm's selected checkpoint."""
     selected = (await commitments.by_kind(session, experiment.id)).get("selection")
-    selection = {} if selected is None else selected.body
-    guard_serving(plan_of(experiment), body.arm, body.model_identity, selection.get("arms", {}))
-    experiment_target(experiment.state, E.SERVING)
+    chosen = {} if selected is None else selected.body
+    guard_serving(plan, body.arm, body.model_identity, chosen.get("arms", {}))
     document = {
         "arm": body.arm,
         "model_identity": body.model_identity,
         "selection_identity": experiment.selection_identity,
     }
-    await commitments.append(session, experiment.id, "serving", identity(document), document)
+    return Document("serving", identity(document), document)
 
 
 async def store_report(session: AsyncSession, settings: Settings, report: dict[str, Any]) -> str:
     """Keep the report the coordinator computed (server.reporter) as a blob of its canonical bytes, so that the
     blob's name is the report identity; returns that identity."""
-    data = canonical_bytes(report)
-    report_identity = sha256_bytes(data)
-
-    async def chunks() -> AsyncIterator[bytes]:
-        yield data
-
-    await blobstore.store(session, settings, report_identity, chunks(), "application/json", len(data))
-    return report_identity
+    return await _stored(session, settings, canonical_bytes(report))
 
 
-async def commit_report(session: AsyncSession, experiment: models.Experiment, report_identity: str) -> None:
+async def commit_report(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, report_identity: str
+) -> None:
     """Commit a stored report."""
-    experiment_target(experiment.state, E.REPORTED)
-    await commitments.append(session, experiment.id, "report", report_identity, {"blob": report_identity})
+    await commit(session, settings, experiment, Document("report", report_identity, {"blob": report_identity}))
 
 
 async def record_report(
@@ -275,7 +314,7 @@ async def record_report(
     done: list[wire.ReportResult],
 ) -> None:
     """Commit the report the coordinator's report job stored (server.reporter)."""
-    await commit_report(session, experiment, done[0].report_identity)
+    await commit_report(session, settings, experiment, done[0].report_identity)
 
 
 async def store_and_commit_report(
@@ -285,7 +324,7 @@ async def store_and_commit_report(
     a report (tests use this to stand for one)."""
     experiment_target(experiment.state, E.REPORTED)
     report_identity = await store_report(session, settings, report)
-    await commit_report(session, experiment, report_identity)
+    await commit_report(session, settings, experiment, report_identity)
     return report_identity
 
 
