@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
+from experiment.core.canonical import JsonObject
 from experiment.core.ledger import Entry as LedgerEntry
 from experiment.core.plan import ArmName
 from experiment.core.states import ExperimentState, JobState
@@ -229,8 +230,9 @@ class ReplicaStartResult(Tagged, tag="replica-start", frozen=True):
     replica_url: Url
     probe_url: Url
     rank: Rank
-    # The probe's check of the replica's answers against the arm's dev evaluation (its /health body).
-    identity: Annotated[dict[str, Any], msgspec.Meta(max_length=64)] = {}
+    # The probe's check of the replica's answers against the arm's dev evaluation (its /health body's identity, an
+    # experiment.serving.agreement.Agreement); {} when the probe checked none.
+    identity: Annotated[dict[str, int | float | str | None], msgspec.Meta(max_length=64)] = {}
 
 
 class ReplicaStopResult(Tagged, tag="replica-stop", frozen=True):
@@ -241,7 +243,8 @@ class BenchmarkResult(Tagged, tag="benchmark", frozen=True):
     """A summary; the phase's whole record travels as AttemptResult.serving."""
 
     phase: Phase | None = None
-    metrics: Annotated[dict[str, Any], msgspec.Meta(max_length=64)] = {}
+    # The phase's experiment.serving.servingrecord.Metrics: counts, seconds and rates (None: no latency measured).
+    metrics: Annotated[dict[str, int | float | None], msgspec.Meta(max_length=64)] = {}
 
 
 class ReportResult(Tagged, tag="report", frozen=True):
@@ -282,9 +285,9 @@ def spec_of(kind: str, body: Mapping[str, Any]) -> JobSpec:
     return decode(body, SPECS[kind])
 
 
-def untagged(value: Tagged) -> dict[str, Any]:
+def untagged(value: Tagged) -> JsonObject:
     """A spec or result as the wire carries it: beside its job's kind, so without its tag."""
-    body: dict[str, Any] = msgspec.to_builtins(value)
+    body: JsonObject = msgspec.to_builtins(value)
     del body["kind"]
     return body
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import uuid
 from enum import StrEnum
-from typing import Any
 
 from advanced_alchemy.base import UUIDv7AuditBase
 from advanced_alchemy.types.datetime import DateTimeUTC
@@ -30,10 +29,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
+from experiment.core.canonical import JsonObject
 from experiment.core.states import ExperimentState, JobState
 from experiment.wire import JobKind, Role, ServingPhaseName, TokenRole
 
-Json = dict[str, Any]
+Json = JsonObject
 
 
 def _states(states: type[StrEnum]) -> Enum:

@@ -22,6 +22,7 @@ import httpx
 import msgspec
 
 from experiment import wire
+from experiment.core.canonical import JsonObject
 from experiment.core.errors import CoopError
 from experiment.core.states import JobState
 from experiment.report.model import read_report
@@ -129,8 +130,8 @@ class Operator:
             return 0, 0
         return int(steps[-1].get("done", 0)), int(steps[-1].get("total", 0))
 
-    def report(self, experiment_id: uuid.UUID) -> dict[str, Any]:
-        reply: dict[str, Any] = self._json("GET", f"/api/experiments/{experiment_id}/report")
+    def report(self, experiment_id: uuid.UUID) -> JsonObject:
+        reply: JsonObject = self._json("GET", f"/api/experiments/{experiment_id}/report")
         return reply
 
 
@@ -204,7 +205,7 @@ def _watch_terminal(operator: Operator, experiment_id: uuid.UUID, poll: float) -
             time.sleep(poll)
 
 
-def verdict_lines(recorded: dict[str, Any]) -> list[str]:
+def verdict_lines(recorded: JsonObject) -> list[str]:
     try:
         judged, verdict = read_report(recorded).verdict()
     except (msgspec.ValidationError, CoopError) as exc:

@@ -19,13 +19,12 @@ import datetime
 import logging
 import uuid
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
-from experiment.core.canonical import write_new_bytes
+from experiment.core.canonical import JsonObject, write_new_bytes
 from experiment.core.errors import CoopError
 from server import failpoints, models
 from server.dispatch import queue, waiters
@@ -40,14 +39,14 @@ def report_dir(settings: Settings, experiment_id: uuid.UUID, job_id: uuid.UUID, 
     return settings.home / "reports" / str(experiment_id) / str(job_id) / f"attempt-{attempt}"
 
 
-def _compute(members: list[evidencefiles.Member], folder: Path) -> dict[str, Any]:
+def _compute(members: list[evidencefiles.Member], folder: Path) -> JsonObject:
     from experiment.report.recompute import write_report  # torch and the tokenizer load only when a report runs
 
     bundle = folder / "evidence"
     for member in members:
         data = member.source if isinstance(member.source, bytes) else member.source.read_bytes()
         write_new_bytes(bundle / member.path, data)
-    report: dict[str, Any] = msgspec.to_builtins(write_report(bundle, folder / "report.json"))
+    report: JsonObject = msgspec.to_builtins(write_report(bundle, folder / "report.json"))
     return report
 
 

@@ -10,10 +10,20 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from experiment.core.errors import CoopError
+
+# A JSON value and a JSON object, as json.loads and msgspec decode them: for documents whose shape is free (event
+# and ledger bodies, progress events). msgspec cannot decode into this recursive alias: a Struct field that must be
+# decoded takes a precise type instead.
+Json: TypeAlias = str | int | float | bool | list["Json"] | dict[str, "Json"] | None
+JsonObject: TypeAlias = dict[str, Json]
+# A JSON value as a writer takes it (json.dumps, an event's emitter): read only, so any mapping or sequence of JSON
+# values is one (a dict[str, str], a list[str]), where a mutable dict[str, Json] would refuse them.
+JsonLike: TypeAlias = str | int | float | bool | Sequence["JsonLike"] | Mapping[str, "JsonLike"] | None
 
 
 def canonical_bytes(obj: Any) -> bytes:

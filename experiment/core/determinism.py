@@ -26,7 +26,7 @@ def make_deterministic(device_type: str, threads: int) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def profile(device_type: str) -> dict[str, object]:
+def profile(device_type: str) -> dict[str, bool | str | None]:
     """What the profile of a run records of this: whether deterministic mode is on, and cuBLAS's workspace."""
     return {
         "deterministic": torch.are_deterministic_algorithms_enabled(),

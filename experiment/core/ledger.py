@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from experiment.core.canonical import identity
+from experiment.core.canonical import JsonObject, identity
 from experiment.core.errors import CoopError
 
 GENESIS = "0" * 64
@@ -30,11 +30,11 @@ class Entry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hash: str
 
 
-def entry_hash(seq: int, kind: str, identity_: str, body: dict[str, Any], prev_hash: str) -> str:
+def entry_hash(seq: int, kind: str, identity_: str, body: JsonObject, prev_hash: str) -> str:
     return identity({"seq": seq, "kind": kind, "identity": identity_, "body": body, "prev_hash": prev_hash})
 
 
-def next_entry(previous: Entry | None, kind: str, identity_: str, body: dict[str, Any]) -> Entry:
+def next_entry(previous: Entry | None, kind: str, identity_: str, body: JsonObject) -> Entry:
     """The entry that follows ``previous`` (or starts the chain when it is None)."""
     if kind not in KINDS:
         raise CoopError(f"unknown commitment kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -6,7 +6,7 @@ Unknown keys are refused and every error names the field (``$.training.peak_lear
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal, TypedDict
 
 import msgspec
 
@@ -402,18 +402,24 @@ def require_staged(plan: Plan) -> None:
         )
 
 
-def staged_seed(plan: Plan) -> dict[str, Any]:
+class StagedSeed(TypedDict):
+    """The seed snapshot a staged plan records (seedmodel.Snapshot's fields)."""
+
+    files: dict[str, str]
+    tokenizer_identity: str
+    parameters: int
+
+
+def staged_seed(plan: Plan) -> StagedSeed:
     """The seed snapshot the plan records (seedmodel.Snapshot's fields); refused when the seed is not staged."""
     if not plan.seed.files or plan.seed.tokenizer_identity is None:
         raise CoopError(
             f"plan {plan.name} records no seed file hashes; stage the seed (coop seed-model snapshot) "
             "and record them in the plan"
         )
-    return {
-        "files": dict(plan.seed.files),
-        "tokenizer_identity": plan.seed.tokenizer_identity,
-        "parameters": plan.seed.parameters,
-    }
+    return StagedSeed(
+        files=dict(plan.seed.files), tokenizer_identity=plan.seed.tokenizer_identity, parameters=plan.seed.parameters
+    )
 
 
 def seed_identity(plan: Plan) -> str:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
+
+from experiment.core.canonical import JsonLike
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[Mapping[str, JsonLike]], None]
 
 
 class Events:
@@ -40,12 +42,13 @@ class Events:
         if self._progress is not None:
             self._progress.stop()
 
-    def emit(self, event: dict[str, Any]) -> None:
-        if self._progress is not None and "done" in event and "total" in event:
+    def emit(self, event: Mapping[str, JsonLike]) -> None:
+        done, total = event.get("done"), event.get("total")
+        if self._progress is not None and isinstance(done, int | float) and isinstance(total, int | float):
             name = str(event["event"])
             if name not in self._tasks:
-                self._tasks[name] = self._progress.add_task(name, total=event["total"])
-            self._progress.update(self._tasks[name], completed=event["done"])
+                self._tasks[name] = self._progress.add_task(name, total=total)
+            self._progress.update(self._tasks[name], completed=done)
             return
         self._stream.write(json.dumps(event, sort_keys=True) + "\n")
         self._stream.flush()

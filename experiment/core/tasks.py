@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from experiment.core.canonical import identity
+from experiment.core.canonical import Json, JsonObject, identity
 
 Role = Literal["train", "dev", "test"]
 Family = Literal["lookup", "filter", "total", "sort"]
@@ -27,6 +27,9 @@ STATUSES = ("ready", "pending", "closed")
 RECORDS_PER_CASE = 5
 MAX_ANSWER_BYTES = 32_768
 DAMAGE_ID = "Z000"  # cannot be a real id: real ids use the numbers 100..999
+# An expected (or damaged) answer: {"city": str | None, "units": int | None} for lookup, {"ids": [str, ...]} for
+# filter and sort, {"total": int} for total.
+ExpectedAnswer = dict[str, str | int | list[str] | None]
 
 
 class Record(msgspec.Struct, frozen=True):
@@ -165,31 +168,42 @@ def render_prompt(case: Case) -> str:
     return template.format(table=_table(case), q=case.query_id)
 
 
-def expected_answer(case: Case) -> dict[str, Any]:
+def _lookup(case: Case) -> tuple[str | None, int | None]:
+    match = next((r for r in case.records if r.id == case.query_id), None)
+    return (None, None) if match is None else (match.city, match.units)
+
+
+def _ids(case: Case) -> list[str]:
+    """Filter: the ready records' ids, ascending; sort: the two highest priorities' ids (ties by id)."""
     records = case.records
-    if case.family == "lookup":
-        match = next((r for r in records if r.id == case.query_id), None)
-        if match is None:
-            return {"city": None, "units": None}
-        return {"city": match.city, "units": match.units}
     if case.family == "filter":
-        return {"ids": sorted(r.id for r in records if r.status == "ready")}
-    if case.family == "total":
-        return {"total": sum(r.units * r.price for r in records)}
+        return sorted(r.id for r in records if r.status == "ready")
     ranked = sorted(records, key=lambda r: (-r.priority, r.id))
-    return {"ids": [ranked[0].id, ranked[1].id]}
+    return [ranked[0].id, ranked[1].id]
 
 
-def damaged_answer(case: Case) -> dict[str, Any]:
+def _total(case: Case) -> int:
+    return sum(r.units * r.price for r in case.records)
+
+
+def expected_answer(case: Case) -> ExpectedAnswer:
+    if case.family == "lookup":
+        city, units = _lookup(case)
+        return {"city": city, "units": units}
+    if case.family == "total":
+        return {"total": _total(case)}
+    return {"ids": _ids(case)}
+
+
+def damaged_answer(case: Case) -> ExpectedAnswer:
     """The deliberately wrong target of the damaged arm (docs/protocol.md, "The training corpus and the damaged
     copy")."""
-    answer = expected_answer(case)
     if case.family == "lookup":
-        units = answer["units"]
-        return {"city": answer["city"], "units": 1 if units is None else units + 1}
+        city, units = _lookup(case)
+        return {"city": city, "units": 1 if units is None else units + 1}
     if case.family == "total":
-        return {"total": answer["total"] + 1}
-    return {"ids": [*answer["ids"], DAMAGE_ID]}
+        return {"total": _total(case) + 1}
+    return {"ids": [*_ids(case), DAMAGE_ID]}
 
 
 def task_id(case: Case) -> str:
@@ -197,7 +211,7 @@ def task_id(case: Case) -> str:
     return identity({"case": msgspec.to_builtins(case), "prompt": render_prompt(case)})
 
 
-def answer_text(answer: dict[str, Any]) -> str:
+def answer_text(answer: ExpectedAnswer) -> str:
     """The target text the model is trained on: compact JSON in the order the schema states."""
     return json.dumps(answer, separators=(", ", ": "), ensure_ascii=False)
 
@@ -216,8 +230,8 @@ class _DuplicateKey(ValueError):
     pass
 
 
-def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+def _object_without_duplicates(pairs: list[tuple[str, Json]]) -> JsonObject:
+    result: JsonObject = {}
     for key, value in pairs:
         if key in result:
             raise _DuplicateKey(f"duplicate key {key!r}")
@@ -245,7 +259,7 @@ def _same(value: Any, target: Any) -> bool:
 _INVALID = Check(correct=False, valid_json_object=False, reason="invalid_json_object")
 
 
-def check(answer_text: str, expected: dict[str, Any]) -> Check:
+def check(answer_text: str, expected: ExpectedAnswer) -> Check:
     """Strictly check one answer: one JSON object, only JSON whitespace around it, exact types and values."""
     if len(answer_text.encode("utf-8", "surrogatepass")) > MAX_ANSWER_BYTES:
         return _INVALID

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -81,7 +82,7 @@ def space_needed(
     optimizer: torch.optim.Optimizer,
     seed_dir: Path,
     layout: seedmodel.TensorLayout,
-    extra: dict[str, Any],
+    extra: Mapping[str, object],
 ) -> int:
     """About the bytes a checkpoint of this run writes: its weights in the seed's layout, the optimizer's state,
     the run's extra state, the seed's copied files and ``SLACK_BYTES``."""
@@ -154,7 +155,7 @@ def save(
     journal: list[StepRecord],
     seed_dir: Path,
     layout: seedmodel.TensorLayout,
-    extra: dict[str, Any] | None = None,
+    extra: Mapping[str, object] | None = None,
 ) -> Pointer:
     """Write the checkpoint into a temporary folder, rename it into place, then write its pointer. The weights
     take the seed's tensor ``layout``; its other files come from ``seed_dir``. Each file is hashed once, into the
@@ -196,7 +197,7 @@ def _write(
     step: int,
     seed_dir: Path,
     layout: seedmodel.TensorLayout,
-    extra: dict[str, Any] | None,
+    extra: Mapping[str, object] | None,
 ) -> bytes:
     """The checkpoint's files in ``staging``, each on the disk; returns its receipt's bytes."""
     (staging / MODEL_DIR).mkdir(parents=True)

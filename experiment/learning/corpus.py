@@ -63,7 +63,7 @@ class TaskItem(msgspec.Struct, frozen=True):
     variant: int
     input_dependent: bool
     prompt: str
-    expected: dict[str, Any]
+    expected: tasks.ExpectedAnswer
     prompt_ids: list[int]
 
 
@@ -208,7 +208,7 @@ def _task_items(plan: Plan, tokenizer: PreTrainedTokenizerBase, role: tasks.Role
     return items
 
 
-def _checked_target(case: tasks.Case, answer: dict[str, Any], must_pass: bool, name: str) -> str:
+def _checked_target(case: tasks.Case, answer: tasks.ExpectedAnswer, must_pass: bool, name: str) -> str:
     """Every target is checked before tokenization: clean ones must pass, damaged ones must fail."""
     text = tasks.answer_text(answer)
     if tasks.check(text, tasks.expected_answer(case)).correct != must_pass:

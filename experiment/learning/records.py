@@ -5,7 +5,7 @@ answer, an arm's selected candidate, a checkpoint's pointer, a rank's run result
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, TypedDict
 
 import msgspec
 
@@ -17,6 +17,9 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Step = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+# What a rank's arithmetic depends on (experiment.learning.training.numerical_profile): library versions, device,
+# threads and determinism flags, each a scalar.
+NumericalProfile = dict[str, str | int | bool | None]
 
 
 class StepRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -161,6 +164,20 @@ class NetworkCounters(msgspec.Struct, frozen=True):
     bytes_received: int
 
 
+class Communication(TypedDict, total=False):
+    """How a rank's collectives ran (training.communication_profile): the interface they were pinned to (None: the
+    backend chose), NCCL's version on CUDA, the NCCL_*, TORCH_NCCL_* and GLOO_* variables; a DiLoCo arm's outer
+    synchronization besides (training._synchronization)."""
+
+    interface: str | None
+    nccl: str | None
+    environment: dict[str, str]
+    synchronization: str
+    sync_every: int
+    outer_steps: int
+    outer_allreduce_bytes: int
+
+
 class Result(msgspec.Struct, frozen=True):
     """A rank's finished run (runs/ARM/rank-R/result.json), written once after the plan's last update."""
 
@@ -169,7 +186,7 @@ class Result(msgspec.Struct, frozen=True):
     world_size: int
     binding: str
     prepared_identity: str
-    numerical_profile: dict[str, Any]
+    numerical_profile: NumericalProfile
     parameter_digest: str
     candidate: Pointer
     journal: list[StepRecord]
@@ -180,7 +197,7 @@ class Result(msgspec.Struct, frozen=True):
     peak_memory_bytes: int
     peak_memory_kind: str
     resource_samples: list[ResourceSample]
-    communication: dict[str, Any] = msgspec.field(default_factory=dict)
+    communication: Communication = msgspec.field(default_factory=Communication)
 
 
 class RetentionScore(msgspec.Struct, frozen=True):

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy
@@ -37,7 +36,7 @@ from experiment.learning.corpus import Document, Prepared, load_prepared, seed_s
 from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
 from experiment.learning.events import CompletedEvent
-from experiment.learning.records import NetworkCounters, Pointer, Result, StepRecord
+from experiment.learning.records import Communication, NetworkCounters, NumericalProfile, Pointer, Result, StepRecord
 from experiment.learning.resources import Sampler, network_counters, written_bytes
 from experiment.seed import seedmodel
 
@@ -73,7 +72,7 @@ def learning_rate(plan: Plan, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, list[torch.nn.Parameter] | float]]:
     """Weight decay on tensors with ndim >= 2 only."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
@@ -82,7 +81,7 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     ]
 
 
-def numerical_profile(plan: Plan, device: torch.device) -> dict[str, Any]:
+def numerical_profile(plan: Plan, device: torch.device) -> NumericalProfile:
     """Everything that must match exactly between ranks for their arithmetic to be comparable."""
     return {
         "torch": str(torch.__version__),
@@ -104,7 +103,7 @@ def numerical_profile(plan: Plan, device: torch.device) -> dict[str, Any]:
 SOCKET_INTERFACE = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 
-def communication_profile(device: torch.device, backend: str) -> dict[str, Any]:
+def communication_profile(device: torch.device, backend: str) -> Communication:
     """How a rank's collectives run: the interface they are pinned to (None: the backend chooses), NCCL's version
     on CUDA, and every NCCL_*, TORCH_NCCL_* and GLOO_* variable (NCCL's error handling among them). Recorded beside
     the numerical profile, not in the binding, since an interface's name may differ between hosts."""
@@ -377,7 +376,7 @@ class _Run:
     device: torch.device
     documents: list[Document]
     batches: list[list[int]]
-    profile: dict[str, Any]
+    profile: NumericalProfile
     binding: str
 
     @property
@@ -616,7 +615,7 @@ def _load_outer(run: _Run, pointer: Pointer, outer: OuterState) -> None:
         raise CoopError(problem or f"a peer's checkpoint at step {pointer.step} lacks its outer state; no rank resumes")
 
 
-def _synchronization(run: _Run, trainer: Trainer) -> dict[str, Any]:
+def _synchronization(run: _Run, trainer: Trainer) -> Communication:
     """How the ranks met: a DiLoCo arm's outer steps and the bytes it handed their all-reduce in this attempt."""
     if trainer.outer is None:
         return {}

@@ -3,11 +3,11 @@ Structs, defined once. The HTML page, the figures, the CLI and the coordinator r
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
+from experiment.core.canonical import JsonObject
 from experiment.core.errors import CoopError
+from experiment.learning.records import NumericalProfile
 from experiment.learning.stats import Cell, Paired, Retention, Verdict
 from experiment.report.attempts import TrainingFault
 from experiment.report.localsgd import LocalSgd
@@ -75,7 +75,7 @@ class ArmTraining(msgspec.Struct, frozen=True):
     network_scope: str
     peak_memory_bytes: list[int]
     peak_memory_kind: str
-    numerical_profile: dict[str, Any]
+    numerical_profile: NumericalProfile
     # A gang whose collectives were pinned to a private interface: the bytes each rank sent on it per update,
     # apart from the whole-host counters, and the all-reduce's theory, 2 (N-1)/N x 4 B x parameters.
     private_interface: str | None = None
@@ -146,7 +146,7 @@ class Report(msgspec.Struct, frozen=True):
         return self.primary.comparison, self.primary.verdict
 
 
-def read_report(data: bytes | dict[str, Any]) -> Report:
+def read_report(data: bytes | JsonObject) -> Report:
     """A recorded report (its JSON bytes, or the decoded object the coordinator stores)."""
     if isinstance(data, bytes):
         return msgspec.json.decode(data, type=Report)

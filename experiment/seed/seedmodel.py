@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -17,6 +16,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 from experiment.core.canonical import identity, read_json, sha256_bytes, sha256_file
 from experiment.core.errors import CoopError
+from experiment.core.progress import Emit
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -38,7 +38,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     parameters: int
 
 
-Progress = Callable[[dict[str, object]], None]
+Progress = Emit  # the build's events (experiment.core.progress)
 
 
 # ---------------------------------------------------------------- snapshot, verify, load

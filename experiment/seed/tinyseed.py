@@ -454,8 +454,8 @@ def copied(model: LlamaForCausalLM, rows: list[Row], pad_id: int) -> int:
     return exact
 
 
-def _probe(model: LlamaForCausalLM, probes: dict[str, list[Row]], pad_id: int, step: int) -> dict[str, object]:
-    found: dict[str, object] = {style: copied(model, rows, pad_id) for style, rows in probes.items()}
+def _probe(model: LlamaForCausalLM, probes: dict[str, list[Row]], pad_id: int, step: int) -> dict[str, str | int]:
+    found = {style: copied(model, rows, pad_id) for style, rows in probes.items()}
     return {"event": "copy-probe", "step": step, **found, "of": COPY_PROBES}
 
 

@@ -377,7 +377,7 @@ def build_service(prepared: Prepared, model_dir: Path, replica: str, ignore_eos:
     )
 
 
-async def _serve(app: Litestar, host: str, port: int, emit: Emit, info: dict[str, Any]) -> None:
+async def _serve(app: Litestar, host: str, port: int, emit: Emit, info: dict[str, str | int]) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
@@ -407,7 +407,7 @@ def run(
     service = build_service(prepared, model_dir, replica, ignore_eos)
     reference = None if reference_dir is None else read_reference(reference_dir, prepared.identity)
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    info: dict[str, Any] = {"url": url, "replica": service.replica, "tasks": len(service.items)}
+    info: dict[str, str | int] = {"url": url, "replica": service.replica, "tasks": len(service.items)}
 
     def noted(number: int, frame: object) -> None:
         del number, frame  # uvicorn re-raises the signal it shut down for; it has been handled

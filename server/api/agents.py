@@ -55,7 +55,7 @@ class AgentController(Controller):
             db_session.add(agent)
         else:
             agent.address, agent.private_address = data.address, data.private_address
-            agent.labels, agent.last_seen_at = data.labels, now
+            agent.labels, agent.last_seen_at = dict(data.labels), now
         audit.record(
             db_session,
             principal,

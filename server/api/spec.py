@@ -3,7 +3,8 @@ the largest body it reads, and every refusal it can answer (each a wire.Problem)
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TypedDict
 
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
@@ -49,18 +50,32 @@ def responses(*codes: int) -> dict[int, ResponseSpec]:
     }
 
 
-def read(*, found: bool = True) -> dict[str, Any]:
+class Route(TypedDict, total=False):
+    """What a route decorator (litestar's ``get``, ``post``...) takes from here, as keyword arguments."""
+
+    opt: dict[str, str | tuple[str, ...]]  # the roles that may call it; an agent upload's name
+    responses: dict[int, ResponseSpec]
+    security: list[dict[str, list[str]]]
+    request_max_body_size: int | None
+
+
+def _security(roles: Iterable[str]) -> list[dict[str, list[str]]]:
+    """A bearer token of any one of ``roles``."""
+    return [{role: []} for role in roles]
+
+
+def read(*, found: bool = True) -> Route:
     """A public read (a token of any role when reads are not public); ``found``: it names a row (404)."""
     return {
         "responses": responses(400, 401, *((404,) if found else ())),
-        "security": [{}, *({role: []} for role in ROLES)],
+        "security": [{}, *_security(ROLES)],
     }
 
 
-def private_read(*roles: str) -> dict[str, Any]:
+def private_read(*roles: str) -> Route:
     """A read that needs a token of one of ``roles`` whatever COOP_PUBLIC_READ says (the coordinator's own
     metrics)."""
-    return {"opt": {"role": roles}, "responses": responses(401, 403), "security": [{role: []} for role in roles]}
+    return {"opt": {"role": roles}, "responses": responses(401, 403), "security": _security(roles)}
 
 
 def write(
@@ -70,15 +85,15 @@ def write(
     streams: bool = False,
     found: bool = True,
     upload: str | None = None,
-) -> dict[str, Any]:
+) -> Route:
     """A write by ``role``. ``body`` is its body limit (None: the app-wide limit); a route that ``streams`` its
     body enforces its own limit while it reads. ``upload`` names an agent upload, whose refusals are counted
     (server.prometheus)."""
-    roles = (role,) if isinstance(role, str) else role
-    limit = {"request_max_body_size": None} if streams else {} if body is None else {"request_max_body_size": body}
-    return {
+    route: Route = {
         "opt": {"role": role, **({UPLOAD: upload} if upload else {})},
         "responses": responses(400, 401, 403, 409, 413, *((404,) if found else ())),
-        "security": [{name: []} for name in roles],
-        **limit,
+        "security": _security((role,) if isinstance(role, str) else role),
     }
+    if streams or body is not None:
+        route["request_max_body_size"] = None if streams else body
+    return route

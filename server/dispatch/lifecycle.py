@@ -316,7 +316,7 @@ class TrainedArm:
 
 
 def guard_selection(
-    plan: Plan, arms: Mapping[str, TrainedArm], chosen: Mapping[str, tuple[int, str]], final_step: int
+    plan: Plan, arms: Mapping[str, TrainedArm], chosen: Mapping[str, tuple[int | None, str]], final_step: int
 ) -> None:
     """Selection takes each trained arm's verified final checkpoint: all three, final step only, never a score."""
     trained = plan.trained_arms()

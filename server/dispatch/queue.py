@@ -21,7 +21,7 @@ import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from sqlalchemy import (
     ColumnElement,
@@ -42,6 +42,7 @@ from sqlalchemy.orm import InstrumentedAttribute, aliased
 from uuid_utils.compat import uuid7
 
 from experiment import wire
+from experiment.core.canonical import JsonObject
 from experiment.core.states import JobState
 from server import models
 from server.dispatch import lifecycle, waiters
@@ -452,7 +453,7 @@ async def finish(
     *,
     exit_code: int | None = None,
     reason: str | None = None,
-    result: dict[str, Any] | None = None,
+    result: JsonObject | None = None,
 ) -> Ended:
     """End an attempt as its agent (or the coordinator) reports; the caller checked ownership (``owned_attempt``)
     and the result (its job kind's, untagged)."""

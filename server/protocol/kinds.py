@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core import layout
+from experiment.core.canonical import JsonObject
 from experiment.core.states import JobState
 from server import models
 from server.access import secret
@@ -291,7 +292,7 @@ def hand_out(settings: Settings, assignment: wire.Assignment) -> wire.Assignment
 
 async def record_result(
     session: AsyncSession, settings: Settings, job: models.Job, attempt: models.Attempt, body: wire.AttemptResult
-) -> dict[str, Any]:
+) -> JsonObject:
     """Check an attempt's result against its job's kind and keep what it measured and produced; returns the result
     as the attempt row keeps it (untagged, empty unless it succeeded)."""
     kind = of(job.kind)

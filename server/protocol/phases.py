@@ -243,7 +243,7 @@ async def _take(
     if document.kind != "serving":
         return f"{document.kind} committed"
     served = document.body
-    return f"serving committed: the {served['arm']} final checkpoint {served['model_identity'][:12]}"
+    return f"serving committed: the {served['arm']} final checkpoint {str(served['model_identity'])[:12]}"
 
 
 async def _enter(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> Standing:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.canonical import JsonObject
 from server import models
 from server.dispatch import queue
 from server.dispatch.queue import Ended
@@ -43,7 +43,7 @@ async def finish(
     *,
     exit_code: int | None = None,
     reason: str | None = None,
-    result: dict[str, Any] | None = None,
+    result: JsonObject | None = None,
 ) -> None:
     """End an attempt as its agent (or the coordinator's report loop) reports it."""
     ended = await queue.finish(session, job, attempt, outcome, exit_code=exit_code, reason=reason, result=result)

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from sqlalchemy import select
@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core import layout
-from experiment.core.canonical import canonical_bytes, identity, sha256_bytes
+from experiment.core.canonical import JsonObject, canonical_bytes, identity, sha256_bytes
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged, seed_identity
 from experiment.core.states import ExperimentState
@@ -39,9 +39,6 @@ from server.store import blobstore, commitments, evidencefiles
 
 E = ExperimentState
 R = TypeVar("R", bound=wire.Tagged)
-# experiment.learning.records.Candidate's fields, every one present (null where unknown): the committed document is
-# then exactly what experiment.learning.selection writes and reads, so both compute the same selection identity.
-CANDIDATE_FIELDS = wire.Candidate.__struct_fields__
 
 
 # The state each commitment lets the experiment enter (phases enters it once the ledger holds the commitment).
@@ -61,7 +58,7 @@ class Document:
 
     kind: str
     identity: str
-    body: dict[str, Any]
+    body: JsonObject
     file: tuple[str, bytes] | None = None
 
 
@@ -148,16 +145,16 @@ async def commit(session: AsyncSession, settings: Settings, experiment: models.E
 
 async def commit_plan(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
     """Commit the plan (phases.commit queues the prepare job with it)."""
-    body = {"name": experiment.name, "plan": experiment.plan}
+    body: JsonObject = {"name": experiment.name, "plan": experiment.plan}
     await commit(session, settings, experiment, Document("plan", experiment.plan_identity, body))
 
 
-async def results_of(session: AsyncSession, job: models.Job) -> list[dict[str, Any]]:
+async def results_of(session: AsyncSession, job: models.Job) -> list[JsonObject]:
     """The results of the job's current attempt generation, by rank, as the wire carries them (untagged)."""
     return [row.result or {} for row in await queue.generation(session, job)]
 
 
-def decoded(results: list[dict[str, Any]], kind: type[R], job: models.Job) -> list[R]:
+def decoded(results: list[JsonObject], kind: type[R], job: models.Job) -> list[R]:
     """Stored results as their kind's type (each was checked when its attempt reported it)."""
     try:
         return [wire.decode(result, kind) for result in results]
@@ -173,7 +170,7 @@ async def record_prepared(
     done: list[wire.PrepareResult],
 ) -> None:
     """Commit the prepared identity the prepare job computed."""
-    body = {"plan_identity": experiment.plan_identity}
+    body: JsonObject = {"plan_identity": experiment.plan_identity}
     await commit(session, settings, experiment, Document("prepared", done[0].prepared_identity, body))
 
 
@@ -206,8 +203,8 @@ async def record_training(
 async def tested(session: AsyncSession, plan: Plan, evaluations: list[models.Job]) -> Document:
     """The commitment of the test evaluations of every arm (phases.progress names them: its stage's, all
     succeeded)."""
-    by_arm = {job.arm or "": await results_of(session, job) for job in evaluations}
-    body = {"arms": {arm: by_arm[arm] for arm in plan.arm_names()}}
+    by_arm: JsonObject = {job.arm or "": list(await results_of(session, job)) for job in evaluations}
+    body: JsonObject = {"arms": {arm: by_arm[arm] for arm in plan.arm_names()}}
     return Document("tested", identity(body), body)
 
 
@@ -216,13 +213,13 @@ async def verified_selection(
 ) -> Document:
     """The selection of the final checkpoints every trained arm's host verified (phases.progress names the select
     jobs: its stage's, all succeeded)."""
-    candidates: dict[str, dict[str, Any]] = {}
+    candidates: dict[str, wire.Candidate] = {}
     for job in selections:
         arm = job.arm or ""
         (result,) = decoded((await results_of(session, job))[:1], wire.SelectResult, job)
         if result.candidate.arm != arm:
             raise Refused("select-result-arm", f"select job {job.id} verified {result.candidate.arm}, not {arm}")
-        candidates[arm] = msgspec.to_builtins(result.candidate)
+        candidates[arm] = result.candidate
     return await selection(session, experiment, plan, candidates)
 
 
@@ -233,38 +230,36 @@ async def select_checkpoints(
     experiment_target(experiment.state, E.SELECTED)  # before the picks are checked against the arms
     arms = await arms_of(session, experiment.id)
     candidates = {
-        name: {
-            "arm": name,
-            "model_identity": pick.model_identity,
-            "step": pick.step,
-            "path": arms[name].checkpoint_path if name in arms else None,
-            "binding": arms[name].binding if name in arms else None,
-            "receipt_sha256": arms[name].receipt_sha256 if name in arms else None,
-        }
+        name: wire.Candidate(
+            arm=name,
+            model_identity=pick.model_identity,
+            step=pick.step,
+            path=arms[name].checkpoint_path if name in arms else None,
+            binding=arms[name].binding if name in arms else None,
+            receipt_sha256=arms[name].receipt_sha256 if name in arms else None,
+        )
         for name, pick in body.arms.items()
     }
     await commit(session, settings, experiment, await selection(session, experiment, plan_of(experiment), candidates))
 
 
 async def selection(
-    session: AsyncSession, experiment: models.Experiment, plan: Plan, candidates: dict[str, dict[str, Any]]
+    session: AsyncSession, experiment: models.Experiment, plan: Plan, candidates: dict[str, wire.Candidate]
 ) -> Document:
     """The selection document (experiment.learning.selection.Selection, the seed included), kept as the bundle's
     selection.json: its identity is the one test evaluations and the report check."""
     arms = await arms_of(session, experiment.id)
     recorded = {name: TrainedArm(name, arm.final_step, arm.model_identity) for name, arm in arms.items()}
-    chosen = {name: (int(pick["step"]), str(pick["model_identity"])) for name, pick in candidates.items()}
+    chosen = {name: (pick.step, pick.model_identity) for name, pick in candidates.items()}
     guard_selection(plan, recorded, chosen, plan.training.updates)
     baseline = plan.arm("baseline")
-    document = {
+    seed = wire.Candidate(arm=baseline, model_identity=seed_identity(plan))
+    # Every field of each candidate, null where unknown: the document is exactly what experiment.learning.selection
+    # writes and reads, so both compute the same selection identity.
+    document: JsonObject = {
         "plan_identity": experiment.plan_identity,
         "prepared_identity": experiment.prepared_identity,
-        "arms": {
-            name: {field: pick.get(field) for field in CANDIDATE_FIELDS}
-            for name, pick in (
-                {baseline: {"arm": baseline, "model_identity": seed_identity(plan)}} | candidates
-            ).items()
-        },
+        "arms": {name: msgspec.to_builtins(pick) for name, pick in ({baseline: seed} | candidates).items()},
     }
     data = canonical_bytes(document) + b"\n"
     return Document("selection", identity(document), document, (layout.SELECTION, data))
@@ -285,7 +280,7 @@ async def serving(
     selected = (await commitments.by_kind(session, experiment.id)).get("selection")
     chosen = {} if selected is None else selected.body
     guard_serving(plan, body.arm, body.model_identity, chosen.get("arms", {}))
-    document = {
+    document: JsonObject = {
         "arm": body.arm,
         "model_identity": body.model_identity,
         "selection_identity": experiment.selection_identity,
@@ -293,7 +288,7 @@ async def serving(
     return Document("serving", identity(document), document)
 
 
-async def store_report(session: AsyncSession, settings: Settings, report: dict[str, Any]) -> str:
+async def store_report(session: AsyncSession, settings: Settings, report: JsonObject) -> str:
     """Keep the report the coordinator computed (server.reporter) as a blob of its canonical bytes, so that the
     blob's name is the report identity; returns that identity."""
     return await _stored(session, settings, canonical_bytes(report))
@@ -318,7 +313,7 @@ async def record_report(
 
 
 async def store_and_commit_report(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, report: dict[str, Any]
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, report: JsonObject
 ) -> str:
     """Store and commit a report at once; returns its identity. Nothing but the coordinator's report job records
     a report (tests use this to stand for one)."""

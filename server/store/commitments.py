@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core import ledger
+from experiment.core.canonical import JsonObject
 from server import failpoints, models
 from server.dispatch.lifecycle import Ledger
 
@@ -36,7 +36,7 @@ async def committed(session: AsyncSession, experiment_id: uuid.UUID) -> Ledger:
 
 
 async def append(
-    session: AsyncSession, experiment_id: uuid.UUID, kind: str, identity: str, body: dict[str, Any]
+    session: AsyncSession, experiment_id: uuid.UUID, kind: str, identity: str, body: JsonObject
 ) -> ledger.Entry:
     """Link a new entry to the last one; the (experiment, seq) unique key refuses a concurrent fork."""
     last = await session.scalar(

@@ -6,13 +6,13 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.canonical import JsonObject
 from server import models
 from server.httperrors import BadRequest
 from server.store import cursors
@@ -43,8 +43,8 @@ def _row(attempt: models.Attempt, event: wire.Event, received: datetime.datetime
     return None
 
 
-def _builtins(value: wire.StepRecord | wire.ResourceSample) -> dict[str, Any]:
-    built: dict[str, Any] = msgspec.to_builtins(value)
+def _builtins(value: wire.StepRecord | wire.ResourceSample) -> JsonObject:
+    built: JsonObject = msgspec.to_builtins(value)
     return built
 
 
@@ -76,7 +76,7 @@ async def record_result(
 ) -> None:
     """The result's journal and samples: those the events carried must be the same, the others are recorded now."""
     recorded = await _recorded(session, attempt)
-    carried: list[tuple[str, int, int | None, dict[str, Any]]] = [
+    carried: list[tuple[str, int, int | None, JsonObject]] = [
         ("step", entry.step, entry.step, _builtins(entry)) for entry in sorted(journal, key=lambda e: e.step)
     ]
     carried += [("resources", index, None, _builtins(sample)) for index, sample in enumerate(samples)]

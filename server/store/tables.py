@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from experiment import wire
 
@@ -45,7 +44,7 @@ SAMPLE_COLUMNS = (
 MEASUREMENT_COLUMNS = ("attempt_id", "number", "rank", "kind", "step", "index", "at", *STEP_COLUMNS, *SAMPLE_COLUMNS)
 
 
-def _lines(columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> Iterator[str]:
+def _lines(columns: Sequence[str], rows: Iterable[Mapping[str, object]]) -> Iterator[str]:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
@@ -85,8 +84,8 @@ def answers(items: Iterable[wire.RecordedAnswer]) -> Iterator[str]:
     )
 
 
-def _measurement(item: wire.Measurement) -> dict[str, Any]:
-    row: dict[str, Any] = {
+def _measurement(item: wire.Measurement) -> dict[str, object]:
+    row: dict[str, object] = {
         "attempt_id": item.attempt_id,
         "number": item.number,
         "rank": item.rank,

@@ -37,8 +37,8 @@ async def record(session: AsyncSession, experiment_id: uuid.UUID) -> bytes:
     for event in events:
         assert event.attempt_id is not None
         body = event.body if isinstance(event.body, dict) else {}
-        if event.kind == "started" and isinstance(body.get("resumed_from_step"), int):
-            started[event.attempt_id] = body["resumed_from_step"]
+        if event.kind == "started" and isinstance(resumed := body.get("resumed_from_step"), int):
+            started[event.attempt_id] = resumed
         elif event.kind == "step" and isinstance(step := body.get("step"), int):
             seconds = body.get("seconds")
             if isinstance(seconds, int | float):

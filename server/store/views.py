@@ -3,7 +3,8 @@ attributes (msgspec checks every field against the wire's type); an agent's free
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 import msgspec
 
@@ -38,7 +39,7 @@ def event(row: models.Event) -> wire.RecordedEvent:
 
 
 def agent(row: models.Agent) -> wire.Agent:
-    labels: dict[str, Any] = row.labels
+    labels: Mapping[str, object] = row.labels
     return wire.Agent(
         id=row.id,
         name=row.name,

@@ -6,14 +6,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import get_args
 
 import msgspec
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.core import layout
+from experiment.core import layout, tasks
 from server import models
 from server.httperrors import NotFound
 from server.settings import Settings
@@ -119,7 +119,7 @@ class PreparedTask(msgspec.Struct, frozen=True):
 
     id: str
     prompt: str
-    expected: dict[str, Any]
+    expected: tasks.ExpectedAnswer
 
 
 # The prepared role files in the evidence bundle (experiment.learning.corpus.ROLE_FILES under prepared/); importing

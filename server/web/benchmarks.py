@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from experiment import wire
+from experiment.core.canonical import JsonObject
 from experiment.report.figures import Span
 from experiment.serving.servingrecord import PHASES, Attempt, PhaseResult
 from server.web import charts
@@ -104,7 +105,7 @@ class Serving:
     tried: list[Tried]
 
 
-def _decode(report: dict[str, Any]) -> tuple[PhaseResult | None, str | None]:
+def _decode(report: JsonObject) -> tuple[PhaseResult | None, str | None]:
     try:
         return msgspec.convert(report, type=PhaseResult), None
     except msgspec.ValidationError as exc:

@@ -34,4 +34,4 @@ def page(request: WebRequest, exc: Exception) -> Response[Any]:
     else:
         status = next((code for kind, code in _STATUS if isinstance(exc, kind)), 400)
         detail = str(exc)
-    return render.page(request, "error.html", status_code=status, status=status, detail=detail)
+    return render.page(request, "error.html", status, status=status, detail=detail)

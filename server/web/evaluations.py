@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, get_args
+from typing import Annotated, get_args
 from urllib.parse import urlencode
 
 from litestar import Controller, get
@@ -115,7 +115,7 @@ class EvaluationPages(Controller):
         )
         first = found[0].answer
         task = await answers.prepared_task(db_session, settings, experiment_id, role, first.index, task_id)
-        page: dict[str, Any] = {"role": role, "first": first, "given": found, "task": task}
+        page: dict[str, object] = {"role": role, "first": first, "given": found, "task": task}
         return render.page(request, "task.html", tab="evaluations", experiment=experiment, **page)
 
     @get("/answers/{arm:str}/{role:str}/{task_id:str}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import anyio.to_thread
 from litestar import Controller, Response, get, post
@@ -52,7 +51,7 @@ async def _work(db_session: AsyncSession, experiment_id: uuid.UUID) -> _Work:
     )
 
 
-def _queue(work: _Work) -> dict[str, Any]:
+def _queue(work: _Work) -> dict[str, object]:
     """The queue's rows, polled every two seconds."""
     rows = jobrows.rows(work.jobs, work.attempts, work.changes, render.now())
     return {
@@ -62,14 +61,14 @@ def _queue(work: _Work) -> dict[str, Any]:
     }
 
 
-async def _timeline(work: _Work) -> dict[str, Any]:
+async def _timeline(work: _Work) -> dict[str, object]:
     """Every attempt on each host as a figure: polled less often than the queue, and drawn in a worker thread, since
     a figure takes a while to draw and would hold up every other request (an unchanged one comes from the cache)."""
     drawn = await anyio.to_thread.run_sync(jobrows.timeline, work.jobs, work.attempts, work.changes, render.now())
     return {"experiment": work.experiment, "timeline": drawn, "every": TIMELINE_SECONDS}
 
 
-async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUID | None) -> dict[str, Any]:
+async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUID | None) -> dict[str, object]:
     job = await queries.job(db_session, job_id)
     attempts = await queries.attempts(db_session, job_id)
     # The attempt whose log is shown: the one asked for, else the newest.

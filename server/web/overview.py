@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from litestar import Controller, get, post
@@ -51,7 +50,7 @@ IRREVERSIBLE = {
 }
 
 
-async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
+async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     changes = await queries.timeline(db_session, experiment_id)
     return {

@@ -9,11 +9,11 @@ import statistics
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment.core.canonical import Json, JsonObject
 from experiment.core.plan import ArmPlan
 from server import models
 from server.protocol import recording
@@ -59,11 +59,22 @@ class ArmProgress:
     outer_steps: int | None  # DiLoCo's outer steps so far (rank 0's updates // H)
 
 
-def _step(body: dict[str, Any], at: datetime.datetime, key: str) -> Step | None:
+def _scalar(value: Json) -> str | int | float:
+    """A number (or a number's text) of an event's body; TypeError for null, a list or an object."""
+    if value is None or isinstance(value, list | dict):
+        raise TypeError(f"{value!r} is not a number")
+    return value
+
+
+def _step(body: JsonObject, at: datetime.datetime, key: str) -> Step | None:
     try:
         written = body.get("written_bytes")
         return Step(
-            int(body[key]), float(body["loss"]), float(body["seconds"]), at, None if written is None else int(written)
+            int(_scalar(body[key])),
+            float(_scalar(body["loss"])),
+            float(_scalar(body["seconds"])),
+            at,
+            None if written is None else int(_scalar(written)),
         )
     except (KeyError, TypeError, ValueError):
         return None  # an event from another command version: progress shows what it can

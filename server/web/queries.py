@@ -6,12 +6,12 @@ import datetime
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from experiment.core.canonical import JsonObject
 from server import models
 from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
 from server.httperrors import NotFound
@@ -185,12 +185,12 @@ class LogLine:
         return f"{render.stamp(self.at)} {self.kind:<10} {self.text}"
 
 
-def _fields(body: dict[str, Any]) -> str:
+def _fields(body: JsonObject) -> str:
     return msgspec.json.encode({k: v for k, v in body.items() if k != "event"}).decode()
 
 
 # How the log shows an event, by its kind: a line the command printed, a state change, else its fields.
-_LINES: dict[str, Callable[[dict[str, Any]], str]] = {
+_LINES: dict[str, Callable[[JsonObject], str]] = {
     "output": lambda body: str(body.get("line", "")),
     "state": lambda body: f"{body.get('from')} -> {body.get('to')}: {body.get('reason')}",
 }

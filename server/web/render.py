@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Any
 
 import jinja2
 from litestar.plugins.jinja import JinjaTemplateEngine
@@ -80,8 +79,9 @@ def template_config() -> TemplateConfig[JinjaTemplateEngine]:
     return TemplateConfig(instance=JinjaTemplateEngine.from_environment(_environment()))
 
 
-def page(request: WebRequest, name: str, status_code: int = 200, **context: Any) -> Template:
-    """A whole page; it shows who is signed in and, once, the notice an action left."""
+def page(request: WebRequest, name: str, status_code: int = 200, /, **context: object) -> Template:
+    """A whole page; it shows who is signed in and, once, the notice an action left. ``context``: the values the
+    template reads."""
     viewer = gate.viewer(request)
     notice = gate.take_notice(request) if viewer is not None else None
     return Template(
@@ -92,6 +92,6 @@ def page(request: WebRequest, name: str, status_code: int = 200, **context: Any)
     )
 
 
-def fragment(request: WebRequest, name: str, **context: Any) -> Template:
+def fragment(request: WebRequest, name: str, **context: object) -> Template:
     """A part of a page that htmx polls; pages include the same template, so they work without JavaScript."""
     return Template(template_name=name, context={"viewer": gate.viewer(request), **context})

@@ -4,7 +4,6 @@ redrawn while the experiment runs, since samples arrive as an attempt runs."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import anyio.to_thread
 from litestar import Controller, get
@@ -21,7 +20,7 @@ from server.web.gate import WebRequest
 POLL_SECONDS = 10  # the figures are redrawn for every new sample: less often than the text parts
 
 
-async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
+async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     found = await samples.sampled(db_session, experiment_id)
     # Drawing the figures is CPU work that would hold up every other request.

@@ -45,7 +45,7 @@ class SignInPages(Controller):
                 "That is not an operator or a reader token, or it was revoked. "
                 "Create one with coop-server token create."
             )
-            return render.page(request, "login.html", status_code=401, next=_local(data.next), problem=problem)
+            return render.page(request, "login.html", 401, next=_local(data.next), problem=problem)
         gate.sign_in(request, principal)
         audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")
         await db_session.commit()

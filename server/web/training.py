@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from litestar import Controller, get
 from litestar.di import NamedDependency
@@ -17,7 +16,7 @@ from server.web import charts, progress, render
 from server.web.gate import WebRequest
 
 
-async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, Any]:
+async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     arms = await progress.training(db_session, experiment)
     return {
