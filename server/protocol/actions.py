@@ -13,6 +13,7 @@ from server.access.tokens import Principal
 from server.dispatch.lifecycle import Refused
 from server.protocol import kinds, phases, reactions, recording
 from server.settings import Settings
+from server.store import views
 
 
 def _target(experiment: models.Experiment) -> str:
@@ -59,7 +60,7 @@ async def select(
 async def serve(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.ServingCreate
 ) -> None:
-    document = await recording.serving(session, experiment, recording.plan_of(experiment), body)
+    document = await recording.serving(session, experiment, views.plan_of(experiment), body)
     await recording.commit(session, settings, experiment, document)
     audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
     await phases.progress(session, settings, experiment)
@@ -82,7 +83,7 @@ def halt(session: AsyncSession, who: Principal, experiment: models.Experiment) -
 async def queue_job(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.JobCreate
 ) -> models.Job:
-    job = await kinds.enqueue(session, settings, experiment, kinds.order_of(body))
+    job = await phases.queue(session, settings, experiment, kinds.order_of(body))
     audit.record(session, who, "job.queue", f"job:{job.id}", kind=body.kind, arm=body.arm, role=body.role)
     await phases.progress(session, settings, experiment)
     return job
@@ -92,11 +93,11 @@ async def stop_replica(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, rank: int
 ) -> models.Job:
     """Queue a replica-stop job on the host of the served arm's rank ``rank``."""
-    plan = recording.plan_of(experiment)
+    plan = views.plan_of(experiment)
     if not plan.serves():
         raise Refused("serving-not-planned", f"plan {plan.name} serves no arm")
     order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=plan.served_arm(), spec={"rank": rank}))
-    job = await kinds.enqueue(session, settings, experiment, order)
+    job = await phases.queue(session, settings, experiment, order)
     audit.record(session, who, "replica.stop", f"job:{job.id}", rank=rank)
     return job
 

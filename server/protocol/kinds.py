@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from experiment.core import layout
 from experiment.core.canonical import JsonObject
+from experiment.core.plan import Plan
 from experiment.core.states import JobState
 from server import models
 from server.access import secret
@@ -26,7 +27,7 @@ from server.dispatch.lifecycle import Refused
 from server.httperrors import BadRequest
 from server.protocol import recording, replicas
 from server.settings import Settings
-from server.store import commitments, listings
+from server.store import listings, views
 
 S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
 R = TypeVar("R", bound=wire.Tagged)  # a kind's result
@@ -55,12 +56,12 @@ async def _anywhere(session: AsyncSession, experiment: models.Experiment, arm: s
 
 async def _as_gang(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
     """A train job has one rank per member of its arm's gang."""
-    return Placement(spec, world_size=recording.plan_of(experiment).world_size(str(arm)))
+    return Placement(spec, world_size=views.plan_of(experiment).world_size(str(arm)))
 
 
 async def _on_holder(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
     """Evaluations and selection of a trained arm need its checkpoint: they run on the host holding it."""
-    if arm is None or recording.plan_of(experiment).role_of(arm) == "baseline":
+    if arm is None or views.plan_of(experiment).role_of(arm) == "baseline":
         return Placement(spec)
     return Placement(spec, pinned=(await recording.arms_of(session, experiment.id))[arm].holder_agent_id)
 
@@ -253,11 +254,16 @@ def order_of(body: wire.JobCreate) -> Order:
     return Order(spec, body.arm, body.role)
 
 
-async def enqueue(session: AsyncSession, settings: Settings, experiment: models.Experiment, order: Order) -> models.Job:
-    """Queue a job the protocol allows now, where it must run."""
+async def enqueue(
+    session: AsyncSession,
+    settings: Settings,
+    experiment: models.Experiment,
+    order: Order,
+    plan: Plan,
+    ledger: lifecycle.Ledger,
+) -> models.Job:
+    """Queue a job the protocol allows now (the experiment's plan and ledger say), where it must run."""
     kind = of(order.kind)
-    ledger = await commitments.committed(session, experiment.id)
-    plan = recording.plan_of(experiment)
     proposal = lifecycle.Proposal(order.kind, experiment.state, ledger, plan, order.arm, order.role)
     lifecycle.guard_job(proposal, needs_arm=kind.needs_arm)
     kind.guard(proposal)

@@ -38,7 +38,6 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.core.ledger import Entry
 from experiment.core.plan import Plan
 from experiment.core.states import ExperimentState, JobState
 from experiment.serving.servingrecord import PHASES
@@ -47,6 +46,7 @@ from server.dispatch.lifecycle import (
     EXPERIMENT_FINAL,
     EXPERIMENT_TRANSITIONS,
     JOB_ACTIVE,
+    Ledger,
     Refused,
     move_experiment,
     report_follows,
@@ -55,7 +55,7 @@ from server.dispatch.lifecycle import (
 from server.protocol import kinds, recording
 from server.protocol.kinds import Order
 from server.settings import Settings
-from server.store import commitments
+from server.store import commitments, views
 
 E = ExperimentState
 J = JobState
@@ -119,7 +119,7 @@ class Standing:
     state: ExperimentState
     plan: Plan
     jobs: list[models.Job]
-    ledger: dict[str, Entry]
+    ledger: Ledger
 
     def busy(self) -> list[models.Job]:
         return [job for job in self.jobs if job.state in {J.QUEUED, *JOB_ACTIVE}]
@@ -141,8 +141,8 @@ class Standing:
 
 async def standing_of(session: AsyncSession, experiment: models.Experiment) -> Standing:
     jobs = await jobs_of(session, experiment.id)
-    ledger = await commitments.by_kind(session, experiment.id)
-    return Standing(experiment.state, recording.plan_of(experiment), jobs, ledger)
+    ledger = await commitments.committed(session, experiment.id)
+    return Standing(experiment.state, views.plan_of(experiment), jobs, ledger)
 
 
 # The steps that move an experiment, each decided from its standing alone.
@@ -192,12 +192,12 @@ def entered(standing: Standing) -> Step | None:
     if state == E.TRAINING:
         done = standing.succeeded(orders) is not None
         return Enter(E.TRAINED, "every arm has a verified final checkpoint") if done else None
-    if state in MADE_BY_JOBS and MADE_BY_JOBS[state][0] not in standing.ledger:
+    if state in MADE_BY_JOBS and not standing.ledger.has(MADE_BY_JOBS[state][0]):
         commitment, kind, role = MADE_BY_JOBS[state]
         made = standing.succeeded([order for order in orders if order.kind == kind and order.role == role])
         return None if made is None else Commit(commitment, made)
     for target in sorted(EXPERIMENT_TRANSITIONS[state]):
-        if COMMITTED_BY.get(target) in standing.ledger:
+        if target in COMMITTED_BY and standing.ledger.has(COMMITTED_BY[target]):
             return Enter(target, ENTERED_BECAUSE[target])
     return None
 
@@ -223,15 +223,16 @@ def driven(standing: Standing, *, retry: bool) -> Step | Wait:
 
 
 async def _take(
-    session: AsyncSession, settings: Settings, experiment: models.Experiment, plan: Plan, step: Step
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, standing: Standing, step: Step
 ) -> str:
-    """Take one step; what was done, in words."""
+    """Take one step from where the experiment stands; what was done, in words."""
+    plan = standing.plan
     if isinstance(step, Enter):
         move_experiment(session, experiment, step.state, step.reason)
         return f"{step.state}: {step.reason}"
     if isinstance(step, Queue):
         for order in step.orders:
-            await kinds.enqueue(session, settings, experiment, order)
+            await kinds.enqueue(session, settings, experiment, order, plan, standing.ledger)
         return "queued " + ", ".join(str(order) for order in step.orders)
     if step.kind == "selection":
         document = await recording.verified_selection(session, experiment, plan, step.jobs)
@@ -249,7 +250,7 @@ async def _take(
 async def _enter(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> Standing:
     """Enter each state whose phase is complete; the standing reached."""
     while (step := entered(standing := await standing_of(session, experiment))) is not None:
-        await _take(session, settings, experiment, standing.plan, step)
+        await _take(session, settings, experiment, standing, step)
     return standing
 
 
@@ -260,7 +261,7 @@ async def progress(session: AsyncSession, settings: Settings, experiment: models
     done = []
     standing = await _enter(session, settings, experiment)
     while experiment.autopilot and not isinstance(step := driven(standing, retry=False), Wait):
-        done.append(await _take(session, settings, experiment, standing.plan, step))
+        done.append(await _take(session, settings, experiment, standing, step))
         standing = await _enter(session, settings, experiment)
     return "; ".join(done) or None
 
@@ -277,7 +278,7 @@ async def commit(session: AsyncSession, settings: Settings, experiment: models.E
     """Commit a draft's plan and queue its first job."""
     await recording.commit_plan(session, settings, experiment)
     standing = await _enter(session, settings, experiment)
-    await _take(session, settings, experiment, standing.plan, Queue([Order(wire.PrepareSpec())]))
+    await _take(session, settings, experiment, standing, Queue([Order(wire.PrepareSpec())]))
 
 
 def halt(session: AsyncSession, experiment: models.Experiment, reason: str) -> None:
@@ -295,7 +296,7 @@ async def advance(session: AsyncSession, settings: Settings, experiment: models.
     step = driven(standing, retry=True)
     if isinstance(step, Wait):
         raise Refused(step.rule, step.detail)
-    done = await _take(session, settings, experiment, standing.plan, step)
+    done = await _take(session, settings, experiment, standing, step)
     await progress(session, settings, experiment)
     return done
 
@@ -317,7 +318,13 @@ async def request_report(session: AsyncSession, settings: Settings, experiment: 
     if missing != [REPORT]:
         waiting = ", ".join(str(order) for order in missing)
         raise Refused("report-not-ready", f"the report is computed after {after}; it still needs {waiting}")
-    return await kinds.enqueue(session, settings, experiment, REPORT)
+    return await kinds.enqueue(session, settings, experiment, REPORT, standing.plan, standing.ledger)
+
+
+async def queue(session: AsyncSession, settings: Settings, experiment: models.Experiment, order: Order) -> models.Job:
+    """Queue one job the protocol allows where the experiment stands now (an operator's job, a replica stop)."""
+    standing = await standing_of(session, experiment)
+    return await kinds.enqueue(session, settings, experiment, order, standing.plan, standing.ledger)
 
 
 def set_autopilot(experiment: models.Experiment, on: bool) -> None:

@@ -81,4 +81,4 @@ async def printed(session: AsyncSession, settings: Settings, job: models.Job, na
     experiment = await recording.load(session, job.experiment_id, lock=True)
     order = await kinds.printed(session, job, names)
     if order is not None:
-        await kinds.enqueue(session, settings, experiment, order)
+        await phases.queue(session, settings, experiment, order)

@@ -35,7 +35,7 @@ from server.dispatch.lifecycle import (
 )
 from server.httperrors import NotFound
 from server.settings import Settings
-from server.store import blobstore, commitments, evidencefiles
+from server.store import blobstore, commitments, evidencefiles, views
 
 E = ExperimentState
 R = TypeVar("R", bound=wire.Tagged)
@@ -54,26 +54,13 @@ ENTERS: dict[str, ExperimentState] = {
 
 @dataclass(frozen=True)
 class Document:
-    """A commitment to append: its kind, identity and body, and the bundle file kept with it, if any."""
+    """A commitment to append: its kind and body, its identity where that is not the body's own (the plan's, the
+    prepared inputs', the report blob's), and the bundle file that keeps the body's canonical bytes, if any."""
 
     kind: str
-    identity: str
     body: JsonObject
-    file: tuple[str, bytes] | None = None
-
-
-_PLANS: dict[str, Plan] = {}
-_PLANS_KEPT = 256
-
-
-def plan_of(experiment: models.Experiment) -> Plan:
-    """The experiment's frozen plan, decoded once per plan identity (a committed plan never changes)."""
-    plan = _PLANS.get(experiment.plan_identity)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_KEPT:
-            _PLANS.clear()
-        plan = _PLANS[experiment.plan_identity] = msgspec.convert(experiment.plan, type=Plan)
-    return plan
+    identity: str | None = None
+    file: str | None = None
 
 
 async def load(session: AsyncSession, experiment_id: uuid.UUID, *, lock: bool = False) -> models.Experiment:
@@ -133,20 +120,21 @@ async def commit(session: AsyncSession, settings: Settings, experiment: models.E
     """Append a commitment to the experiment's ledger, with the bundle file it keeps; refused unless the state the
     commitment lets the experiment enter may come next."""
     experiment_target(experiment.state, ENTERS[document.kind])
+    committed = identity(document.body) if document.identity is None else document.identity
     if document.file is not None:
-        name, data = document.file
-        await evidencefiles.attach(session, experiment.id, {name: await _stored(session, settings, data)})
-    await commitments.append(session, experiment.id, document.kind, document.identity, document.body)
+        data = canonical_bytes(document.body) + b"\n"
+        await evidencefiles.attach(session, experiment.id, {document.file: await _stored(session, settings, data)})
+    await commitments.append(session, experiment.id, document.kind, committed, document.body)
     if document.kind == "prepared":
-        experiment.prepared_identity = document.identity
+        experiment.prepared_identity = committed
     if document.kind == "selection":
-        experiment.selection_identity = document.identity
+        experiment.selection_identity = committed
 
 
 async def commit_plan(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
     """Commit the plan (phases.commit queues the prepare job with it)."""
     body: JsonObject = {"name": experiment.name, "plan": experiment.plan}
-    await commit(session, settings, experiment, Document("plan", experiment.plan_identity, body))
+    await commit(session, settings, experiment, Document("plan", body, experiment.plan_identity))
 
 
 async def results_of(session: AsyncSession, job: models.Job) -> list[JsonObject]:
@@ -171,7 +159,7 @@ async def record_prepared(
 ) -> None:
     """Commit the prepared identity the prepare job computed."""
     body: JsonObject = {"plan_identity": experiment.plan_identity}
-    await commit(session, settings, experiment, Document("prepared", done[0].prepared_identity, body))
+    await commit(session, settings, experiment, Document("prepared", body, done[0].prepared_identity))
 
 
 async def record_training(
@@ -186,7 +174,7 @@ async def record_training(
     if len({(t.step, t.model_identity) for t in trained}) != 1:
         raise Refused("ranks-must-agree", f"the ranks of train job {job.id} report different final checkpoints")
     final = trained[0]
-    if not final.final or final.step != plan_of(experiment).training.updates:
+    if not final.final or final.step != views.plan_of(experiment).training.updates:
         raise Refused("train-result-final-checkpoint", f"train job {job.id} did not report the final checkpoint")
     arms = await arms_of(session, experiment.id)
     arm = arms[job.arm or ""]
@@ -205,7 +193,7 @@ async def tested(session: AsyncSession, plan: Plan, evaluations: list[models.Job
     succeeded)."""
     by_arm: JsonObject = {job.arm or "": list(await results_of(session, job)) for job in evaluations}
     body: JsonObject = {"arms": {arm: by_arm[arm] for arm in plan.arm_names()}}
-    return Document("tested", identity(body), body)
+    return Document("tested", body)
 
 
 async def verified_selection(
@@ -240,7 +228,9 @@ async def select_checkpoints(
         )
         for name, pick in body.arms.items()
     }
-    await commit(session, settings, experiment, await selection(session, experiment, plan_of(experiment), candidates))
+    await commit(
+        session, settings, experiment, await selection(session, experiment, views.plan_of(experiment), candidates)
+    )
 
 
 async def selection(
@@ -261,8 +251,7 @@ async def selection(
         "prepared_identity": experiment.prepared_identity,
         "arms": {name: msgspec.to_builtins(pick) for name, pick in ({baseline: seed} | candidates).items()},
     }
-    data = canonical_bytes(document) + b"\n"
-    return Document("selection", identity(document), document, (layout.SELECTION, data))
+    return Document("selection", document, file=layout.SELECTION)
 
 
 async def final_serving(session: AsyncSession, experiment: models.Experiment, plan: Plan) -> Document:
@@ -285,7 +274,7 @@ async def serving(
         "model_identity": body.model_identity,
         "selection_identity": experiment.selection_identity,
     }
-    return Document("serving", identity(document), document)
+    return Document("serving", document)
 
 
 async def store_report(session: AsyncSession, settings: Settings, report: JsonObject) -> str:
@@ -298,7 +287,7 @@ async def commit_report(
     session: AsyncSession, settings: Settings, experiment: models.Experiment, report_identity: str
 ) -> None:
     """Commit a stored report."""
-    await commit(session, settings, experiment, Document("report", report_identity, {"blob": report_identity}))
+    await commit(session, settings, experiment, Document("report", {"blob": report_identity}, report_identity))
 
 
 async def record_report(

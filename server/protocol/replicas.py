@@ -24,6 +24,7 @@ from server import models
 from server.dispatch import queue
 from server.dispatch.lifecycle import JOB_ACTIVE, Refused
 from server.protocol import recording
+from server.store import views
 
 STOPPED_RANK = 1  # the failure phase stops the replica of the pair's rank 1
 STOP_SIGNAL = name_of(StopReplicaEvent)  # the event the failure phase's benchmark prints when the replica is to stop
@@ -44,7 +45,7 @@ class Replica:
 
 async def pair_hosts(session: AsyncSession, experiment: models.Experiment) -> dict[int, uuid.UUID]:
     """Rank -> agent of the served arm's training generation that succeeded (each holds that rank's checkpoint)."""
-    served = recording.plan_of(experiment).served_arm()
+    served = views.plan_of(experiment).served_arm()
     job = await session.scalar(
         select(models.Job).filter_by(experiment_id=experiment.id, kind="train", arm=served, state=JobState.SUCCEEDED)
     )

@@ -1,5 +1,6 @@
 """Rows as wire Structs: the one place that turns a model into what the API returns. A row converts by its
-attributes (msgspec checks every field against the wire's type); an agent's free-form labels become strings."""
+attributes (msgspec checks every field against the wire's type); an agent's free-form labels become strings.
+An experiment's plan column becomes its Plan here too."""
 
 from __future__ import annotations
 
@@ -9,9 +10,23 @@ from typing import TypeVar
 import msgspec
 
 from experiment import wire
+from experiment.core.plan import Plan
 from server import models
 
 W = TypeVar("W", bound=msgspec.Struct)
+
+_PLANS: dict[str, Plan] = {}
+_PLANS_KEPT = 256
+
+
+def plan_of(experiment: models.Experiment) -> Plan:
+    """The experiment's frozen plan, decoded once per plan identity (a committed plan never changes)."""
+    plan = _PLANS.get(experiment.plan_identity)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        plan = _PLANS[experiment.plan_identity] = msgspec.convert(experiment.plan, type=Plan)
+    return plan
 
 
 def _converted(row: object, record: type[W]) -> W:

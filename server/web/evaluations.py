@@ -18,7 +18,7 @@ from experiment import wire
 from server.httperrors import BadRequest
 from server.protocol import recording
 from server.settings import Settings
-from server.store import listings
+from server.store import listings, views
 from server.web import answers, render
 from server.web.gate import WebRequest
 
@@ -79,7 +79,7 @@ class EvaluationPages(Controller):
         offset: Annotated[int, QueryParameter(ge=0)] = 0,
     ) -> Template:
         experiment = await recording.load(db_session, experiment_id)
-        arms = recording.plan_of(experiment).arm_names()
+        arms = views.plan_of(experiment).arm_names()
         filters = Filters(role, arm, family, variant, outcome)
         page = await listings.answers(db_session, experiment_id, filters.check(arms), PAGE, offset)
         return render.page(
@@ -111,7 +111,7 @@ class EvaluationPages(Controller):
             raise BadRequest(f"role {role!r} is not one of {', '.join(repr(r) for r in ROLES)}")
         experiment = await recording.load(db_session, experiment_id)
         found = await answers.task_answers(
-            db_session, experiment_id, recording.plan_of(experiment).arm_names(), role, task_id
+            db_session, experiment_id, views.plan_of(experiment).arm_names(), role, task_id
         )
         first = found[0].answer
         task = await answers.prepared_task(db_session, settings, experiment_id, role, first.index, task_id)

@@ -17,6 +17,7 @@ from experiment.core.canonical import Json, JsonObject
 from experiment.core.plan import ArmPlan
 from server import models
 from server.protocol import recording
+from server.store import views
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dic
 
 
 async def training(session: AsyncSession, experiment: models.Experiment) -> list[ArmProgress]:
-    plan = recording.plan_of(experiment)
+    plan = views.plan_of(experiment)
     updates = plan.training.updates
     arms = await recording.arms_of(session, experiment.id)
     jobs = {

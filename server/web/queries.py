@@ -15,7 +15,7 @@ from experiment.core.canonical import JsonObject
 from server import models
 from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
 from server.httperrors import NotFound
-from server.protocol import recording
+from server.store import views
 from server.web import render
 
 LOG_LINES = 80
@@ -85,7 +85,7 @@ class Clock:
 
 
 def clock(experiment: models.Experiment, changes: Sequence[StateChange]) -> Clock:
-    plan = recording.plan_of(experiment)
+    plan = views.plan_of(experiment)
     final = experiment.state in EXPERIMENT_FINAL
     return Clock(
         created_at=experiment.created_at,
