@@ -131,7 +131,7 @@ class Standing:
         return found if len(found) == len(orders) else None
 
     def next_stage(self) -> list[Order]:
-        """The orders of the phase's first stage that some order of has no succeeded job."""
+        """The first stage of the phase that is not done: those of its orders that have no succeeded job."""
         for stage in stages(self.plan, self.state):
             missing = [order for order in stage if self.succeeded([order]) is None]
             if missing:
