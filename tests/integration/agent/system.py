@@ -153,16 +153,43 @@ class System:
         ]
         return f"failed jobs {jobs}\nattempts {attempts}\ncoordinator: {reasons[-5:]}\n{agents}"
 
+    def describe(self) -> str:
+        """Where the run stands, for a wait that timed out: the experiment's state, each job with its attempts, and
+        the tails of the coordinator's and the agents' logs."""
+        lines = [f"experiment {self.state()}"]
+        for job in self.jobs():
+            attempts = self.server.get(f"/api/jobs/{job['id']}/attempts")
+            ranks = ", ".join(f"#{a['number']} rank {a['rank']} {a['state']} {a['reason'] or ''}" for a in attempts)
+            lines.append(f"  {job['kind']} {job['arm']} {job['role']}: {job['state']} [{ranks}]")
+        logs = [("coordinator", self.server.log())] + [(name, agent.log()) for name, agent in self.agents.items()]
+        for name, log in logs:
+            lines += [f"--- {name}", *log.splitlines()[-25:]]
+        return "\n".join(lines)
+
+    def _jobs_unfailed(self) -> list[dict[str, Any]]:
+        """The experiment's jobs; a failed one fails the caller at once, with its reasons and the logs."""
+        jobs = self.jobs()
+        failed = [j for j in jobs if j["state"] == "failed"]
+        assert not failed, self.failure(failed)
+        return jobs
+
     def wait_state(self, states: set[str], seconds: float) -> str:
         """Wait for the experiment to reach one of ``states``; a failed job fails the wait at once."""
 
         def reached() -> str | None:
+            self._jobs_unfailed()
             state = self.state()
-            failed = [j for j in self.jobs() if j["state"] == "failed"]
-            assert not failed, self.failure(failed)
             return state if state in states else None
 
-        return wait_for(reached, seconds, f"the experiment to become {states}")
+        return wait_for(reached, seconds, lambda: f"the experiment to become {states}\n{self.describe()}")
+
+    def wait_job(self, kind: str, states: set[str], seconds: float) -> dict[str, Any]:
+        """Wait for a job of ``kind`` to reach one of ``states``; a failed job fails the wait at once."""
+
+        def reached() -> dict[str, Any] | None:
+            return next((j for j in self._jobs_unfailed() if j["kind"] == kind and j["state"] in states), None)
+
+        return wait_for(reached, seconds, lambda: f"a {kind} job to become {states}\n{self.describe()}")
 
 
 def kill_host(agent: AgentProcess) -> None:

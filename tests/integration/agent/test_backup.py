@@ -31,7 +31,6 @@ from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import System
 from tests.support import ROOT, database
 from tests.support.processes import QUICK, CoordinatorProcess, stop_process
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 RANKS = 2  # each arm's gang: one rank on each of the two hosts
@@ -109,7 +108,7 @@ def test_a_backup_of_the_running_coordinator_restores_and_the_experiment_goes_on
         agent.start()
     run = System(server, agents, server.create_experiment(_local_sgd_plan(tmp_path / "plan.toml", small_seed[1])), {})
     try:
-        wait_for(lambda: any(j["kind"] == "train" and j["state"] == "succeeded" for j in run.jobs()), 300, "an arm")
+        run.wait_job("train", {"succeeded"}, 300)
         untrained = [j["arm"] for j in run.jobs() if j["kind"] == "train" and j["state"] != "succeeded"]
         backed_up = _events(coop_server("backup", "--out", str(tmp_path / "backup.tar"), **server.environment))
         assert server.process is not None
