@@ -191,17 +191,21 @@ def leased_state() -> JobState:
     return job_target(J.QUEUED, J.LEASED)
 
 
-def record_claim(session: AsyncSession, job: models.Job, attempt: models.Attempt) -> None:
-    _state_event(
-        session,
-        experiment_id=job.experiment_id,
-        job_id=job.id,
-        attempt_id=attempt.id,
-        subject="attempt",
-        before=J.QUEUED,
-        after=J.LEASED,
-        reason=f"claimed rank {attempt.rank} of attempt {attempt.number}",
-    )
+def claim_event(job: models.Job, attempt_id: uuid.UUID, rank: int, number: int) -> dict[str, object]:
+    """The state event of a claim, as the row's values (the claim writes it with one Core INSERT)."""
+    return {
+        "experiment_id": job.experiment_id,
+        "job_id": job.id,
+        "attempt_id": attempt_id,
+        "kind": "state",
+        "at": _now(),
+        "body": {
+            "subject": "attempt",
+            "from": J.QUEUED,
+            "to": J.LEASED,
+            "reason": f"claimed rank {rank} of attempt {number}",
+        },
+    }
 
 
 # Guards ----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from sqlalchemy import (
     bindparam,
     case,
     func,
+    insert,
     literal,
     null,
     or_,
@@ -199,6 +200,8 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
 # Built once: a claim binds its parameters to these.
 _CLAIM_BY_AGENT = _claim_statement(by_coordinator=False)
 _CLAIM_BY_COORDINATOR = _claim_statement(by_coordinator=True)
+_NEW_ATTEMPT = insert(models.Attempt.metadata.tables["attempts"])
+_NEW_EVENT = insert(models.Event.metadata.tables["events"])
 
 
 async def _claim_row(
@@ -287,25 +290,46 @@ async def claim(
         job.master_addr = agent.private_address or agent.address  # the gang meets on the private link
         job.master_port = rendezvous_port(settings, job.id, job.attempts_made)
         job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
-    if job.ranks_open == 0:
-        job.formation_deadline = None
-    else:
+    if job.ranks_open > 0:
         waiters.claimable(session)  # the gang's other ranks are open to other agents
-    attempt = models.Attempt(
-        id=uuid7(),  # the key the row would get at its INSERT, known now: the claim's rows are written in one flush
+    elif job.formation_deadline is not None:
+        job.formation_deadline = None
+    token = secrets.token_urlsafe(32)  # a new lease token: only its hash is kept
+    assignment = wire.Assignment(
         job_id=job.id,
+        attempt_id=uuid7(),
+        experiment_id=job.experiment_id,
+        kind=job.kind,
+        arm=job.arm,
+        role=job.role,
+        spec=job.spec,
         number=job.attempts_made,
         rank=rank,
-        agent_id=None if agent is None else agent.id,
-        state=J.LEASED,
-        claim_key=claim_key,
+        world_size=job.world_size,
         master_addr=job.master_addr,
         master_port=job.master_port,
+        lease_token=token,
+        lease_expires_at=now + datetime.timedelta(seconds=settings.lease_seconds),
     )
-    token = _lease(settings, attempt)
-    session.add(attempt)
-    lifecycle.record_claim(session, job, attempt)
-    return _assignment(job, attempt, token)
+    # The attempt and its state event as Core INSERTs: the claim makes no ORM object of its own.
+    await session.execute(
+        _NEW_ATTEMPT,
+        {
+            "id": assignment.attempt_id,
+            "job_id": job.id,
+            "number": assignment.number,
+            "rank": rank,
+            "agent_id": None if agent is None else agent.id,
+            "state": J.LEASED,
+            "claim_key": claim_key,
+            "master_addr": job.master_addr,
+            "master_port": job.master_port,
+            "lease_token_hash": hash_secret(token),
+            "lease_expires_at": assignment.lease_expires_at,
+        },
+    )
+    await session.execute(_NEW_EVENT, lifecycle.claim_event(job, assignment.attempt_id, rank, assignment.number))
+    return assignment
 
 
 async def _settle(session: AsyncSession, job: models.Job, ended: models.Attempt) -> Ended:
