@@ -56,7 +56,7 @@ class AgentController(Controller):
         else:
             agent.address, agent.private_address = data.address, data.private_address
             agent.labels, agent.last_seen_at = dict(data.labels), now
-        audit.record(
+        await audit.record(
             db_session,
             principal,
             "agent.register",
@@ -99,7 +99,7 @@ class AgentController(Controller):
             async with waiting.turn():
                 assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
                 if assignment is not None:
-                    audit.record(
+                    await audit.record(
                         db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
                     )
                 await db_session.commit()  # within the turn; a claim that waits holds no transaction

@@ -82,7 +82,7 @@ class AttemptController(Controller):
         agent: NamedDependency[models.Agent],
     ) -> wire.Attempt:
         attempt = await queue.start(db_session, agent, attempt_id, data.lease_token)
-        audit.record(db_session, principal, "attempt.start", f"attempt:{attempt_id}")
+        await audit.record(db_session, principal, "attempt.start", f"attempt:{attempt_id}")
         await db_session.flush()
         await db_session.refresh(attempt)
         return views.attempt(attempt)
@@ -106,7 +106,7 @@ class AttemptController(Controller):
     ) -> Response[bytes]:
         stored = await uploads.events(db_session, settings, agent, attempt_id, data, idempotency_key)
         if not stored.replay:
-            audit.record(db_session, principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence)
+            await audit.record(db_session, principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence)
         return _stored(stored)
 
     @post(
@@ -128,5 +128,5 @@ class AttemptController(Controller):
     ) -> Response[bytes]:
         stored = await uploads.result(db_session, settings, agent, attempt_id, data, idempotency_key)
         if not stored.replay:
-            audit.record(db_session, principal, "attempt.result", f"attempt:{attempt_id}", outcome=data.outcome)
+            await audit.record(db_session, principal, "attempt.result", f"attempt:{attempt_id}", outcome=data.outcome)
         return _stored(stored)

@@ -96,7 +96,7 @@ class BlobController(Controller):
             db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length
         )
         if blob.created:
-            audit.record(db_session, principal, "blob.upload", f"blob:{sha256}", size=blob.size)
+            await audit.record(db_session, principal, "blob.upload", f"blob:{sha256}", size=blob.size)
         return Response(blob, status_code=201 if blob.created else 200)
 
     @get("/{sha256:str}", operation_id="downloadBlob", media_type="application/octet-stream", **spec.read())

@@ -42,7 +42,9 @@ class EvidenceController(Controller):
         """Name blobs the operator uploaded as bundle files (selection.json, the seed's files)."""
         await recording.load(db_session, experiment_id, lock=True)
         await evidencefiles.attach(db_session, experiment_id, data.files)
-        audit.record(db_session, principal, "evidence.attach", f"experiment:{experiment_id}", paths=sorted(data.files))
+        await audit.record(
+            db_session, principal, "evidence.attach", f"experiment:{experiment_id}", paths=sorted(data.files)
+        )
         await db_session.flush()
         return await evidencefiles.listing(db_session, experiment_id)
 

@@ -201,5 +201,5 @@ class ExperimentController(Controller):
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
         experiment = await recording.load(db_session, experiment_id, lock=True)
-        actions.halt(db_session, principal, experiment)
+        await actions.halt(db_session, principal, experiment)
         return await _view(db_session, experiment)

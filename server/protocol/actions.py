@@ -24,19 +24,19 @@ async def create(
     session: AsyncSession, settings: Settings, who: Principal, body: wire.ExperimentCreate
 ) -> models.Experiment:
     experiment = await phases.create(session, settings, body)
-    audit.record(session, who, "experiment.create", _target(experiment), commit=body.commit)
+    await audit.record(session, who, "experiment.create", _target(experiment), commit=body.commit)
     return experiment
 
 
 async def commit(session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment) -> None:
     await phases.commit(session, settings, experiment)
-    audit.record(session, who, "experiment.commit", _target(experiment))
+    await audit.record(session, who, "experiment.commit", _target(experiment))
 
 
 async def advance(session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment) -> str:
     """Queue the next phase's jobs, or make the commitment the phase waits for; what was done, in words."""
     action = await phases.advance(session, settings, experiment)
-    audit.record(session, who, "experiment.advance", _target(experiment), queued=action)
+    await audit.record(session, who, "experiment.advance", _target(experiment), queued=action)
     return action
 
 
@@ -45,7 +45,7 @@ async def set_autopilot(
 ) -> str | None:
     """Switch autopilot; switched on, it advances at once if the current phase is done (what it did, if anything)."""
     phases.set_autopilot(experiment, on)
-    audit.record(session, who, "experiment.autopilot", _target(experiment), on=on)
+    await audit.record(session, who, "experiment.autopilot", _target(experiment), on=on)
     return await phases.progress(session, settings, experiment)
 
 
@@ -53,7 +53,7 @@ async def select(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.SelectionCreate
 ) -> None:
     await recording.select_checkpoints(session, settings, experiment, body)
-    audit.record(session, who, "experiment.select", _target(experiment))
+    await audit.record(session, who, "experiment.select", _target(experiment))
     await phases.progress(session, settings, experiment)
 
 
@@ -62,7 +62,7 @@ async def serve(
 ) -> None:
     document = await recording.serving(session, experiment, views.plan_of(experiment), body)
     await recording.commit(session, settings, experiment, document)
-    audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
+    await audit.record(session, who, "experiment.serve", _target(experiment), arm=body.arm)
     await phases.progress(session, settings, experiment)
 
 
@@ -70,21 +70,21 @@ async def request_report(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment
 ) -> models.Job:
     job = await phases.request_report(session, settings, experiment)
-    audit.record(session, who, "experiment.report", _target(experiment), job=str(job.id))
+    await audit.record(session, who, "experiment.report", _target(experiment), job=str(job.id))
     return job
 
 
-def halt(session: AsyncSession, who: Principal, experiment: models.Experiment) -> None:
+async def halt(session: AsyncSession, who: Principal, experiment: models.Experiment) -> None:
     """End the experiment as halted, which is final."""
     phases.halt(session, experiment, f"halted by {who.name}")
-    audit.record(session, who, "experiment.halt", _target(experiment))
+    await audit.record(session, who, "experiment.halt", _target(experiment))
 
 
 async def queue_job(
     session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.JobCreate
 ) -> models.Job:
     job = await phases.queue(session, settings, experiment, kinds.order_of(body))
-    audit.record(session, who, "job.queue", f"job:{job.id}", kind=body.kind, arm=body.arm, role=body.role)
+    await audit.record(session, who, "job.queue", f"job:{job.id}", kind=body.kind, arm=body.arm, role=body.role)
     await phases.progress(session, settings, experiment)
     return job
 
@@ -98,11 +98,11 @@ async def stop_replica(
         raise Refused("serving-not-planned", f"plan {plan.name} serves no arm")
     order = kinds.order_of(wire.JobCreate(kind="replica-stop", arm=plan.served_arm(), spec={"rank": rank}))
     job = await phases.queue(session, settings, experiment, order)
-    audit.record(session, who, "replica.stop", f"job:{job.id}", rank=rank)
+    await audit.record(session, who, "replica.stop", f"job:{job.id}", rank=rank)
     return job
 
 
 async def cancel(session: AsyncSession, settings: Settings, who: Principal, job: models.Job, grace: float) -> None:
     """Cancel a job: a queued one at once, a running one asked to stop and forced after ``grace`` seconds."""
     await reactions.cancel(session, settings, job, grace)
-    audit.record(session, who, "job.cancel", f"job:{job.id}", grace_seconds=grace)
+    await audit.record(session, who, "job.cancel", f"job:{job.id}", grace_seconds=grace)

@@ -172,7 +172,7 @@ class OverviewPages(Controller):
                 back=back,
             )
         try:
-            actions.halt(db_session, operator, experiment)
+            await actions.halt(db_session, operator, experiment)
         except Refused as exc:
             return await gate.refused(request, db_session, exc.detail, back)
         await db_session.commit()

@@ -47,7 +47,7 @@ class SignInPages(Controller):
             )
             return render.page(request, "login.html", 401, next=_local(data.next), problem=problem)
         gate.sign_in(request, principal)
-        audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")
+        await audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")
         await db_session.commit()
         return Redirect(_local(data.next), status_code=303)
 
