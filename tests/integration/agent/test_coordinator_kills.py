@@ -76,16 +76,22 @@ class Run:
         # A lease that outlasts a restart, so that an agent's attempts are not lost while the coordinator is down.
         environment = {**QUICK, "COOP_LEASE_SECONDS": "12", "COOP_HEARTBEAT_SECONDS": "0.5", "COOP_MAX_ATTEMPTS": "6"}
         self.server = Coordinator(self.home, database_url, **environment)
-        self.server.start()
-        self.agents = [
-            AgentProcess(self.server, name, tmp / name, TINY, self.server.agent_token(name))
-            for name in ("host-a", "host-b")
-        ]
-        for agent in self.agents:
-            agent.start()
-        # The small plan's training, and a serving workload long enough for the failure phase's stop to land midway.
-        plan = write_plan(tmp / "plan.toml", seedmodel.snapshot_of(TINY), dev=16, workload_tasks=16)
-        self.experiment: dict[str, Any] = self.server.create_experiment(plan)
+        self.agents: list[AgentProcess] = []
+        try:
+            self.server.start()
+            self.agents = [
+                AgentProcess(self.server, name, tmp / name, TINY, self.server.agent_token(name))
+                for name in ("host-a", "host-b")
+            ]
+            for agent in self.agents:
+                agent.start()
+            # The small plan's training, and a serving workload long enough for the failure phase's stop to land
+            # midway.
+            plan = write_plan(tmp / "plan.toml", seedmodel.snapshot_of(TINY), dev=16, workload_tasks=16)
+            self.experiment: dict[str, Any] = self.server.create_experiment(plan)
+        except BaseException:
+            self.stop()  # a run that could not start leaves no process behind
+            raise
         self.id = self.experiment["id"]
 
     def state(self) -> str:
