@@ -111,8 +111,7 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _state_event(
-    session: AsyncSession,
+def _state_row(
     *,
     experiment_id: uuid.UUID | None,
     job_id: uuid.UUID | None,
@@ -121,17 +120,20 @@ def _state_event(
     before: str,
     after: str,
     reason: str,
-) -> None:
-    session.add(
-        models.Event(
-            experiment_id=experiment_id,
-            job_id=job_id,
-            attempt_id=attempt_id,
-            kind="state",
-            at=_now(),
-            body={"subject": subject, "from": before, "to": after, "reason": reason},
-        )
-    )
+) -> dict[str, Any]:
+    """A state event's row: which thing moved, from and to which state, and why."""
+    return {
+        "experiment_id": experiment_id,
+        "job_id": job_id,
+        "attempt_id": attempt_id,
+        "kind": "state",
+        "at": _now(),
+        "body": {"subject": subject, "from": before, "to": after, "reason": reason},
+    }
+
+
+def _state_event(session: AsyncSession, row: dict[str, Any]) -> None:
+    session.add(models.Event(**row))
 
 
 def move_experiment(session: AsyncSession, experiment: models.Experiment, target: ExperimentState, reason: str) -> None:
@@ -139,13 +141,15 @@ def move_experiment(session: AsyncSession, experiment: models.Experiment, target
     experiment.state = experiment_target(before, target)
     _state_event(
         session,
-        experiment_id=experiment.id,
-        job_id=None,
-        attempt_id=None,
-        subject="experiment",
-        before=before,
-        after=target,
-        reason=reason,
+        _state_row(
+            experiment_id=experiment.id,
+            job_id=None,
+            attempt_id=None,
+            subject="experiment",
+            before=before,
+            after=target,
+            reason=reason,
+        ),
     )
 
 
@@ -156,13 +160,15 @@ def move_job(session: AsyncSession, job: models.Job, target: JobState, reason: s
         waiters.claimable(session)
     _state_event(
         session,
-        experiment_id=job.experiment_id,
-        job_id=job.id,
-        attempt_id=None,
-        subject="job",
-        before=before,
-        after=target,
-        reason=reason,
+        _state_row(
+            experiment_id=job.experiment_id,
+            job_id=job.id,
+            attempt_id=None,
+            subject="job",
+            before=before,
+            after=target,
+            reason=reason,
+        ),
     )
 
 
@@ -176,13 +182,15 @@ def move_attempt(
         attempt.reason = reason
     _state_event(
         session,
-        experiment_id=job.experiment_id,
-        job_id=job.id,
-        attempt_id=attempt.id,
-        subject="attempt",
-        before=before,
-        after=target,
-        reason=reason,
+        _state_row(
+            experiment_id=job.experiment_id,
+            job_id=job.id,
+            attempt_id=attempt.id,
+            subject="attempt",
+            before=before,
+            after=target,
+            reason=reason,
+        ),
     )
 
 
@@ -191,21 +199,17 @@ def leased_state() -> JobState:
     return job_target(J.QUEUED, J.LEASED)
 
 
-def claim_event(job: models.Job, attempt_id: uuid.UUID, rank: int, number: int) -> dict[str, object]:
+def claim_event(job: models.Job, attempt_id: uuid.UUID, rank: int, number: int) -> dict[str, Any]:
     """The state event of a claim, as the row's values (the claim writes it with one Core INSERT)."""
-    return {
-        "experiment_id": job.experiment_id,
-        "job_id": job.id,
-        "attempt_id": attempt_id,
-        "kind": "state",
-        "at": _now(),
-        "body": {
-            "subject": "attempt",
-            "from": J.QUEUED,
-            "to": J.LEASED,
-            "reason": f"claimed rank {rank} of attempt {number}",
-        },
-    }
+    return _state_row(
+        experiment_id=job.experiment_id,
+        job_id=job.id,
+        attempt_id=attempt_id,
+        subject="attempt",
+        before=J.QUEUED,
+        after=J.LEASED,
+        reason=f"claimed rank {rank} of attempt {number}",
+    )
 
 
 # Guards ----------------------------------------------------------------------------------------
