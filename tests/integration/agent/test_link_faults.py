@@ -37,6 +37,8 @@ COUNTS: dict[str, Any] = {**system.COUNTS, "collective_timeout_seconds": COLLECT
 # Short of the lease (heartbeats resume before it lapses), long enough to fail the agent's sends and their retries.
 UPLOAD_CUT_SECONDS = 3.0
 UPLOADING_ARM = "damaged-single"
+# The pair's private link is cut as its rank 1 reports this update: past the first checkpoint (4), short of the next.
+PAIR_CUT_STEP = 5
 
 
 @dataclass
@@ -48,22 +50,28 @@ class Cuts:
     uploads_cut_at: datetime.datetime
 
 
-class UploadCut(threading.Thread):
-    """Watches the agents' spools for UPLOADING_ARM's last update; at once cuts that host's public link for
-    UPLOAD_CUT_SECONDS, so that the run's result, its evidence blobs and its last events go up across the cut."""
+class SpoolCut(threading.Thread):
+    """Watches the agents' spools (what the commands printed, the moment the agent reads it) for ``arm``'s ``rank``
+    reporting ``step``, and at once cuts that host's ``link`` for ``seconds``. Watching the spool, not the
+    coordinator's events, puts the cut where the training is, not where its uploads have got to."""
 
-    def __init__(self, run: System, topology: dict[str, Any]) -> None:
-        super().__init__(name="upload-cut", daemon=True)
+    def __init__(
+        self, run: System, topology: dict[str, Any], arm: str, rank: int, step: int, link: str, seconds: float
+    ) -> None:
+        super().__init__(name=f"cut-{arm}", daemon=True)
         self.system, self.topology = run, topology
+        self.arm, self.rank, self.step, self.link, self.seconds = arm, rank, step, link, seconds
         self.host: str | None = None
         self.cut_at: datetime.datetime | None = None
         self.failure: BaseException | None = None
         self.stop = threading.Event()
 
-    def _finished_on(self) -> str | None:
+    def _reached_on(self) -> str | None:
         for name, agent in self.system.agents.items():
             steps = agent.spooled_bodies("step")
-            if any(s.get("arm") == UPLOADING_ARM and s.get("step") == COUNTS["updates"] for s in steps):
+            if any(
+                s.get("arm") == self.arm and s.get("rank") == self.rank and s.get("step", 0) >= self.step for s in steps
+            ):
                 return name
         return None
 
@@ -75,11 +83,18 @@ class UploadCut(threading.Thread):
 
     def _watch(self) -> None:
         while not self.stop.wait(0.05):
-            if (host := self._finished_on()) is not None:
+            if (host := self._reached_on()) is not None:
                 self.cut_at = datetime.datetime.now(datetime.UTC)
-                cut_link(self.topology, host, "public", UPLOAD_CUT_SECONDS).wait(timeout=60)
+                cut_link(self.topology, host, self.link, self.seconds).wait(timeout=60)
                 self.host = host
                 return
+
+    def finish(self) -> str:
+        """The host that was cut, once its link is up again."""
+        self.join(timeout=600)
+        assert self.failure is None, self.failure
+        assert self.host is not None, f"{self.arm}'s rank {self.rank} was never seen to reach update {self.step}"
+        return self.host
 
 
 @pytest.fixture(scope="module")
@@ -99,32 +114,33 @@ def cut(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[System, Cuts
 
 
 def _cuts(run: System, topology: dict[str, Any]) -> Cuts:
-    uploads = UploadCut(run, topology)
-    uploads.start()
+    # UPLOADING_ARM's host loses its public link as the arm finishes, during its uploads.
+    uploads = SpoolCut(run, topology, UPLOADING_ARM, 0, COUNTS["updates"], "public", UPLOAD_CUT_SECONDS)
+    # The pair's rank 1 host loses its private link past the collective timeout, between its first two checkpoints.
+    pair_cut = SpoolCut(run, topology, "clean-pair", 1, PAIR_CUT_STEP, "private", COLLECTIVE_TIMEOUT_SECONDS + 4)
+    for watch in (uploads, pair_cut):
+        watch.start()
     try:
-        return _cut_while_uploading(run, topology, uploads)
+        return _cut_single(run, topology, uploads, pair_cut)
     finally:
-        uploads.stop.set()
+        for watch in (uploads, pair_cut):
+            watch.stop.set()
 
 
-def _cut_while_uploading(run: System, topology: dict[str, Any], uploads: UploadCut) -> Cuts:
+def _cut_single(run: System, topology: dict[str, Any], uploads: SpoolCut, pair_cut: SpoolCut) -> Cuts:
     # A single arm's host loses its public link for twice the lease, while the arm trains.
     wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 2, 600, "clean-single to train a few steps")
     (attempt,) = run.attempts("train", "clean-single")
     host = run.host_of(attempt)
     cut_link(topology, host, "public", 2 * LEASE_SECONDS).wait(timeout=60)
-    # The pair's rank 1 host loses its private link past the collective timeout, between checkpoints.
-    wait_for(lambda: len(run.rank_steps("clean-pair", 1)) >= 6, 600, "the pair to pass its first checkpoint")
-    (pair,) = [j for j in run.jobs() if j["arm"] == "clean-pair"]
-    rank1 = next(a for a in run.attempts("train", "clean-pair") if a["rank"] == 1)
     # The rest of the experiment is not this test's: it ends with the training (no evaluation, no replica).
     operate(run.server, f"/api/experiments/{run.experiment['id']}/autopilot", {"on": False})
-    cut_link(topology, run.host_of(rank1), "private", COLLECTIVE_TIMEOUT_SECONDS + 4).wait(timeout=60)
+    (pair,) = [j for j in run.jobs() if j["arm"] == "clean-pair"]
+    pair_cut.finish()
     run.wait_state({"trained"}, 900)
-    uploads.join(timeout=60)
-    assert uploads.failure is None, uploads.failure
-    assert uploads.host is not None and uploads.cut_at is not None, f"{UPLOADING_ARM} was never seen to finish"
-    return Cuts("clean-single", host, pair["id"], uploads.host, uploads.cut_at)
+    uploading_host = uploads.finish()
+    assert uploads.cut_at is not None
+    return Cuts("clean-single", host, pair["id"], uploading_host, uploads.cut_at)
 
 
 def test_a_single_whose_host_lost_its_public_link_past_the_lease_is_retried_to_the_same_parameters(
