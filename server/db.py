@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, event
+from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from experiment.core.errors import CoopError
+from server import sqlitethread
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -72,7 +75,10 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
     if not (url.startswith("sqlite+aiosqlite") or url.startswith("postgresql+asyncpg")):
         raise CoopError(f"unsupported database URL {url!r}: use sqlite+aiosqlite:///PATH or postgresql+asyncpg://...")
     if is_sqlite(url):
-        engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **options)
+        path = make_url(url).database or ""
+        engine = create_async_engine(
+            url, async_creator=partial(sqlitethread.connect, path, SQLITE_BUSY_TIMEOUT_MS / 1000), **options
+        )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     return create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, **options)
@@ -87,6 +93,4 @@ def session_maker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 
 def describe(url: str) -> str:
     """The URL without its password, for messages."""
-    from sqlalchemy.engine import make_url
-
     return make_url(url).render_as_string(hide_password=True)
