@@ -108,7 +108,11 @@ class Agent(UUIDv7AuditBase):
 
 class Job(UUIDv7AuditBase):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_state_world_size", "state", "world_size"),)
+    # ix_jobs_state_queued: a claim reads a state's jobs oldest first (queue._claim_statement).
+    __table_args__ = (
+        Index("ix_jobs_state_world_size", "state", "world_size"),
+        Index("ix_jobs_state_queued", "state", "queued_at", "id"),
+    )
     experiment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
     kind: Mapped[JobKind] = mapped_column(String(20))
     arm: Mapped[str | None] = mapped_column(String(40), default=None)

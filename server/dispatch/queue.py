@@ -40,7 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute, aliased
 from sqlalchemy.orm.attributes import set_committed_value
-from sqlalchemy.sql.selectable import ExecutableReturnsRows
+from sqlalchemy.sql.selectable import ExecutableReturnsRows, ScalarSelect
 from uuid_utils.compat import uuid7
 
 from experiment import wire
@@ -148,22 +148,27 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
         .exists()
     )
     # A job of an experiment that has ended (reported, failed, halted) is never handed out.
-    live = select(models.Experiment.id).where(models.Experiment.state.not_in(list(EXPERIMENT_FINAL)))
-    queued = candidate.state == J.QUEUED
-    chosen = (
-        select(candidate.id)
-        .where(
-            or_(
-                and_(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another),
-                and_(queued, open_to_this(candidate)),
-            ),
-            candidate.kind.in_(bindparam("kinds", expanding=True)),
-            candidate.experiment_id.in_(live),
+    live = (
+        select(models.Experiment.id)
+        .where(models.Experiment.id == candidate.experiment_id, models.Experiment.state.not_in(list(EXPERIMENT_FINAL)))
+        .exists()
+    )
+
+    def oldest(*where: ColumnElement[bool]) -> ScalarSelect[uuid.UUID]:
+        """The oldest job of the claim's kinds that meets ``where``: read in the order of the state's index
+        (ix_jobs_state_queued), which stops at the first that does."""
+        return (
+            select(candidate.id)
+            .where(*where, candidate.kind.in_(bindparam("kinds", expanding=True)), live)
+            .order_by(candidate.queued_at, candidate.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
         )
-        .order_by(case((queued, 1), else_=0), candidate.queued_at, candidate.id)
-        .limit(1)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
+
+    chosen = func.coalesce(
+        oldest(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another),
+        oldest(candidate.state == J.QUEUED, open_to_this(candidate)),
     )
     job = models.Job
     was_queued = job.state == J.QUEUED
