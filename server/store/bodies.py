@@ -14,6 +14,8 @@ from litestar import Request
 from server.httperrors import BadRequest
 
 NUL = "\x00"
+# JSON text holds a NUL only as this escape: a raw control character inside a string is malformed JSON.
+NUL_ESCAPE = b"\\u0000"
 
 
 def _nul_paths(value: Any, path: str = "$") -> Iterator[str]:
@@ -38,6 +40,8 @@ def check(raw: bytes, target: Any) -> None:
         raise BadRequest(f"the body is not valid: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
+    if NUL_ESCAPE not in raw:
+        return
     where = next(_nul_paths(msgspec.json.decode(raw)), None)
     if where is not None:
         raise BadRequest(f"the body is not valid: a NUL character (\\u0000) in text - at `{where}`")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import ColumnElement, and_, insert, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -20,24 +21,29 @@ from server.store import cursors
 MAX_PAGE = 10_000
 STEP_FIELDS = wire.StepRecord.__struct_fields__
 SAMPLE_FIELDS = wire.ResourceSample.__struct_fields__
+MEASUREMENTS = insert(models.Measurement.metadata.tables["measurements"])
 
 
-def _row(attempt: models.Attempt, event: wire.Event, received: datetime.datetime) -> models.Measurement | None:
+class _Carried(NamedTuple):
+    kind: str
+    position: int
+    step: int | None
+    at: datetime.datetime
+    body: JsonObject
+
+
+def _row(event: wire.Event, received: datetime.datetime) -> _Carried | None:
     """The measurement a ``step`` or ``resources`` event carries; None for any other event, or one that carries
     none (a command's own progress line of the same name)."""
     body, at = event.body, event.at or received
     try:
         if event.kind == "step":
             entry = msgspec.convert({k: v for k, v in body.items() if k in STEP_FIELDS}, type=wire.StepRecord)
-            return models.Measurement(
-                attempt_id=attempt.id, kind="step", position=entry.step, step=entry.step, at=at, body=_builtins(entry)
-            )
+            return _Carried("step", entry.step, entry.step, at, _builtins(entry))
         if event.kind == "resources":
             sample = msgspec.convert({k: v for k, v in body.items() if k in SAMPLE_FIELDS}, type=wire.ResourceSample)
             index, step = msgspec.convert([body.get("index"), body.get("step")], type=tuple[wire.Count, wire.Step])
-            return models.Measurement(
-                attempt_id=attempt.id, kind="resources", position=index, step=step, at=at, body=_builtins(sample)
-            )
+            return _Carried("resources", index, step, at, _builtins(sample))
     except msgspec.ValidationError:
         return None
     return None
@@ -56,15 +62,29 @@ async def _recorded(session: AsyncSession, attempt: models.Attempt) -> dict[tupl
 async def record_events(
     session: AsyncSession, attempt: models.Attempt, events: Sequence[wire.Event], received: datetime.datetime
 ) -> None:
-    """The measurements a batch of the attempt's events carries, each once (a repeated one is not recorded again)."""
-    found = [row for event in events if (row := _row(attempt, event, received)) is not None]
+    """The measurements a batch of the attempt's events carries, each once (a repeated one is not recorded again):
+    one read of those of the batch's positions already recorded, and one INSERT of the rest."""
+    found = [row for event in events if (row := _row(event, received)) is not None]
     if not found:
         return
-    recorded = await _recorded(session, attempt)
+    positions: dict[str, list[int]] = {}
+    for row in found:
+        positions.setdefault(row.kind, []).append(row.position)
+    table = models.Measurement
+    earlier = await session.execute(
+        select(table.kind, table.position).where(
+            table.attempt_id == attempt.id,
+            or_(*(and_(table.kind == kind, table.position.in_(chosen)) for kind, chosen in positions.items())),
+        )
+    )
+    recorded = {(kind, position) for kind, position in earlier}
+    new = []
     for row in found:
         if (row.kind, row.position) not in recorded:
-            recorded[(row.kind, row.position)] = row
-            session.add(row)
+            recorded.add((row.kind, row.position))
+            new.append({**row._asdict(), "attempt_id": attempt.id})
+    if new:
+        await session.execute(MEASUREMENTS, new)
 
 
 async def record_result(
