@@ -134,3 +134,42 @@ def test_a_statement_is_one_trip_and_a_commit_with_nothing_open_is_none(
     assert seen["empty commit"] == []
     assert seen["write"] == ["BEGIN IMMEDIATE", "INSERT INTO items (id, name) VALUES (7, 'seven')", "commit"]
     assert _direct(path, "SELECT id, name FROM items") == [(7, "seven")]
+
+
+def test_writers_of_one_engine_take_turns_in_the_order_they_asked_and_an_error_gives_the_turn_back(
+    path: Path,
+) -> None:
+    async def go() -> list[str]:
+        engine = db.create_engine(sqlite_url(path))
+        sessions = db.session_maker(engine)
+        release = asyncio.Event()
+        try:
+
+            async def first() -> None:
+                async with sessions() as session, session.begin():
+                    await session.execute(text("INSERT INTO items (id, name) VALUES (1, 'first')"))
+                    await release.wait()  # holds its turn, and SQLite's write lock, until told
+                    await session.execute(text("INSERT INTO items (id, name) VALUES (2, 'first')"))  # refused
+
+            async def later(name: str) -> None:
+                async with sessions() as session, session.begin():
+                    await session.execute(text("INSERT INTO items (name) VALUES (:name)"), {"name": name})
+
+            holder = asyncio.create_task(first())
+            await asyncio.sleep(0.05)
+            waiting = []
+            for name in ("second", "third", "fourth"):
+                waiting.append(asyncio.create_task(later(name)))
+                await asyncio.sleep(0.02)  # each asks after the one before
+            assert not any(task.done() for task in waiting)  # each waits its turn
+            release.set()
+            with pytest.raises(exc.IntegrityError):
+                await holder
+            await asyncio.wait_for(asyncio.gather(*waiting), 10)  # the refused writer gave its turn back
+            async with sessions() as session:
+                return list((await session.scalars(text("SELECT name FROM items ORDER BY id"))).all())
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(go()) == ["second", "third", "fourth"]
+    assert [name for (name,) in _direct(path, "SELECT name FROM items ORDER BY id")] == ["second", "third", "fourth"]
