@@ -136,11 +136,44 @@ def _step_events(count: int) -> list[wire.Event]:
     ]
 
 
+def _step_records(first: int, count: int) -> list[wire.Event]:
+    """``count`` step events as a train rank prints them (its progress and the update's step record), from update
+    ``first``: each becomes a measurement row."""
+    return [
+        msgspec.convert(
+            {
+                "kind": "step",
+                "body": {
+                    "event": "step",
+                    "arm": "clean-single",
+                    "rank": 0,
+                    "done": step,
+                    "total": 1_000_000,
+                    "step": step,
+                    "positions": list(range(8 * step, 8 * step + 8)),
+                    "local_positions": list(range(8)),
+                    "loss": 1.0 / step,
+                    "learning_rate": 1e-4,
+                    "gradient_norm": 0.5,
+                    "targets": 640,
+                    "weighted_targets": 640,
+                    "documents": 8,
+                    "seconds": 0.25,
+                    "written_bytes": 0,
+                },
+            },
+            wire.Event,
+        )
+        for step in range(first, first + count)
+    ]
+
+
 ROUTES = (
     "claim",
     "start",
     "heartbeat_of_4",
     "event_batch_of_100",
+    "step_batch_of_100",
     "blob_1mib",
     "result",
     "list_experiments",
@@ -150,8 +183,9 @@ ROUTES = (
 
 class RouteLoad:
     """One server's routes, driven one request at a time. Agent a claims, starts, uploads a blob for and finishes
-    ``count`` prepare jobs (one per experiment); agent b holds 4 attempts, which its heartbeats name and whose first
-    one its event batches go to. The set-up warms every route with a few unmeasured requests."""
+    ``count`` prepare jobs (one per experiment); agent b holds 4 attempts, which its heartbeats name, whose first one
+    its event batches go to and whose second one its step records (a measurement each). The set-up warms every route
+    with a few unmeasured requests."""
 
     WARM = 6
 
@@ -173,11 +207,13 @@ class RouteLoad:
         for i in range(3):
             self.b.heartbeat(*self.held)
             self.b.events(self.held[0], i, *_step_events(100))
+            self.b.events(self.held[1], count + i, *_step_records(100 * (count + i) + 1, 100))
             self.http.get("/api/experiments").raise_for_status()
             self.http.get("/health").raise_for_status()
         self.jobs: list[wire.Assignment] = []
         self.blobs = [os.urandom(1 << 20) for _ in range(count)]
         self.batch = _step_events(100)
+        self.steps = [_step_records(100 * i + 1, 100) for i in range(count)]
         self.totals = {route: [0, 0.0, 0.0, 0.0] for route in ROUTES}  # requests, server s, database s, wall s
 
     def close(self) -> None:
@@ -197,6 +233,7 @@ class RouteLoad:
             "start": lambda i: a.start(jobs[i]),
             "heartbeat_of_4": lambda i: b.heartbeat(*self.held),
             "event_batch_of_100": lambda i: b.events(self.held[0], 3 + i, *self.batch),
+            "step_batch_of_100": lambda i: b.events(self.held[1], i, *self.steps[i]),
             "blob_1mib": lambda i: a.upload(self.blobs[i], jobs[i]),
             "result": lambda i: a.finish(jobs[i], result={"prepared_identity": hashlib.sha256(b"%d" % i).hexdigest()}),
             "list_experiments": lambda i: self.http.get("/api/experiments").raise_for_status(),
