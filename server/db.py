@@ -46,13 +46,12 @@ ONE_STATEMENT = "coop.one-statement"
 
 
 def _sqlite_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
-    """Begin each SQLite transaction a session starts: a writer takes the write lock at BEGIN IMMEDIATE, after
-    its turn among this process's writers (server.sqlitethread), where busy_timeout makes a writer of another
-    process wait; a reader (``session.info[WRITES] = False``) begins a
+    """Begin each SQLite transaction a session starts: a writer takes the write lock at BEGIN IMMEDIATE, where
+    busy_timeout makes a second writer wait its turn; a reader (``session.info[WRITES] = False``) begins a
     deferred transaction, which in WAL mode reads a snapshot and never takes the write lock."""
     if connection.dialect.name != "sqlite" or transaction.nested or session.info.get(ONE_STATEMENT):
         return
-    connection.exec_driver_sql(sqlitethread.BEGIN_WRITE if session.info.get(WRITES, True) else "BEGIN")
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if session.info.get(WRITES, True) else "BEGIN")
 
 
 def reading(session: AsyncSession) -> None:
@@ -78,9 +77,7 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
     if is_sqlite(url):
         path = make_url(url).database or ""
         engine = create_async_engine(
-            url,
-            async_creator=partial(sqlitethread.connect, path, sqlitethread.WriteTurn(SQLITE_BUSY_TIMEOUT_MS / 1000)),
-            **options,
+            url, async_creator=partial(sqlitethread.connect, path, SQLITE_BUSY_TIMEOUT_MS / 1000), **options
         )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

@@ -4,11 +4,6 @@ aiosqlite runs a sqlite3 connection in a thread of its own and sends every call 
 cursor made, executed, its rows fetched and the cursor closed, four trips (each a thread wake-up and a wake-up of
 the event loop). Here a cursor is made, executed, read and closed in one trip, and a commit or rollback with no
 transaction open (after a single read, or as the pool takes back a connection whose transaction ended) makes none.
-
-Writers of one engine take turns in the event loop (``WriteTurn``) before their ``BEGIN IMMEDIATE`` goes to SQLite:
-SQLite's own wait for its write lock sleeps in steps of up to 100 ms, so a writer that found the lock held would
-go on sleeping long after it was free. A turn is handed to the next writer the moment the last one commits or
-rolls back, in the order they asked; SQLite's busy timeout still orders this process against any other.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from typing import Any
 
 import aiosqlite
 
-BEGIN_WRITE = "BEGIN IMMEDIATE"
 ITERATION_CHUNK = 64  # aiosqlite's own default; the engine never iterates a cursor through aiosqlite
 
 Row = tuple[Any, ...]
@@ -73,15 +67,7 @@ class Cursor:
         return self
 
     async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> Cursor:
-        if sql != BEGIN_WRITE:
-            return await self._run(sql, parameters, None)
-        await self._connection.take_turn()
-        try:
-            return await self._run(sql, parameters, None)
-        except BaseException:
-            if not self._connection.in_transaction:
-                self._connection.give_turn()
-            raise
+        return await self._run(sql, parameters, None)
 
     async def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> Cursor:
         return await self._run(sql, None, list(parameters))
@@ -102,30 +88,7 @@ class Cursor:
         self._rows = []
 
 
-class WriteTurn:
-    """The write lock's queue within this process: one per engine (one database file, one event loop)."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._lock = asyncio.Lock()
-
-    async def take(self) -> None:
-        try:
-            async with asyncio.timeout(self.timeout):
-                await self._lock.acquire()
-        except TimeoutError:
-            raise sqlite3.OperationalError("database is locked") from None
-
-    def give(self) -> None:
-        self._lock.release()
-
-
 class Connection(aiosqlite.Connection):
-    def __init__(self, connector: Any, turn: WriteTurn) -> None:
-        super().__init__(connector, ITERATION_CHUNK)
-        self._turn = turn
-        self._holds_turn = False
-
     def cursor(self) -> Cursor:  # type: ignore[override]
         return Cursor(self)
 
@@ -137,47 +100,19 @@ class Connection(aiosqlite.Connection):
         self._tx.put_nowait((future, partial(function, self._connection, *arguments)))
         return await future
 
-    async def take_turn(self) -> None:
-        """This process's turn to write, before BEGIN IMMEDIATE; held to the transaction's end."""
-        if not self._holds_turn:
-            await self._turn.take()
-            self._holds_turn = True
-
-    def give_turn(self) -> None:
-        if self._holds_turn:
-            self._holds_turn = False
-            self._turn.give()
-
     async def commit(self) -> None:
-        try:
-            if self._connection is not None and self._connection.in_transaction:
-                await super().commit()
-        finally:
-            if self._connection is None or not self._connection.in_transaction:
-                self.give_turn()
+        if self._connection is not None and self._connection.in_transaction:
+            await super().commit()
 
     async def rollback(self) -> None:
-        try:
-            if self._connection is not None and self._connection.in_transaction:
-                await super().rollback()
-        finally:
-            self.give_turn()
-
-    async def close(self) -> None:
-        self.give_turn()
-        await super().close()
-
-    def stop(self) -> asyncio.Future[Any] | None:
-        """Close at once (SQLAlchemy's terminate of a connection it gave up on), giving up the turn."""
-        self.give_turn()
-        return super().stop()
+        if self._connection is not None and self._connection.in_transaction:
+            await super().rollback()
 
 
-async def connect(path: str, turn: WriteTurn) -> Connection:
-    """A connection to the SQLite file at ``path`` whose writers take ``turn``: its thread started (a daemon, as
-    SQLAlchemy makes aiosqlite's, so that a connection left open never holds up the interpreter's exit) and the
-    file opened with SQLite's busy timeout set to the turn's."""
-    connection = Connection(partial(sqlite3.connect, path, timeout=turn.timeout), turn)
+async def connect(path: str, timeout: float) -> Connection:
+    """A connection to the SQLite file at ``path``: its thread started (a daemon, as SQLAlchemy makes aiosqlite's,
+    so that a connection left open never holds up the interpreter's exit) and the file opened."""
+    connection = Connection(partial(sqlite3.connect, path, timeout=timeout), ITERATION_CHUNK)
     connection._thread.daemon = True
     await connection
     return connection
