@@ -6,18 +6,15 @@ import datetime
 import uuid
 
 import msgspec
-from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import failpoints, models
-from server.dispatch import queue
+from server.dispatch import lifecycle, queue
 from server.protocol import kinds, reactions
 from server.settings import Settings
 from server.store import evidencefiles, idempotency, measurements, views
 from server.store.idempotency import Stored
-
-EVENTS = insert(models.Event.metadata.tables["events"])
 
 
 async def events(
@@ -38,7 +35,7 @@ async def events(
         # One INSERT of every row, as a Core statement on the table: no ORM object each (a batch holds up to 10,000
         # events), and none of the ORM's bulk-insert bookkeeping, a third of a batch's CPU.
         await session.execute(
-            EVENTS,
+            lifecycle.NEW_EVENT,
             [
                 {
                     "experiment_id": job.experiment_id,

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.errors import CoopError
@@ -197,6 +198,10 @@ def move_attempt(
 def leased_state() -> JobState:
     """The state a claim gives a queued job (the claim itself is one SQL statement in queue.py)."""
     return job_target(J.QUEUED, J.LEASED)
+
+
+# An events row (a state event, or an event batch's rows) written without an ORM object.
+NEW_EVENT = insert(models.Event.metadata.tables["events"])
 
 
 def claim_event(job: models.Job, attempt_id: uuid.UUID, rank: int, number: int) -> dict[str, Any]:

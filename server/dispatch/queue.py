@@ -206,7 +206,6 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
 _CLAIM_BY_AGENT = _claim_statement(by_coordinator=False)
 _CLAIM_BY_COORDINATOR = _claim_statement(by_coordinator=True)
 _NEW_ATTEMPT = insert(models.Attempt.metadata.tables["attempts"])
-_NEW_EVENT = insert(models.Event.metadata.tables["events"])
 
 
 async def _claim_row(
@@ -333,7 +332,9 @@ async def claim(
             "lease_expires_at": assignment.lease_expires_at,
         },
     )
-    await session.execute(_NEW_EVENT, lifecycle.claim_event(job, assignment.attempt_id, rank, assignment.number))
+    await session.execute(
+        lifecycle.NEW_EVENT, lifecycle.claim_event(job, assignment.attempt_id, rank, assignment.number)
+    )
     return assignment
 
 
