@@ -6,9 +6,10 @@ Postgres.
   the client's wall time per request. On Postgres the database's own processes' CPU is given apart. The routes: a
   claim that hands out a one-rank job, the start of an attempt, a heartbeat naming 4 attempts, an event batch of 100,
   a prepare job's result, a blob upload of 1 MiB, ``GET /api/experiments`` and ``GET /health``.
-- **Throughput.** Claims per second and claim latency with N concurrent agents draining a queue of jobs, beside the
-  rate of ``GET /health`` (a route that does no work) from the same senders; a public read's latency while 64 claims
-  wait on an empty queue (and idle); events per second ingested in batches.
+- **Throughput.** Claims per second and claim latency with N concurrent agents draining a queue of jobs, each agent a
+  client with its own open connection, beside the rate of ``GET /health`` (a route that does no work) from as many
+  such senders; a public read's latency while 64 claims wait on an empty queue (and idle); events per second ingested
+  in batches.
 
 ``--baseline REV`` measures the server of commit REV too (from a git worktree, with the same virtual environment and
 the same client), in the same run: both servers run at once, each on a database of its own, and each route's
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -318,10 +319,10 @@ async def _measure(
         latencies: list[float] = []
         assignments: list[tuple[str, dict[str, Any]]] = []
 
-        async def claimer(token: str) -> None:
+        async def claimer(agent: httpx.AsyncClient, token: str) -> None:
             while True:
                 started = time.perf_counter()
-                reply = await client.post("/api/agents/claim", json={}, headers=bearer(token))
+                reply = await agent.post("/api/agents/claim", json={}, headers=bearer(token))
                 latencies.append(time.perf_counter() - started)
                 reply.raise_for_status()
                 assignment = reply.json()["assignment"]
@@ -329,14 +330,15 @@ async def _measure(
                     return
                 assignments.append((token, assignment))
 
-        began = time.perf_counter()
-        await asyncio.gather(*(claimer(token) for token in tokens))
-        claim_seconds = time.perf_counter() - began
+        async with _agent_clients(base, agents) as clients:
+            began = time.perf_counter()
+            await asyncio.gather(*(claimer(agent, token) for agent, token in zip(clients, tokens, strict=True)))
+            claim_seconds = time.perf_counter() - began
         assert len({a["job_id"] for _, a in assignments}) == len(assignments) == jobs, "a job was claimed twice"
 
         uploaders = assignments[:agents]
 
-        async def upload(uploads: httpx.AsyncClient, token: str, job: dict[str, Any]) -> None:
+        async def upload(agent: httpx.AsyncClient, token: str, job: dict[str, Any]) -> None:
             for sequence in range(batches):
                 body = {
                     "lease_token": job["lease_token"],
@@ -347,13 +349,13 @@ async def _measure(
                     **bearer(token),
                     "Idempotency-Key": f"{job['job_id']}:{job['attempt_id']}:{sequence}",
                 }
-                reply = await uploads.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
+                reply = await agent.post(f"/api/attempts/{job['attempt_id']}/events", json=body, headers=headers)
                 reply.raise_for_status()
 
         # New connections: one a claimer left idle longer than the server's keep-alive (5 s) may be closing.
-        async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as uploads:
+        async with _agent_clients(base, len(uploaders)) as clients:
             began = time.perf_counter()
-            await asyncio.gather(*(upload(uploads, token, job) for token, job in uploaders))
+            await asyncio.gather(*(upload(agent, *job) for agent, job in zip(clients, uploaders, strict=True)))
             event_seconds = time.perf_counter() - began
     floor = await _health_rate(base, agents, HEALTH_REQUESTS)
     reads = await _reads_while_claims_wait(base, tokens)
@@ -373,19 +375,32 @@ async def _measure(
     }
 
 
-async def _health_rate(base: str, agents: int, requests: int) -> float:
-    """``GET /health`` per second from ``agents`` concurrent senders: what this client and server answer for a
-    route that does no work, the ceiling of any route's rate on this machine. A client of its own, so that no
-    connection it leaves idle is reused by another phase after the server closed it (keep-alive, 5 s)."""
-    left = iter(range(requests))
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=agents)) as client:
+@contextlib.asynccontextmanager
+async def _agent_clients(base: str, agents: int) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """A client for each agent, its connection opened: an agent is a process of its own, and it keeps its connection
+    open (it heartbeats). One client shared by all would hand its connections out unevenly, and some agents' first
+    requests would wait in the client while the others claim."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=120)) for _ in range(agents)
+        ]
+        await asyncio.gather(*(client.get("/health") for client in clients))
+        yield clients
 
-        async def sender() -> None:
+
+async def _health_rate(base: str, agents: int, requests: int) -> float:
+    """``GET /health`` per second from ``agents`` concurrent senders, each a client of its own as the agents are:
+    what this client and server answer for a route that does no work, the ceiling of any route's rate on this
+    machine. New connections, so that none an earlier phase left idle is one the server closed (keep-alive, 5 s)."""
+    left = iter(range(requests))
+    async with _agent_clients(base, agents) as clients:
+
+        async def sender(client: httpx.AsyncClient) -> None:
             for _ in left:
                 (await client.get("/health")).raise_for_status()
 
         began = time.perf_counter()
-        await asyncio.gather(*(sender() for _ in range(agents)))
+        await asyncio.gather(*(sender(client) for client in clients))
         return requests / (time.perf_counter() - began)
 
 
