@@ -182,7 +182,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     if db.is_sqlite(settings.database_url):
         settings.home.mkdir(parents=True, exist_ok=True)
     engine = db.create_engine(settings.database_url)
-    woken = waiters.Claims(take_turns=db.is_sqlite(settings.database_url))
+    woken = waiters.Claims()
     config = SQLAlchemyAsyncConfig(
         engine_instance=engine,
         # advanced-alchemy's file-object and cache listeners serve columns and caches this coordinator does not

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from experiment.core.errors import CoopError
-from server import sqlitethread
+from server import sqlitedriver
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -31,9 +31,6 @@ def _sqlite_pragmas(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEn
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
-    # pysqlite's own deferred BEGIN would let a transaction read first and then fail to upgrade to a
-    # write lock (SQLITE_BUSY, which busy_timeout does not cover); we begin transactions ourselves.
-    dbapi_connection.isolation_level = None
 
 
 # session.info key: False makes the session's SQLite transactions readers (a deferred BEGIN, no write lock).
@@ -77,7 +74,9 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
     if is_sqlite(url):
         path = make_url(url).database or ""
         engine = create_async_engine(
-            url, async_creator=partial(sqlitethread.connect, path, SQLITE_BUSY_TIMEOUT_MS / 1000), **options
+            url,
+            async_creator=partial(sqlitedriver.connect, path, SQLITE_BUSY_TIMEOUT_MS / 1000),
+            **options,
         )
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

@@ -96,13 +96,12 @@ class AgentController(Controller):
         waiting = waiters.of(db_session)
         while True:
             ticket = waiting.ticket()
-            async with waiting.turn():
-                assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
-                if assignment is not None:
-                    await audit.record(
-                        db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
-                    )
-                await db_session.commit()  # within the turn; a claim that waits holds no transaction
+            assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
+            if assignment is not None:
+                await audit.record(
+                    db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
+                )
+            await db_session.commit()  # a claim that waits holds no transaction
             if assignment is not None:
                 metrics.claim_seconds.labels("assigned").observe(time.monotonic() - arrived)
                 return wire.ClaimReply(kinds.hand_out(settings, assignment), settings.heartbeat_seconds)

@@ -1,4 +1,4 @@
-"""The claims of one coordinator process: they wait for work without polling, and on SQLite they take turns.
+"""The claims of one coordinator process: they wait for work without polling.
 
 A transaction that makes a job claimable wakes the waiting claims once it commits.
 
@@ -9,9 +9,8 @@ coordinator process LISTENs on its own connection, so claims waiting in another 
 database wake too. A claim that is never woken still looks again every ``claim_recheck_seconds`` (a safety net
 for a lost listening connection).
 
-On SQLite the claims of a process take turns (an asyncio lock around each claim's transaction): a claim that
-found the write lock taken would otherwise sleep in SQLite's busy handler, in steps of up to 100 ms. Postgres
-claims run side by side (``FOR UPDATE SKIP LOCKED``).
+On SQLite a claim's transaction waits its turn to write as any writer does (server.sqlitedriver); Postgres claims
+run side by side (``FOR UPDATE SKIP LOCKED``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -37,20 +35,10 @@ _CLAIMABLE = "coop.claimable"
 
 
 class Claims:
-    """The claims of one coordinator process: woken when work is made; with ``take_turns``, one at a time."""
+    """The claims of one coordinator process, woken when work is made."""
 
-    def __init__(self, *, take_turns: bool) -> None:
+    def __init__(self) -> None:
         self._event = asyncio.Event()
-        self._turn = asyncio.Lock() if take_turns else None
-
-    @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """One claim's transaction: alone on SQLite, side by side on Postgres."""
-        if self._turn is None:
-            yield
-            return
-        async with self._turn:
-            yield
 
     def ticket(self) -> asyncio.Event:
         """Take this before looking for work; ``wait`` on it then wakes for any work made since."""
