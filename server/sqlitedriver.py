@@ -6,8 +6,11 @@ file's write turn, an asyncio lock of the event loop, and then runs each of its 
 
 - such a statement never waits for a lock: the transaction holds the file's write lock, and in WAL mode a read is
   never blocked;
-- it is short (a write transaction holds the write lock, so none may wait for anything);
+- it is short: every other writer waits while it runs, so the coordinator keeps its write transactions small;
 - a trip to another thread (that thread woken, then the event loop) costs more CPU than most such statements.
+
+The one longer step is SQLite's automatic checkpoint: the COMMIT that takes the WAL past 1,000 pages copies it into
+the database file before it returns, on the event loop like the rest of the transaction.
 
 A writer of this event loop that waits for its turn waits in asyncio, not in SQLite's busy handler, and gives up
 after the busy timeout with SQLite's own error. Statements of a read transaction (a deferred ``BEGIN``) go to a
