@@ -176,21 +176,20 @@ class Connection:
             return await self._thread(_execute, connection, sql, parameters, many)
         return _execute(connection, sql, parameters, many)
 
-    async def commit(self) -> None:
+    async def _end(self, end: Callable[[sqlite3.Connection], None]) -> None:
+        """``end`` (commit or rollback) the open transaction, if one is open, and give the turn back."""
         connection = await self._settled()
         try:
             if connection.in_transaction:
-                connection.commit()
+                end(connection)
         finally:
             self._end_turn_if_done(connection)
 
+    async def commit(self) -> None:
+        await self._end(sqlite3.Connection.commit)
+
     async def rollback(self) -> None:
-        connection = await self._settled()
-        try:
-            if connection.in_transaction:
-                connection.rollback()
-        finally:
-            self._end_turn_if_done(connection)
+        await self._end(sqlite3.Connection.rollback)
 
     async def create_function(self, *arguments: Any, **named: Any) -> None:
         (await self._settled()).create_function(*arguments, **named)
