@@ -3,9 +3,9 @@
 It knows jobs and attempts only: every call that ends attempts returns what ended (``Ended``), and the caller
 hands that to server.protocol.reactions, which records what a success commits and advances the experiment.
 
-A claim is one UPDATE … RETURNING of one job row chosen by a subquery (``FOR UPDATE SKIP LOCKED`` on Postgres,
-where claims also take turns on an advisory lock; on SQLite the write lock taken at BEGIN IMMEDIATE serialises
-claimers), built once and bound to each claim's parameters. Each lease is an
+A claim is one UPDATE … RETURNING of one job row chosen by a subquery (on Postgres ``FOR UPDATE``, waiting for
+an open gang rank's row and skipping a locked queued job, where claims also take turns on an advisory lock; on SQLite
+the write lock taken at BEGIN IMMEDIATE serialises claimers), built once and bound to each claim's parameters. Each lease is an
 attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
 
 Retries (lifecycle.JOB_TRANSITIONS says why): a lost job is queued again while it has had fewer than
@@ -154,7 +154,7 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
         .exists()
     )
 
-    def oldest(*where: ColumnElement[bool]) -> ScalarSelect[uuid.UUID]:
+    def oldest(*where: ColumnElement[bool], skip_locked: bool) -> ScalarSelect[uuid.UUID]:
         """The oldest job of the claim's kinds that meets ``where``: read in the order of the state's index
         (ix_jobs_state_queued), which stops at the first that does."""
         return (
@@ -162,13 +162,16 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
             .where(*where, candidate.kind.in_(bindparam("kinds", expanding=True)), live)
             .order_by(candidate.queued_at, candidate.id)
             .limit(1)
-            .with_for_update(skip_locked=True)
+            .with_for_update(skip_locked=skip_locked)
             .scalar_subquery()
         )
 
+    # An open rank of a forming gang is waited for while another transaction holds its job's row (a rank starting,
+    # a heartbeat): skipping it would start another gang on this agent, and leave both a rank short until their
+    # formation wait ends. Claims never wait on each other's rows: on Postgres they take turns (CLAIM_TURN).
     chosen = func.coalesce(
-        oldest(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another),
-        oldest(candidate.state == J.QUEUED, open_to_this(candidate)),
+        oldest(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another, skip_locked=False),
+        oldest(candidate.state == J.QUEUED, open_to_this(candidate), skip_locked=True),
     )
     job = models.Job
     was_queued = job.state == J.QUEUED

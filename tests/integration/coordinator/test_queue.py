@@ -301,6 +301,46 @@ def test_two_claims_at_one_instant_form_one_gang_rather_than_two_halves(
     assert len(pairs) == 2 and str(won.job_id) in pairs
 
 
+def test_a_claim_joins_the_forming_gang_while_a_rank_of_it_holds_its_job_row(
+    make_settings: Callable[..., Settings], database_url: str
+) -> None:
+    """Two gangs queued; the first agent holds rank 0 of one, and its start (which holds the job's row) is under way
+    when the second agent claims. The second joins that gang: taking rank 0 of the other would leave both gangs a
+    rank short until their formation wait ends."""
+    settings = make_settings(lease_seconds=30, heartbeat_seconds=0.2)
+    with running(settings) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        for _ in range(2):  # two experiments' training queued; their singles are cancelled: two gangs stay queued
+            experiment = prepared_experiment(api, a)
+            for job in api.get(f"/api/experiments/{experiment['id']}/jobs"):
+                if job["kind"] == "train" and job["world_size"] == 1:
+                    assert api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 1}).status_code == 201
+        api.agent("first"), api.agent("second")
+        ids = {agent["name"]: uuid.UUID(agent["id"]) for agent in api.get("/api/agents")}
+
+    async def claims() -> tuple[wire.Assignment | None, wire.Assignment | None]:
+        engine = db.create_engine(database_url)
+        sessions = db.session_maker(engine)
+        try:
+            async with sessions() as one, sessions() as starting, sessions() as two:
+                won = await _claim_in(one, settings, ids["first"])
+                assert won is not None
+                async with starting.begin():
+                    await starting.get_one(models.Job, won.job_id, with_for_update=True)  # as a rank's start does
+                    other = asyncio.create_task(_claim_in(two, settings, ids["second"]))
+                    await asyncio.sleep(0.5)  # the second claim is made while the row is held
+                joined = await other
+            return won, joined
+        finally:
+            await engine.dispose()
+
+    won, joined = asyncio.run(claims())
+    assert won is not None and joined is not None
+    assert (won.rank, joined.rank) == (0, 1)
+    assert joined.job_id == won.job_id
+
+
 async def _claim_in(session: AsyncSession, settings: Settings, agent_id: uuid.UUID) -> wire.Assignment | None:
     async with session.begin():
         agent = await session.get_one(models.Agent, agent_id)
