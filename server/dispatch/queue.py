@@ -3,10 +3,10 @@
 It knows jobs and attempts only: every call that ends attempts returns what ended (``Ended``), and the caller
 hands that to server.protocol.reactions, which records what a success commits and advances the experiment.
 
-A claim is one UPDATE … RETURNING of one job row chosen by a subquery (on Postgres ``FOR UPDATE``, waiting for
-an open gang rank's row and skipping a locked queued job, where claims also take turns on an advisory lock; on SQLite
-the write lock taken at BEGIN IMMEDIATE serialises claimers), built once and bound to each claim's parameters. Each lease is an
-attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
+A claim is one UPDATE … RETURNING of one job row chosen by a subquery, built once and bound to each claim's
+parameters. On Postgres the subquery reads ``FOR UPDATE``: it waits for an open gang rank's row and skips a locked
+queued job, and claims take turns on an advisory lock. On SQLite the write lock taken at BEGIN IMMEDIATE serialises
+claimers. Each lease is an attempt row; a retry is a new attempt row, and no attempt is rewritten once it has ended.
 
 Retries (lifecycle.JOB_TRANSITIONS says why): a lost job is queued again while it has had fewer than
 ``max_attempts`` generations; a failed one is final. A gang that does not form within ``gang_form_seconds``
