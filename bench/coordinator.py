@@ -442,8 +442,8 @@ async def _reads_while_claims_wait(base: str, tokens: list[str], reads: int = 50
 async def _statement_floor(url: str, token_secret: str, count: int = 2000) -> dict[str, float]:
     """The CPU (this process, threads included, on uvloop as the server runs) of one statement at each layer the
     coordinator stacks on the database, in µs: the bare async driver, SQLAlchemy's async session sending raw SQL,
-    and an ORM select of one row by key as the server's token lookup makes it; and an empty write transaction of the
-    coordinator's session."""
+    an ORM select of one row by key, and the server's own token lookup (a Core select of the token and its agent);
+    and an empty write transaction of the coordinator's session."""
     from sqlalchemy import bindparam, select, text
 
     from server import db, models
@@ -491,6 +491,7 @@ async def _statement_floor(url: str, token_secret: str, count: int = 2000) -> di
                         by_digest, {"digest": digest}, execution_options={"populate_existing": True}
                     )
                 )
+                figures["token_lookup_us"] = await per_call(lambda: tokens.lookup_with_agent(session, token_secret))
 
         async def transaction() -> None:
             async with sessions() as session, session.begin():

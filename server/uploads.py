@@ -9,7 +9,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import failpoints, models
+from server import failpoints
 from server.dispatch import lifecycle, queue
 from server.protocol import kinds, reactions
 from server.settings import Settings
@@ -20,7 +20,7 @@ from server.store.idempotency import Stored
 async def events(
     session: AsyncSession,
     settings: Settings,
-    agent: models.Agent,
+    agent: queue.Caller,
     attempt_id: uuid.UUID,
     body: wire.EventBatch,
     key: str | None,
@@ -58,7 +58,7 @@ async def events(
 async def result(
     session: AsyncSession,
     settings: Settings,
-    agent: models.Agent,
+    agent: queue.Caller,
     attempt_id: uuid.UUID,
     body: wire.AttemptResult,
     key: str | None,

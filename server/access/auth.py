@@ -17,10 +17,11 @@ from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from server import db, models
+from server import db
 from server.access import tokens
 from server.access.tokens import Principal
 from server.dispatch.lifecycle import Refused
+from server.dispatch.queue import Caller
 from server.httperrors import Forbidden, Unauthenticated
 from server.settings import Settings
 
@@ -115,9 +116,9 @@ def provide_principal(request: Request[Any, Any, Any]) -> Principal:
     return principal
 
 
-def provide_agent(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> models.Agent:
-    """The calling agent's row, read by the guard."""
+def provide_agent(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Caller:
+    """The calling agent, as the guard read its row."""
     agent = request.state.get("agent")
-    if not isinstance(agent, models.Agent):
+    if not isinstance(agent, Caller):
         raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it claims work")
     return agent

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment.core.errors import CoopError
 from server import models
 from server.access.roles import ROLES, Role
+from server.dispatch.queue import Caller
 
 PREFIX = "coop_"
 
@@ -45,11 +46,22 @@ async def create(session: AsyncSession, role: str, name: str) -> str:
     return secret
 
 
-# A token by its digest, with the agent registered under it: one statement, built once.
+# A token by its digest, with the agent registered under it: one Core statement, built once, whose row becomes plain
+# records (loading a token and an agent as ORM objects cost a third more, on every request with a token).
+_tokens, _agents = (models.Token.metadata.tables[name] for name in ("tokens", "agents"))
 _BY_DIGEST = (
-    select(models.Token, models.Agent)
-    .outerjoin(models.Agent, models.Agent.token_id == models.Token.id)
-    .where(models.Token.secret_sha256 == bindparam("digest"))
+    select(
+        _tokens.c.id,
+        _tokens.c.name,
+        _tokens.c.role,
+        _tokens.c.revoked_at,
+        _agents.c.id.label("agent_id"),
+        _agents.c.address,
+        _agents.c.private_address,
+        _agents.c.last_seen_at,
+    )
+    .select_from(_tokens.outerjoin(_agents, _agents.c.token_id == _tokens.c.id))
+    .where(_tokens.c.secret_sha256 == bindparam("digest"))
 )
 
 
@@ -57,17 +69,17 @@ async def lookup(session: AsyncSession, secret: str) -> Principal | None:
     return (await lookup_with_agent(session, secret))[0]
 
 
-async def lookup_with_agent(session: AsyncSession, secret: str) -> tuple[Principal | None, models.Agent | None]:
+async def lookup_with_agent(session: AsyncSession, secret: str) -> tuple[Principal | None, Caller | None]:
     """Who the secret is (None: unknown, revoked or of a role this coordinator does not know, which grants
     nothing), and the agent registered under its token, if any."""
     row = (await session.execute(_BY_DIGEST, {"digest": digest(secret)})).first()
     if row is None:
         return None, None
-    token, agent = row
-    role = next((known for known in ROLES if known == token.role), None)
-    if token.revoked_at is not None or role is None:
+    role = next((known for known in ROLES if known == row.role), None)
+    if row.revoked_at is not None or role is None:
         return None, None
-    return Principal(token.id, token.name, role), agent
+    agent = None if row.agent_id is None else Caller(row.agent_id, row.address, row.private_address, row.last_seen_at)
+    return Principal(row.id, row.name, role), agent
 
 
 async def revoke(session: AsyncSession, name: str) -> None:

@@ -74,7 +74,7 @@ class AgentController(Controller):
         data: JSONBody[wire.HeartbeatRequest],
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
-        agent: NamedDependency[models.Agent],
+        agent: NamedDependency[queue.Caller],
     ) -> wire.HeartbeatReply:
         return await reactions.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
 
@@ -85,7 +85,7 @@ class AgentController(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
-        agent: NamedDependency[models.Agent],
+        agent: NamedDependency[queue.Caller],
         metrics: NamedDependency[Metrics],
     ) -> wire.ClaimReply:
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.dispatch.waiters)."""

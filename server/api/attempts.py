@@ -79,7 +79,7 @@ class AttemptController(Controller):
         data: JSONBody[wire.LeaseProof],
         db_session: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
-        agent: NamedDependency[models.Agent],
+        agent: NamedDependency[queue.Caller],
     ) -> wire.Attempt:
         attempt = await queue.start(db_session, agent, attempt_id, data.lease_token)
         await audit.record(db_session, principal, "attempt.start", f"attempt:{attempt_id}")
@@ -101,7 +101,7 @@ class AttemptController(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
-        agent: NamedDependency[models.Agent],
+        agent: NamedDependency[queue.Caller],
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
         stored = await uploads.events(db_session, settings, agent, attempt_id, data, idempotency_key)
@@ -123,7 +123,7 @@ class AttemptController(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
-        agent: NamedDependency[models.Agent],
+        agent: NamedDependency[queue.Caller],
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
         stored = await uploads.result(db_session, settings, agent, attempt_id, data, idempotency_key)

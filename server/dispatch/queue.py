@@ -39,7 +39,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute, aliased
-from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql.selectable import ExecutableReturnsRows, ScalarSelect
 from uuid_utils.compat import uuid7
 
@@ -59,6 +58,16 @@ NOT_HELD = "not held by its agent: its heartbeat did not name it"
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The agent a request comes from, as the guard read its row with its token: what the queue judges it by."""
+
+    id: uuid.UUID
+    address: str
+    private_address: str | None
+    last_seen_at: datetime.datetime
 
 
 @dataclass(frozen=True)
@@ -212,7 +221,7 @@ _NEW_ATTEMPT = insert(models.Attempt.metadata.tables["attempts"])
 
 
 async def _claim_row(
-    session: AsyncSession, agent: models.Agent | None, kinds: Sequence[str], claim_key: str | None
+    session: AsyncSession, agent: Caller | None, kinds: Sequence[str], claim_key: str | None
 ) -> models.Job | None:
     """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job; none where
     the agent gave ``claim_key`` before."""
@@ -261,7 +270,7 @@ _BY_CLAIM_KEY = (
 
 
 async def _claimed_before(
-    session: AsyncSession, settings: Settings, agent: models.Agent, claim_key: str
+    session: AsyncSession, settings: Settings, agent: Caller, claim_key: str
 ) -> wire.Assignment | Literal[False] | None:
     """The attempt a retried claim was given the first time (its reply was lost), with a new lease token;
     None when that attempt has ended since; False when the key is new."""
@@ -277,7 +286,7 @@ async def _claimed_before(
 async def claim(
     session: AsyncSession,
     settings: Settings,
-    agent: models.Agent | None,
+    agent: Caller | None,
     kinds: Sequence[str],
     claim_key: str | None = None,
 ) -> wire.Assignment | None:
@@ -459,7 +468,7 @@ async def renew_after_restart(session: AsyncSession, settings: Settings) -> int:
 
 
 async def owned_attempt(
-    session: AsyncSession, agent: models.Agent | None, attempt_id: uuid.UUID, lease_token: str | None
+    session: AsyncSession, agent: Caller | None, attempt_id: uuid.UUID, lease_token: str | None
 ) -> tuple[models.Job, models.Attempt]:
     """The attempt and its job, if this agent (None: the coordinator) holds it (and, when given, the lease token
     matches)."""
@@ -482,9 +491,7 @@ def require_active(attempt: models.Attempt) -> None:
         )
 
 
-async def start(
-    session: AsyncSession, agent: models.Agent | None, attempt_id: uuid.UUID, lease_token: str
-) -> models.Attempt:
+async def start(session: AsyncSession, agent: Caller | None, attempt_id: uuid.UUID, lease_token: str) -> models.Attempt:
     job, attempt = await owned_attempt(session, agent, attempt_id, lease_token)
     require_active(attempt)
     if attempt.state == J.LEASED:
@@ -514,16 +521,23 @@ async def finish(
     return await _settle(session, job, attempt)
 
 
-# The active attempts of an agent, built once.
+# A heartbeat's reads and writes, as Core statements built once: the unit of work's flush of the same rows cost a
+# third of a heartbeat's CPU, and loading the held attempts as ORM objects a tenth. ``updated_at`` is set as the
+# ORM's listener would set it.
+_attempts, _agents = (models.Attempt.metadata.tables[name] for name in ("attempts", "agents"))
+# The active attempts of an agent: what a heartbeat judges and answers them by.
 _HELD = (
-    select(models.Attempt)
-    .where(models.Attempt.agent_id == bindparam("agent_id"), models.Attempt.state.in_(ACTIVE))
-    .order_by(models.Attempt.id)
+    select(
+        _attempts.c.id,
+        _attempts.c.job_id,
+        _attempts.c.claim_key,
+        _attempts.c.created_at,
+        _attempts.c.cancel_deadline,
+    )
+    .where(_attempts.c.agent_id == bindparam("agent_id"), _attempts.c.state.in_(ACTIVE))
+    .order_by(_attempts.c.id)
     .with_for_update()
 )
-# A heartbeat's writes, as Core statements built once: the unit of work's flush of the same rows cost a third of a
-# heartbeat's CPU. ``updated_at`` is set as the ORM's listener would set it.
-_attempts, _agents = (models.Attempt.metadata.tables[name] for name in ("attempts", "agents"))
 _RENEW = (
     update(_attempts)
     .where(_attempts.c.id.in_(bindparam("ids", expanding=True)))
@@ -539,7 +553,7 @@ _SEEN = (
 async def heartbeat(
     session: AsyncSession,
     settings: Settings,
-    agent: models.Agent,
+    agent: Caller,
     attempt_ids: Sequence[uuid.UUID],
     claiming: str | None = None,
 ) -> tuple[wire.HeartbeatReply, list[Ended]]:
@@ -554,25 +568,31 @@ async def heartbeat(
     previous = agent.last_seen_at
     named = set(attempt_ids)
     ended = []
-    held = await session.scalars(_HELD, {"agent_id": agent.id})
-    active_ = {attempt.id: attempt for attempt in held}
+    held = {row.id: row for row in await session.execute(_HELD, {"agent_id": agent.id})}
     renewed = []
-    for active in active_.values():
-        if active.id in named or (claiming is not None and active.claim_key == claiming):
-            renewed.append(active.id)
-            set_committed_value(active, "lease_expires_at", expires)
-        elif active.created_at < previous:
-            job = await session.get_one(models.Job, active.job_id, with_for_update=True)
+    for row in held.values():
+        if row.id in named or (claiming is not None and row.claim_key == claiming):
+            renewed.append(row.id)
+        elif row.created_at < previous:
+            job = await session.get_one(models.Job, row.job_id, with_for_update=True)
+            active = await session.get_one(models.Attempt, row.id)
             lifecycle.move_attempt(session, job, active, J.LOST, NOT_HELD)
             ended.append(await _settle(session, job, active))
     if renewed:
         await session.execute(_RENEW, {"ids": renewed, "expires": expires, "now": now})
     await session.execute(_SEEN, {"agent_id": agent.id, "now": now})
-    set_committed_value(agent, "last_seen_at", now)
     directives = []
     for attempt_id in attempt_ids:
-        # What the session holds of an attempt is current: every change in this transaction went through it.
-        attempt = active_.get(attempt_id) or await session.get(models.Attempt, attempt_id, populate_existing=True)
+        # An attempt named and held goes on, or stops where cancelled. Any other, and every one once this heartbeat
+        # ended attempts (which may have ended others with them), is read as it is now.
+        if not ended and (renewing := held.get(attempt_id)) is not None:
+            deadline = renewing.cancel_deadline
+            if deadline is None:
+                directives.append(wire.Directive(attempt_id, "continue"))
+            else:
+                directives.append(wire.Directive(attempt_id, "stop", "cancelled by the operator", deadline))
+            continue
+        attempt = await session.get(models.Attempt, attempt_id, populate_existing=True)
         if attempt is None or attempt.agent_id != agent.id:
             directives.append(wire.Directive(attempt_id, "stop", "this agent holds no such attempt"))
         elif attempt.state not in ACTIVE:

@@ -53,7 +53,7 @@ async def finish(
 async def heartbeat(
     session: AsyncSession,
     settings: Settings,
-    agent: models.Agent,
+    agent: queue.Caller,
     attempt_ids: Sequence[uuid.UUID],
     claiming: str | None = None,
 ) -> wire.HeartbeatReply:

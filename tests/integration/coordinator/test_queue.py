@@ -285,8 +285,7 @@ def test_two_claims_at_one_instant_form_one_gang_rather_than_two_halves(
         try:
             async with sessions() as one, sessions() as two:
                 async with one.begin():
-                    agent = await one.get_one(models.Agent, ids["first"])
-                    won = await queue.claim(one, settings, agent, ["train"])
+                    won = await queue.claim(one, settings, await _caller(one, ids["first"]), ["train"])
                     other = asyncio.create_task(_claim_in(two, settings, ids["second"]))
                     await asyncio.sleep(0.5)  # the second claim is made while the first has not committed
                 joined = await other
@@ -341,7 +340,12 @@ def test_a_claim_joins_the_forming_gang_while_a_rank_of_it_holds_its_job_row(
     assert joined.job_id == won.job_id
 
 
+async def _caller(session: AsyncSession, agent_id: uuid.UUID) -> queue.Caller:
+    """The agent as the guard reads it for a request."""
+    row = await session.get_one(models.Agent, agent_id)
+    return queue.Caller(row.id, row.address, row.private_address, row.last_seen_at)
+
+
 async def _claim_in(session: AsyncSession, settings: Settings, agent_id: uuid.UUID) -> wire.Assignment | None:
     async with session.begin():
-        agent = await session.get_one(models.Agent, agent_id)
-        return await queue.claim(session, settings, agent, ["train"])
+        return await queue.claim(session, settings, await _caller(session, agent_id), ["train"])
