@@ -265,19 +265,7 @@ def test_two_claims_at_one_instant_form_one_gang_rather_than_two_halves(
     """Two gangs queued and two free agents claiming at once: the second claim joins the gang the first is forming.
     The first claim's transaction is held open while the second is made, as a simultaneous one would be."""
     settings = make_settings(lease_seconds=30, heartbeat_seconds=0.2)
-    with running(settings) as client:
-        api = Api(client, database_url)
-        a = api.agent("a")
-        pairs = []
-        for _ in range(2):  # two experiments' training queued; their singles are cancelled: two gangs stay queued
-            experiment = prepared_experiment(api, a)
-            for job in api.get(f"/api/experiments/{experiment['id']}/jobs"):
-                if job["kind"] == "train" and job["world_size"] == 1:
-                    assert api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 1}).status_code == 201
-                elif job["kind"] == "train":
-                    pairs.append(job["id"])
-        api.agent("first"), api.agent("second")
-        ids = {agent["name"]: uuid.UUID(agent["id"]) for agent in api.get("/api/agents")}
+    pairs, ids = _two_gangs_queued(settings, database_url)
 
     async def race() -> tuple[wire.Assignment | None, wire.Assignment | None]:
         engine = db.create_engine(database_url)
@@ -307,16 +295,7 @@ def test_a_claim_joins_the_forming_gang_while_a_rank_of_it_holds_its_job_row(
     when the second agent claims. The second joins that gang: taking rank 0 of the other would leave both gangs a
     rank short until their formation wait ends."""
     settings = make_settings(lease_seconds=30, heartbeat_seconds=0.2)
-    with running(settings) as client:
-        api = Api(client, database_url)
-        a = api.agent("a")
-        for _ in range(2):  # two experiments' training queued; their singles are cancelled: two gangs stay queued
-            experiment = prepared_experiment(api, a)
-            for job in api.get(f"/api/experiments/{experiment['id']}/jobs"):
-                if job["kind"] == "train" and job["world_size"] == 1:
-                    assert api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 1}).status_code == 201
-        api.agent("first"), api.agent("second")
-        ids = {agent["name"]: uuid.UUID(agent["id"]) for agent in api.get("/api/agents")}
+    _, ids = _two_gangs_queued(settings, database_url)
 
     async def claims() -> tuple[wire.Assignment | None, wire.Assignment | None]:
         engine = db.create_engine(database_url)
@@ -338,6 +317,24 @@ def test_a_claim_joins_the_forming_gang_while_a_rank_of_it_holds_its_job_row(
     assert won is not None and joined is not None
     assert (won.rank, joined.rank) == (0, 1)
     assert joined.job_id == won.job_id
+
+
+def _two_gangs_queued(settings: Settings, database_url: str) -> tuple[list[str], dict[str, uuid.UUID]]:
+    """Two experiments' training queued, their singles cancelled, so that two gangs stay queued; and two free agents
+    registered, "first" and "second". The gangs' job ids, and the agents' ids by name."""
+    with running(settings) as client:
+        api = Api(client, database_url)
+        a = api.agent("a")
+        pairs = []
+        for _ in range(2):
+            experiment = prepared_experiment(api, a)
+            for job in api.get(f"/api/experiments/{experiment['id']}/jobs"):
+                if job["kind"] == "train" and job["world_size"] == 1:
+                    assert api.operator_post(f"/api/jobs/{job['id']}/cancel", {"grace_seconds": 1}).status_code == 201
+                elif job["kind"] == "train":
+                    pairs.append(job["id"])
+        api.agent("first"), api.agent("second")
+        return pairs, {agent["name"]: uuid.UUID(agent["id"]) for agent in api.get("/api/agents")}
 
 
 async def _caller(session: AsyncSession, agent_id: uuid.UUID) -> queue.Caller:
