@@ -15,6 +15,7 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Scope
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment import wire
@@ -92,6 +93,17 @@ def _problem(_: Request[object, object, State], exc: Exception) -> Response[wire
     return Response(
         wire.Problem(status, str(exc), _rule(exc)), status_code=status, media_type=MediaType.JSON, headers=headers
     )
+
+
+def _database_error(_: Request[object, object, State], exc: DBAPIError) -> Response[wire.Problem]:
+    """A connection the database dropped (it restarted) is 503 with Retry-After: the request's transaction ended
+    with it, committed or not, and its retry under the same keys (as agents retry) meets a new connection and gets
+    the one answer. Any other database error is the coordinator's own, logged as a server error."""
+    if not exc.connection_invalidated:
+        log.error("a request failed in the database", exc_info=exc)
+        return Response(wire.Problem(500, "Internal Server Error"), status_code=500, media_type=MediaType.JSON)
+    detail = "the coordinator lost its connection to the database; retry the request"
+    return Response(wire.Problem(503, detail), status_code=503, media_type=MediaType.JSON, headers={"Retry-After": "1"})
 
 
 def _count_refused_uploads(metrics: Metrics) -> Callable[[Exception, Scope], Awaitable[None]]:
@@ -220,7 +232,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         },
         guards=[auth.authorize],
         before_request=bodies.before_request,
-        exception_handlers={CoopError: _problem},
+        exception_handlers={CoopError: _problem, DBAPIError: _database_error},
         after_exception=[_count_refused_uploads(metrics)],
         template_config=web_templates(),
         lifespan=[_background(settings, sessions, woken, metrics)],

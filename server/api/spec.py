@@ -29,6 +29,7 @@ _PROBLEMS = {
     404: "No such experiment, job, attempt or blob",
     409: "Refused by the protocol: the rule names the step or state that forbids it",
     413: "The body is larger than this route's limit",
+    503: "The coordinator lost its connection to the database (it restarted): retry after Retry-After seconds",
     507: "The blob store's disk is full: nothing was kept; send the same upload again once space is freed",
 }
 
@@ -67,7 +68,7 @@ def _security(roles: Iterable[str]) -> list[dict[str, list[str]]]:
 def read(*, found: bool = True) -> Route:
     """A public read (a token of any role when reads are not public); ``found``: it names a row (404)."""
     return {
-        "responses": responses(400, 401, *((404,) if found else ())),
+        "responses": responses(400, 401, 503, *((404,) if found else ())),
         "security": [{}, *_security(ROLES)],
     }
 
@@ -75,7 +76,7 @@ def read(*, found: bool = True) -> Route:
 def private_read(*roles: str) -> Route:
     """A read that needs a token of one of ``roles`` whatever COOP_PUBLIC_READ says (the coordinator's own
     metrics)."""
-    return {"opt": {"role": roles}, "responses": responses(401, 403), "security": _security(roles)}
+    return {"opt": {"role": roles}, "responses": responses(401, 403, 503), "security": _security(roles)}
 
 
 def write(
@@ -91,7 +92,7 @@ def write(
     (server.prometheus)."""
     route: Route = {
         "opt": {"role": role, **({UPLOAD: upload} if upload else {})},
-        "responses": responses(400, 401, 403, 409, 413, *((404,) if found else ())),
+        "responses": responses(400, 401, 403, 409, 413, 503, *((404,) if found else ())),
         "security": _security((role,) if isinstance(role, str) else role),
     }
     if streams or body is not None:

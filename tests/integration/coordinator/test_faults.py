@@ -3,6 +3,7 @@ agent or host behaves, and checks that the coordinator ends in a state that reco
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import json
@@ -16,11 +17,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from agent.client import Coordinator as AgentClient
+from agent.client import upload_key
 from agent.loop import Agent as AgentLoop
 from agent.loop import Settings as AgentSettings
+from agent.loop import to_event
 from agent.spool import OpenAttempt, Spool
 from experiment import wire
 from tests.support.agent import FakeAgent, answer, answers_file, rejection
@@ -447,3 +453,56 @@ def test_a_fuzzer_over_the_openapi_document_finds_no_server_error(database_url: 
     result = run(backend, examples=5)
     assert result["requests"] > 500 and result["server_errors"] == 0, result["first_server_errors"]
     assert {"400", "401", "403", "404", "409"} <= set(result["statuses"])
+
+
+# 10. A connection the database drops costs one retry ----------------------------------------------------------
+
+
+def _end_pooled_connections(url: str) -> int:
+    """End the coordinator's pooled connections from the database's side, as a restart or an idle timeout of the
+    server does (its listener for claimable jobs, whose reconnect would wake a background round, is spared); how
+    many ended."""
+
+    async def end() -> int:
+        engine = create_async_engine(url, isolation_level="AUTOCOMMIT")
+        try:
+            async with engine.connect() as connection:
+                ended = await connection.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND pid <> pg_backend_pid() AND query NOT LIKE 'LISTEN%'"
+                    )
+                )
+                return sum(1 for (done,) in ended if done)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(end())
+
+
+@pytest.mark.parametrize("migrated_database", ["postgres"], indirect=True)
+def test_a_connection_the_database_ends_costs_one_503_and_the_retry_is_kept_once(
+    serve: Callable[..., Server],
+) -> None:
+    # No reaper or report round in the test's time: the test's request is the first to meet a dropped connection.
+    server = serve(COOP_REAP_SECONDS="3600", COOP_CLAIM_RECHECK_SECONDS="3600")
+    a = server.agent("a")
+    _, job = server.running(a)
+    a.printed(job, 0, "before")
+    assert _end_pooled_connections(server.url) >= 1
+
+    batch = wire.EventBatch(lease_token=job.lease_token, sequence=1, events=[to_event("after")[0]])
+    upload = {
+        "url": f"/api/attempts/{job.attempt_id}/events",
+        "content": msgspec.json.encode(batch),
+        "headers": {**bearer(a.token), "Idempotency-Key": upload_key(job.job_id, job.attempt_id, 1)},
+    }
+    lost = server.http.post(**upload)
+    assert lost.status_code == 503 and lost.headers["Retry-After"] == "1", lost.text
+    assert "database" in lost.json()["detail"]
+    kept, replay = server.http.post(**upload), server.http.post(**upload)
+    assert kept.status_code == replay.status_code == 201, (kept.text, replay.text)
+    assert replay.content == kept.content  # the stored reply: the batch was recorded once
+    assert _output(server, job) == ["before", "after"]
+    assert a.heartbeat(job).directives[0].action == "continue"
+    assert server.attempt(job)["state"] == "running"
