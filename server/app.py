@@ -23,7 +23,7 @@ from experiment.core.errors import CoopError
 from experiment.core.states import JobState
 from server import db, failpoints, reporter
 from server.access import auth
-from server.api import spec
+from server.api import calls, spec
 from server.api.agents import AgentController
 from server.api.attempts import AttemptController
 from server.api.blobs import BlobController
@@ -229,6 +229,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "principal": Provide(auth.provide_principal, sync_to_thread=False),
             "agent": Provide(auth.provide_agent, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
+            "call": Provide(calls.provider(metrics), sync_to_thread=False),
         },
         guards=[auth.authorize],
         before_request=bodies.before_request,

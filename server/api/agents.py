@@ -16,10 +16,9 @@ from server import models
 from server.access import audit
 from server.access.tokens import Principal
 from server.api import spec
+from server.api.calls import AgentCall
 from server.dispatch import queue, waiters
-from server.prometheus import Metrics
 from server.protocol import kinds, reactions
-from server.settings import Settings
 from server.store import views
 
 
@@ -72,23 +71,18 @@ class AgentController(Controller):
     async def heartbeat(
         self,
         data: JSONBody[wire.HeartbeatRequest],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        agent: NamedDependency[queue.Caller],
+        call: NamedDependency[AgentCall],
     ) -> wire.HeartbeatReply:
-        return await reactions.heartbeat(db_session, settings, agent, data.attempt_ids, data.claiming)
+        return await reactions.heartbeat(call.session, call.settings, call.agent, data.attempt_ids, data.claiming)
 
     @post("/claim", operation_id="claimJob", status_code=200, **spec.write("agent", found=False))
     async def claim(
         self,
         data: JSONBody[wire.ClaimRequest],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
-        agent: NamedDependency[queue.Caller],
-        metrics: NamedDependency[Metrics],
+        call: NamedDependency[AgentCall],
     ) -> wire.ClaimReply:
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.dispatch.waiters)."""
+        db_session, settings, metrics = call.session, call.settings, call.metrics
         arrived = time.monotonic()
         deadline = arrived + min(data.wait_seconds, settings.max_claim_wait_seconds)
         # Agents run every kind but the coordinator's own (server.reporter), or those they ask for among them.
@@ -96,10 +90,10 @@ class AgentController(Controller):
         waiting = waiters.of(db_session)
         while True:
             ticket = waiting.ticket()
-            assignment = await queue.claim(db_session, settings, agent, wanted, data.claim_key)
+            assignment = await queue.claim(db_session, settings, call.agent, wanted, data.claim_key)
             if assignment is not None:
                 await audit.record(
-                    db_session, principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
+                    db_session, call.principal, "job.claim", f"attempt:{assignment.attempt_id}", rank=assignment.rank
                 )
             await db_session.commit()  # a claim that waits holds no transaction
             if assignment is not None:

@@ -14,11 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import models, uploads
 from server.access import audit
-from server.access.tokens import Principal
 from server.api import spec
+from server.api.calls import AgentCall
 from server.dispatch import queue
 from server.httperrors import NotFound
-from server.settings import Settings
 from server.store import cursors, views
 from server.store.idempotency import Stored
 
@@ -77,14 +76,12 @@ class AttemptController(Controller):
         self,
         attempt_id: FromPath[uuid.UUID],
         data: JSONBody[wire.LeaseProof],
-        db_session: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        agent: NamedDependency[queue.Caller],
+        call: NamedDependency[AgentCall],
     ) -> wire.Attempt:
-        attempt = await queue.start(db_session, agent, attempt_id, data.lease_token)
-        await audit.record(db_session, principal, "attempt.start", f"attempt:{attempt_id}")
-        await db_session.flush()
-        await db_session.refresh(attempt)
+        attempt = await queue.start(call.session, call.agent, attempt_id, data.lease_token)
+        await audit.record(call.session, call.principal, "attempt.start", f"attempt:{attempt_id}")
+        await call.session.flush()
+        await call.session.refresh(attempt)
         return views.attempt(attempt)
 
     @post(
@@ -98,15 +95,14 @@ class AttemptController(Controller):
         self,
         attempt_id: FromPath[uuid.UUID],
         data: JSONBody[wire.EventBatch],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
-        agent: NamedDependency[queue.Caller],
+        call: NamedDependency[AgentCall],
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
-        stored = await uploads.events(db_session, settings, agent, attempt_id, data, idempotency_key)
+        stored = await uploads.events(call.session, call.settings, call.agent, attempt_id, data, idempotency_key)
         if not stored.replay:
-            await audit.record(db_session, principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence)
+            await audit.record(
+                call.session, call.principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence
+            )
         return _stored(stored)
 
     @post(
@@ -120,13 +116,12 @@ class AttemptController(Controller):
         self,
         attempt_id: FromPath[uuid.UUID],
         data: JSONBody[wire.AttemptResult],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
-        agent: NamedDependency[queue.Caller],
+        call: NamedDependency[AgentCall],
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
-        stored = await uploads.result(db_session, settings, agent, attempt_id, data, idempotency_key)
+        stored = await uploads.result(call.session, call.settings, call.agent, attempt_id, data, idempotency_key)
         if not stored.replay:
-            await audit.record(db_session, principal, "attempt.result", f"attempt:{attempt_id}", outcome=data.outcome)
+            await audit.record(
+                call.session, call.principal, "attempt.result", f"attempt:{attempt_id}", outcome=data.outcome
+            )
         return _stored(stored)
