@@ -523,7 +523,8 @@ async def finish(
 
 # A heartbeat's reads and writes, as Core statements built once: the unit of work's flush of the same rows cost a
 # third of a heartbeat's CPU. The held attempts are read as rows: a heartbeat changes none of them as an object unless
-# it ends one. ``updated_at`` is set as the ORM's listener would set it.
+# it ends one. ``updated_at`` is set as the ORM's listener would set it. Neither holds an IN list: SQLAlchemy renders
+# one anew at every execution (an expanding parameter), where plain comparisons are compiled once.
 _attempts, _agents = (models.Attempt.metadata.tables[name] for name in ("attempts", "agents"))
 # The active attempts of an agent: what a heartbeat judges and answers them by.
 _HELD = (
@@ -534,13 +535,14 @@ _HELD = (
         _attempts.c.created_at,
         _attempts.c.cancel_deadline,
     )
-    .where(_attempts.c.agent_id == bindparam("agent_id"), _attempts.c.state.in_(ACTIVE))
+    .where(_attempts.c.agent_id == bindparam("agent_id"), or_(*(_attempts.c.state == state for state in ACTIVE)))
     .order_by(_attempts.c.id)
     .with_for_update()
 )
+# One attempt's lease, executed once for each attempt renewed (one executemany).
 _RENEW = (
     update(_attempts)
-    .where(_attempts.c.id.in_(bindparam("ids", expanding=True)))
+    .where(_attempts.c.id == bindparam("attempt_id"))
     .values(lease_expires_at=bindparam("expires"), updated_at=bindparam("now"))
 )
 _SEEN = (
@@ -579,7 +581,9 @@ async def heartbeat(
             lifecycle.move_attempt(session, job, active, J.LOST, NOT_HELD)
             ended.append(await _settle(session, job, active))
     if renewed:
-        await session.execute(_RENEW, {"ids": renewed, "expires": expires, "now": now})
+        await session.execute(
+            _RENEW, [{"attempt_id": renewed_id, "expires": expires, "now": now} for renewed_id in renewed]
+        )
     await session.execute(_SEEN, {"agent_id": agent.id, "now": now})
     directives = []
     for attempt_id in attempt_ids:
