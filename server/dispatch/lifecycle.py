@@ -204,11 +204,13 @@ def leased_state() -> JobState:
 NEW_EVENT = insert(models.Event.metadata.tables["events"])
 
 
-def claim_event(job: models.Job, attempt_id: uuid.UUID, rank: int, number: int) -> dict[str, Any]:
+def claim_event(
+    experiment_id: uuid.UUID, job_id: uuid.UUID, attempt_id: uuid.UUID, rank: int, number: int
+) -> dict[str, Any]:
     """The state event of a claim, as the row's values (the claim writes it with one Core INSERT)."""
     return _state_row(
-        experiment_id=job.experiment_id,
-        job_id=job.id,
+        experiment_id=experiment_id,
+        job_id=job_id,
         attempt_id=attempt_id,
         subject="attempt",
         before=J.QUEUED,

@@ -21,11 +21,12 @@ import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy import (
     ColumnElement,
     CursorResult,
+    Row,
     and_,
     bindparam,
     case,
@@ -38,8 +39,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import InstrumentedAttribute, aliased
-from sqlalchemy.sql.selectable import ExecutableReturnsRows, ScalarSelect
+from sqlalchemy.sql.selectable import ExecutableReturnsRows, FromClause, ScalarSelect
 from uuid_utils.compat import uuid7
 
 from experiment import wire
@@ -119,47 +119,48 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
     was given). Parameters: ``agent_id`` and ``claim_key`` (both absent for the coordinator's own worker),
     ``kinds`` and ``now``.
 
-    The UPDATE's rows are loaded as jobs through a select built once (``from_statement``): an ORM UPDATE would be
-    annotated anew at each execution and its cache key computed again, a tenth of a claim's CPU."""
-    candidate = aliased(models.Job, name="candidate")
-    agent_id = bindparam("agent_id", type_=models.Attempt.agent_id.type)
+    Built on the tables, not the ORM's classes: the job comes back as a row, and the claim changes it with Core
+    statements of its own, so no ORM statement is compiled or object loaded."""
+    job, attempts, experiments = (_TABLES[name] for name in ("jobs", "attempts", "experiments"))
+    candidate = job.alias("candidate")
+    agent_id = bindparam("agent_id", type_=attempts.c.agent_id.type)
 
-    def by_this(column: InstrumentedAttribute[uuid.UUID | None]) -> ColumnElement[bool]:
+    def by_this(column: ColumnElement[uuid.UUID | None]) -> ColumnElement[bool]:
         return column.is_(None) if by_coordinator else column == agent_id
 
-    def by_another(column: InstrumentedAttribute[uuid.UUID | None]) -> ColumnElement[bool]:
+    def by_another(column: ColumnElement[uuid.UUID | None]) -> ColumnElement[bool]:
         return column.is_not(None) if by_coordinator else column != agent_id
 
-    def open_to_this(job: type[models.Job]) -> ColumnElement[bool]:
+    def open_to_this(row: FromClause) -> ColumnElement[bool]:
         """A queued job pinned to no host, or to this one."""
-        return or_(job.pinned_agent_id.is_(None), by_this(job.pinned_agent_id))
+        return or_(row.c.pinned_agent_id.is_(None), by_this(row.c.pinned_agent_id))
 
     mine = (
-        select(models.Attempt.id)
+        select(attempts.c.id)
         .where(
-            models.Attempt.job_id == candidate.id,
-            models.Attempt.number == candidate.attempts_made,
-            by_this(models.Attempt.agent_id),
+            attempts.c.job_id == candidate.c.id,
+            attempts.c.number == candidate.c.attempts_made,
+            by_this(attempts.c.agent_id),
         )
         .exists()
     )
     # A retry's rank goes back to the host that held it in the generation before (each rank resumes from its own
     # checkpoints: a DiLoCo worker's optimizer is its own); a rank nobody held there is open to any host.
-    previous = aliased(models.Attempt, name="previous")
+    previous = attempts.alias("previous")
     held_by_another = (
-        select(previous.id)
+        select(previous.c.id)
         .where(
-            previous.job_id == candidate.id,
-            previous.number == candidate.attempts_made - 1,
-            previous.rank == candidate.world_size - candidate.ranks_open,
-            by_another(previous.agent_id),
+            previous.c.job_id == candidate.c.id,
+            previous.c.number == candidate.c.attempts_made - 1,
+            previous.c.rank == candidate.c.world_size - candidate.c.ranks_open,
+            by_another(previous.c.agent_id),
         )
         .exists()
     )
     # A job of an experiment that has ended (reported, failed, halted) is never handed out.
     live = (
-        select(models.Experiment.id)
-        .where(models.Experiment.id == candidate.experiment_id, models.Experiment.state.not_in(list(EXPERIMENT_FINAL)))
+        select(experiments.c.id)
+        .where(experiments.c.id == candidate.c.experiment_id, experiments.c.state.not_in(list(EXPERIMENT_FINAL)))
         .exists()
     )
 
@@ -167,9 +168,9 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
         """The oldest job of the claim's kinds that meets ``where``: read in the order of the state's index
         (ix_jobs_state_queued), which stops at the first that does."""
         return (
-            select(candidate.id)
-            .where(*where, candidate.kind.in_(bindparam("kinds", expanding=True)), live)
-            .order_by(candidate.queued_at, candidate.id)
+            select(candidate.c.id)
+            .where(*where, candidate.c.kind.in_(bindparam("kinds", expanding=True)), live)
+            .order_by(candidate.c.queued_at, candidate.c.id)
             .limit(1)
             .with_for_update(skip_locked=skip_locked)
             .scalar_subquery()
@@ -179,39 +180,60 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
     # a heartbeat): skipping it would start another gang on this agent, and leave both a rank short until their
     # formation wait ends. Claims never wait on each other's rows: on Postgres they take turns (CLAIM_TURN).
     chosen = func.coalesce(
-        oldest(candidate.state.in_(ACTIVE), candidate.ranks_open > 0, ~mine, ~held_by_another, skip_locked=False),
-        oldest(candidate.state == J.QUEUED, open_to_this(candidate), skip_locked=True),
+        oldest(candidate.c.state.in_(ACTIVE), candidate.c.ranks_open > 0, ~mine, ~held_by_another, skip_locked=False),
+        oldest(candidate.c.state == J.QUEUED, open_to_this(candidate), skip_locked=True),
     )
-    job = models.Job
-    was_queued = job.state == J.QUEUED
+    was_queued = job.c.state == J.QUEUED
     # The row's state is checked again: on Postgres a row the reaper changed since the subquery read it is read
     # anew here, and a rank of a generation that ended is never joined.
     conditions = [
-        job.id == chosen,
+        job.c.id == chosen,
         or_(
-            and_(job.state.in_(ACTIVE), job.ranks_open > 0),
+            and_(job.c.state.in_(ACTIVE), job.c.ranks_open > 0),
             and_(was_queued, open_to_this(job)),
         ),
     ]
     if not by_coordinator:
-        given = select(models.Attempt.id).where(
-            models.Attempt.agent_id == agent_id, models.Attempt.claim_key == bindparam("claim_key")
+        given = select(attempts.c.id).where(
+            attempts.c.agent_id == agent_id, attempts.c.claim_key == bindparam("claim_key")
         )
         conditions.append(~given.exists())
-    claimed = (
+    return (
         update(job)
         .where(*conditions)
         .values(
-            state=case((was_queued, literal(lifecycle.leased_state(), job.state.type)), else_=job.state),
-            attempts_made=case((was_queued, job.attempts_made + 1), else_=job.attempts_made),
-            ranks_open=case((was_queued, job.world_size - 1), else_=job.ranks_open - 1),
-            master_addr=case((was_queued, null()), else_=job.master_addr),
-            master_port=case((was_queued, null()), else_=job.master_port),
-            updated_at=bindparam("now", type_=job.updated_at.type),
+            state=case((was_queued, literal(lifecycle.leased_state(), job.c.state.type)), else_=job.c.state),
+            attempts_made=case((was_queued, job.c.attempts_made + 1), else_=job.c.attempts_made),
+            ranks_open=case((was_queued, job.c.world_size - 1), else_=job.c.ranks_open - 1),
+            master_addr=case((was_queued, null()), else_=job.c.master_addr),
+            master_port=case((was_queued, null()), else_=job.c.master_port),
+            updated_at=bindparam("now", type_=job.c.updated_at.type),
         )
-        .returning(job)
+        .returning(*_CLAIMED)
     )
-    return select(job).from_statement(claimed).execution_options(populate_existing=True)
+
+
+_TABLES = models.Job.metadata.tables
+# What a claim reads of the job it leased.
+_CLAIMED = [
+    _TABLES["jobs"].c[name]
+    for name in (
+        "id",
+        "experiment_id",
+        "kind",
+        "arm",
+        "role",
+        "spec",
+        "attempts_made",
+        "world_size",
+        "ranks_open",
+        "master_addr",
+        "master_port",
+        "formation_deadline",
+    )
+]
+# A gang's rank 0 sets where its gang meets and by when; its last rank clears the deadline.
+_GANG = update(_TABLES["jobs"]).where(_TABLES["jobs"].c.id == bindparam("job_id"))
 
 
 # Built once: a claim binds its parameters to these.
@@ -222,7 +244,7 @@ _NEW_ATTEMPT = insert(models.Attempt.metadata.tables["attempts"])
 
 async def _claim_row(
     session: AsyncSession, agent: Caller | None, kinds: Sequence[str], claim_key: str | None
-) -> models.Job | None:
+) -> Row[Any] | None:
     """Lease one rank: first an open rank of a gang this agent is not already in, else a queued job; none where
     the agent gave ``claim_key`` before."""
     if session.get_bind().dialect.name == "postgresql":
@@ -231,8 +253,7 @@ async def _claim_row(
     if agent is not None:
         parameters["agent_id"], parameters["claim_key"] = agent.id, claim_key
     statement = _CLAIM_BY_COORDINATOR if agent is None else _CLAIM_BY_AGENT
-    job: models.Job | None = (await session.scalars(statement, parameters)).one_or_none()
-    return job
+    return (await session.execute(statement, parameters)).one_or_none()
 
 
 def _lease(settings: Settings, attempt: models.Attempt) -> str:
@@ -302,14 +323,19 @@ async def claim(
         return None if earlier is False else earlier
     rank = job.world_size - job.ranks_open - 1
     now = _now()
+    master_addr, master_port = job.master_addr, job.master_port
+    gang: dict[str, object] = {}
     if rank == 0 and job.world_size > 1 and agent is not None:
-        job.master_addr = agent.private_address or agent.address  # the gang meets on the private link
-        job.master_port = rendezvous_port(settings, job.id, job.attempts_made)
-        job.formation_deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
+        master_addr = agent.private_address or agent.address  # the gang meets on the private link
+        master_port = rendezvous_port(settings, job.id, job.attempts_made)
+        deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
+        gang = {"master_addr": master_addr, "master_port": master_port, "formation_deadline": deadline}
     if job.ranks_open > 0:
         waiters.claimable(session)  # the gang's other ranks are open to other agents
     elif job.formation_deadline is not None:
-        job.formation_deadline = None
+        gang = {"formation_deadline": None}
+    if gang:
+        await session.execute(_GANG, {"job_id": job.id, "updated_at": now, **gang})
     token = secrets.token_urlsafe(32)  # a new lease token: only its hash is kept
     assignment = wire.Assignment(
         job_id=job.id,
@@ -322,8 +348,8 @@ async def claim(
         number=job.attempts_made,
         rank=rank,
         world_size=job.world_size,
-        master_addr=job.master_addr,
-        master_port=job.master_port,
+        master_addr=master_addr,
+        master_port=master_port,
         lease_token=token,
         lease_expires_at=now + datetime.timedelta(seconds=settings.lease_seconds),
     )
@@ -338,14 +364,15 @@ async def claim(
             "agent_id": None if agent is None else agent.id,
             "state": J.LEASED,
             "claim_key": claim_key,
-            "master_addr": job.master_addr,
-            "master_port": job.master_port,
+            "master_addr": master_addr,
+            "master_port": master_port,
             "lease_token_hash": hash_secret(token),
             "lease_expires_at": assignment.lease_expires_at,
         },
     )
     await session.execute(
-        lifecycle.NEW_EVENT, lifecycle.claim_event(job, assignment.attempt_id, rank, assignment.number)
+        lifecycle.NEW_EVENT,
+        lifecycle.claim_event(job.experiment_id, job.id, assignment.attempt_id, rank, assignment.number),
     )
     return assignment
 
