@@ -90,6 +90,7 @@ async def _check(
     secret = _bearer(connection)
     if secret is None:
         raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
+    await db.read_alone(session)
     principal, agent = await tokens.lookup_with_agent(session, secret)
     if principal is None:
         raise Unauthenticated("the bearer token is unknown or revoked")
