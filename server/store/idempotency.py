@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -46,18 +46,22 @@ def payload_digest(payload: Any) -> str:
     return identity(payload)
 
 
-async def stored(session: AsyncSession, key: str, request_sha256: str) -> models.IdempotentRequest | None:
-    """The stored response for ``key``, if the same payload was accepted before."""
-    row = await session.scalar(
-        select(models.IdempotentRequest)
-        .where(models.IdempotentRequest.key == key)
-        .execution_options(populate_existing=True)
-    )
+# The stored replies, read and written as Core statements built once: an upload makes no ORM object of its reply.
+_REPLIES = models.IdempotentRequest.metadata.tables["idempotent_requests"]
+_BY_KEY = select(_REPLIES.c.request_sha256, _REPLIES.c.status_code, _REPLIES.c.response).where(
+    _REPLIES.c.key == bindparam("key")
+)
+_STORE = insert(_REPLIES)
+
+
+async def stored(session: AsyncSession, key: str, request_sha256: str) -> Stored | None:
+    """The stored reply for ``key``, if the same payload was accepted before (a replay)."""
+    row = (await session.execute(_BY_KEY, {"key": key})).first()
     if row is None:
         return None
     if row.request_sha256 != request_sha256:
         raise IdempotencyConflict(f"Idempotency-Key {key!r} was already used with a different payload")
-    return row
+    return Stored(row.status_code, row.response, True)
 
 
 async def once(
@@ -66,13 +70,12 @@ async def once(
     """Run ``work`` (which returns the status code and body to answer) once per key and payload."""
     previous = await stored(session, key, request_sha256)
     if previous is not None:
-        return Stored(previous.status_code, previous.response, True)
+        return previous
 
     async def work_and_store() -> Stored:
         status_code, body = await work()
-        session.add(
-            models.IdempotentRequest(key=key, request_sha256=request_sha256, status_code=status_code, response=body)
-        )
+        reply = {"key": key, "request_sha256": request_sha256, "status_code": status_code, "response": body}
+        await session.execute(_STORE, reply)
         return Stored(status_code, body, False)
 
     if session.get_bind().dialect.name == "sqlite":
@@ -86,4 +89,4 @@ async def once(
         winner = await stored(session, key, request_sha256)
         if winner is None:
             raise  # the work itself broke a constraint: not a race on the key
-        return Stored(winner.status_code, winner.response, True)
+        return winner
