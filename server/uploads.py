@@ -25,12 +25,12 @@ async def events(
     body: wire.EventBatch,
     key: str | None,
 ) -> Stored:
-    job, attempt = await queue.owned_attempt(session, agent, attempt_id, body.lease_token)
-    checked = idempotency.require_key(key, idempotency.expected_key(job.id, attempt.id, body.sequence))
+    owned = await queue.owned_row(session, agent, attempt_id, body.lease_token)
+    checked = idempotency.require_key(key, idempotency.expected_key(owned.job_id, owned.attempt_id, body.sequence))
 
     async def work() -> tuple[int, bytes]:
-        queue.require_active(attempt)  # an ended attempt's command is gone: what it printed late is not its record
-        await reactions.printed(session, settings, job, {event.kind for event in body.events})
+        queue.require_active(owned)  # an ended attempt's command is gone: what it printed late is not its record
+        await reactions.printed(session, settings, owned, {event.kind for event in body.events})
         received = datetime.datetime.now(datetime.UTC)
         # One INSERT of every row, as a Core statement on the table: no ORM object each (a batch holds up to 10,000
         # events), and none of the ORM's bulk-insert bookkeeping, a third of a batch's CPU.
@@ -38,9 +38,9 @@ async def events(
             lifecycle.NEW_EVENT,
             [
                 {
-                    "experiment_id": job.experiment_id,
-                    "job_id": job.id,
-                    "attempt_id": attempt.id,
+                    "experiment_id": owned.experiment_id,
+                    "job_id": owned.job_id,
+                    "attempt_id": owned.attempt_id,
                     "sequence": body.sequence,
                     "kind": event.kind,
                     "at": event.at or received,
@@ -49,8 +49,8 @@ async def events(
                 for event in body.events
             ],
         )
-        await measurements.record_events(session, attempt, body.events, received)
-        return 201, msgspec.json.encode(wire.EventBatchReply(attempt.id, body.sequence, len(body.events)))
+        await measurements.record_events(session, owned.attempt_id, body.events, received)
+        return 201, msgspec.json.encode(wire.EventBatchReply(owned.attempt_id, body.sequence, len(body.events)))
 
     return await idempotency.once(session, checked, idempotency.payload_digest(msgspec.to_builtins(body)), work)
 

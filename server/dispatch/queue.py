@@ -54,6 +54,9 @@ from server.settings import Settings
 J = JobState
 ACTIVE = [J.LEASED, J.RUNNING]
 NOT_HELD = "not held by its agent: its heartbeat did not name it"
+# The tables, for the Core statements that read and write rows without ORM objects.
+_TABLES = models.Job.metadata.tables
+_jobs, _attempts, _agents = (_TABLES[name] for name in ("jobs", "attempts", "agents"))
 
 
 def _now() -> datetime.datetime:
@@ -213,10 +216,9 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
     )
 
 
-_TABLES = models.Job.metadata.tables
 # What a claim reads of the job it leased.
 _CLAIMED = [
-    _TABLES["jobs"].c[name]
+    _jobs.c[name]
     for name in (
         "id",
         "experiment_id",
@@ -233,7 +235,7 @@ _CLAIMED = [
     )
 ]
 # A gang's rank 0 sets where its gang meets and by when; its last rank clears the deadline.
-_GANG = update(_TABLES["jobs"]).where(_TABLES["jobs"].c.id == bindparam("job_id"))
+_GANG = update(_jobs).where(_jobs.c.id == bindparam("job_id"))
 
 
 # Built once: a claim binds its parameters to these.
@@ -494,6 +496,17 @@ async def renew_after_restart(session: AsyncSession, settings: Settings) -> int:
     return renewed.rowcount
 
 
+def _require_holder(
+    attempt_id: uuid.UUID, holder: uuid.UUID | None, token_hash: str, agent: Caller | None, lease_token: str | None
+) -> None:
+    """The attempt is held by ``holder``: refused unless that is this agent (None: the coordinator) and, when
+    given, the lease token is the attempt's."""
+    if holder != (None if agent is None else agent.id):
+        raise Forbidden(f"attempt {attempt_id} is leased to another agent; an agent acts only on its own leases")
+    if lease_token is not None and not secrets.compare_digest(token_hash, hash_secret(lease_token)):
+        raise Forbidden(f"the lease token does not match attempt {attempt_id}")
+
+
 async def owned_attempt(
     session: AsyncSession, agent: Caller | None, attempt_id: uuid.UUID, lease_token: str | None
 ) -> tuple[models.Job, models.Attempt]:
@@ -502,19 +515,55 @@ async def owned_attempt(
     attempt = await session.get(models.Attempt, attempt_id, with_for_update=True)
     if attempt is None:
         raise NotFound(f"attempt {attempt_id} does not exist")
-    if attempt.agent_id != (None if agent is None else agent.id):
-        raise Forbidden(f"attempt {attempt_id} is leased to another agent; an agent acts only on its own leases")
-    if lease_token is not None and not secrets.compare_digest(attempt.lease_token_hash, hash_secret(lease_token)):
-        raise Forbidden(f"the lease token does not match attempt {attempt_id}")
+    _require_holder(attempt_id, attempt.agent_id, attempt.lease_token_hash, agent, lease_token)
     job = await session.get_one(models.Job, attempt.job_id, with_for_update=True)
     return job, attempt
 
 
-def require_active(attempt: models.Attempt) -> None:
+@dataclass(frozen=True)
+class Owned:
+    """What an event batch needs of the attempt it goes to and of its job, read as one row."""
+
+    attempt_id: uuid.UUID
+    state: str
+    reason: str | None
+    job_id: uuid.UUID
+    kind: str
+    experiment_id: uuid.UUID
+
+
+_OWNED = (
+    select(
+        _attempts.c.id,
+        _attempts.c.agent_id,
+        _attempts.c.lease_token_hash,
+        _attempts.c.state,
+        _attempts.c.reason,
+        _jobs.c.id.label("job_id"),
+        _jobs.c.kind,
+        _jobs.c.experiment_id,
+    )
+    .join(_jobs, _jobs.c.id == _attempts.c.job_id)
+    .where(_attempts.c.id == bindparam("attempt_id"))
+    .with_for_update()
+)
+
+
+async def owned_row(session: AsyncSession, agent: Caller, attempt_id: uuid.UUID, lease_token: str) -> Owned:
+    """``owned_attempt`` for a request that changes neither row: one Core read of both, no ORM object."""
+    row = (await session.execute(_OWNED, {"attempt_id": attempt_id})).first()
+    if row is None:
+        raise NotFound(f"attempt {attempt_id} does not exist")
+    _require_holder(attempt_id, row.agent_id, row.lease_token_hash, agent, lease_token)
+    return Owned(row.id, row.state, row.reason, row.job_id, row.kind, row.experiment_id)
+
+
+def require_active(attempt: models.Attempt | Owned) -> None:
+    attempt_id = attempt.attempt_id if isinstance(attempt, Owned) else attempt.id
     if attempt.state not in ACTIVE:
         raise Refused(
             "attempt-already-ended",
-            f"attempt {attempt.id} is {attempt.state} ({attempt.reason}); stop it and claim new work",
+            f"attempt {attempt_id} is {attempt.state} ({attempt.reason}); stop it and claim new work",
         )
 
 
@@ -552,7 +601,6 @@ async def finish(
 # third of a heartbeat's CPU. The held attempts are read as rows: a heartbeat changes none of them as an object unless
 # it ends one. ``updated_at`` is set as the ORM's listener would set it. Neither holds an IN list: SQLAlchemy renders
 # one anew at every execution (an expanding parameter), where plain comparisons are compiled once.
-_attempts, _agents = (models.Attempt.metadata.tables[name] for name in ("attempts", "agents"))
 # The active attempts of an agent: what a heartbeat judges and answers them by.
 _HELD = (
     select(

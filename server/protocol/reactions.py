@@ -74,11 +74,12 @@ async def reap(session: AsyncSession, settings: Settings) -> list[Ended]:
     return ended
 
 
-async def printed(session: AsyncSession, settings: Settings, job: models.Job, names: set[str]) -> None:
-    """The attempt of ``job`` sent events named ``names``."""
-    if kinds.of(job.kind).printed is None:
+async def printed(session: AsyncSession, settings: Settings, owned: queue.Owned, names: set[str]) -> None:
+    """The attempt ``owned`` sent events named ``names``."""
+    if kinds.of(owned.kind).printed is None:
         return
-    experiment = await recording.load(session, job.experiment_id, lock=True)
+    experiment = await recording.load(session, owned.experiment_id, lock=True)
+    job = await session.get_one(models.Job, owned.job_id)
     order = await kinds.printed(session, job, names)
     if order is not None:
         await phases.queue(session, settings, experiment, order)

@@ -60,7 +60,7 @@ async def _recorded(session: AsyncSession, attempt: models.Attempt) -> dict[tupl
 
 
 async def record_events(
-    session: AsyncSession, attempt: models.Attempt, events: Sequence[wire.Event], received: datetime.datetime
+    session: AsyncSession, attempt_id: uuid.UUID, events: Sequence[wire.Event], received: datetime.datetime
 ) -> None:
     """The measurements a batch of the attempt's events carries, each once (a repeated one is not recorded again):
     one read of those of the batch's positions already recorded, and one INSERT of the rest."""
@@ -73,7 +73,7 @@ async def record_events(
     table = models.Measurement
     earlier = await session.execute(
         select(table.kind, table.position).where(
-            table.attempt_id == attempt.id,
+            table.attempt_id == attempt_id,
             or_(*(and_(table.kind == kind, table.position.in_(chosen)) for kind, chosen in positions.items())),
         )
     )
@@ -82,7 +82,7 @@ async def record_events(
     for row in found:
         if (row.kind, row.position) not in recorded:
             recorded.add((row.kind, row.position))
-            new.append({**row._asdict(), "attempt_id": attempt.id})
+            new.append({**row._asdict(), "attempt_id": attempt_id})
     if new:
         await session.execute(MEASUREMENTS, new)
 
