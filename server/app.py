@@ -227,7 +227,6 @@ def create_app(settings: Settings | None = None) -> Litestar:
         dependencies={
             "settings": Provide(lambda: settings, use_cache=True, sync_to_thread=False),
             "principal": Provide(auth.provide_principal, sync_to_thread=False),
-            "agent": Provide(auth.provide_agent, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
             "call": Provide(calls.provider(metrics), sync_to_thread=False),
         },

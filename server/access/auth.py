@@ -13,7 +13,6 @@ from typing import Any
 from advanced_alchemy.extensions.litestar import SQLAlchemyAsyncConfig
 from litestar import Request
 from litestar.connection import ASGIConnection
-from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -117,8 +116,8 @@ def provide_principal(request: Request[Any, Any, Any]) -> Principal:
     return principal
 
 
-def provide_agent(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Caller:
-    """The calling agent, as the guard read its row."""
+def calling_agent(request: Request[Any, Any, Any], principal: Principal) -> Caller:
+    """The calling agent, as the guard read its row (server.api.calls; a blob upload)."""
     agent = request.state.get("agent")
     if not isinstance(agent, Caller):
         raise Refused("agent-not-registered", f"agent token {principal.name!r} must register before it claims work")

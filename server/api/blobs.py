@@ -38,7 +38,7 @@ async def _require_active_attempt(
 ) -> None:
     if attempt_id is None:
         raise BadRequest("an agent's blob upload names its attempt: PUT /api/blobs/SHA256?attempt=ATTEMPT_ID")
-    agent = auth.provide_agent(request, principal)  # the row the guard read
+    agent = auth.calling_agent(request, principal)  # the row the guard read
     _, attempt = await queue.owned_attempt(session, agent, attempt_id, None)
     queue.require_active(attempt)
 

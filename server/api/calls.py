@@ -43,7 +43,7 @@ def provider(metrics: Metrics) -> Callable[[Request[Any, Any, Any]], AgentCall]:
             settings=ctx.settings,
             metrics=metrics,
             principal=principal,
-            agent=auth.provide_agent(request, principal),
+            agent=auth.calling_agent(request, principal),
         )
 
     return provide

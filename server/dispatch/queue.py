@@ -124,7 +124,7 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
 
     Built on the tables, not the ORM's classes: the job comes back as a row, and the claim changes it with Core
     statements of its own, so no ORM statement is compiled or object loaded."""
-    job, attempts, experiments = (_TABLES[name] for name in ("jobs", "attempts", "experiments"))
+    job, attempts, experiments = _jobs, _attempts, _TABLES["experiments"]
     candidate = job.alias("candidate")
     agent_id = bindparam("agent_id", type_=attempts.c.agent_id.type)
 

@@ -27,11 +27,13 @@ def postgres_admin_url() -> str:
     return os.environ.get("COOP_TEST_POSTGRES_URL", DEFAULT_POSTGRES)
 
 
-async def _admin(url: str, statement: str) -> None:
+async def _admin(url: str, statement: str) -> list[Any]:
+    """``statement``'s rows (none for a command), run outside any transaction on a connection of its own."""
     engine = create_async_engine(url, isolation_level="AUTOCOMMIT")
     try:
         async with engine.connect() as connection:
-            await connection.execute(text(statement))
+            result = await connection.execute(text(statement))
+            return list(result.all()) if result.returns_rows else []
     finally:
         await engine.dispose()
 
@@ -49,6 +51,20 @@ def create_postgres_database(admin_url: str) -> str | None:
 def drop_postgres_database(admin_url: str, url: str) -> None:
     name = make_url(url).database
     asyncio.run(_admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def end_pooled_connections(url: str) -> int:
+    """End every other connection to the Postgres database of ``url`` from the server's side, as a restart or an
+    idle timeout does, but a coordinator's listener for claimable jobs (whose reconnect would wake a background
+    round); how many ended."""
+    ended = asyncio.run(
+        _admin(
+            url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND query NOT LIKE 'LISTEN%'",
+        )
+    )
+    return sum(1 for (done,) in ended if done)
 
 
 def with_session(url: str, work: Callable[[AsyncSession], Awaitable[T]]) -> T:

@@ -3,7 +3,6 @@ agent or host behaves, and checks that the coordinator ends in a state that reco
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import hashlib
 import json
@@ -19,8 +18,6 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 import pytest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from agent.client import Coordinator as AgentClient
 from agent.client import upload_key
@@ -30,7 +27,7 @@ from agent.loop import to_event
 from agent.spool import OpenAttempt, Spool
 from experiment import wire
 from tests.support.agent import FakeAgent, answer, answers_file, rejection
-from tests.support.database import empty_database, make_token
+from tests.support.database import empty_database, end_pooled_connections, make_token
 from tests.support.processes import served
 from tests.support.scenarios import bearer, create_experiment, operate, sha
 from tests.support.waiting import wait_for
@@ -458,28 +455,6 @@ def test_a_fuzzer_over_the_openapi_document_finds_no_server_error(database_url: 
 # 10. A connection the database drops costs one retry ----------------------------------------------------------
 
 
-def _end_pooled_connections(url: str) -> int:
-    """End the coordinator's pooled connections from the database's side, as a restart or an idle timeout of the
-    server does (its listener for claimable jobs, whose reconnect would wake a background round, is spared); how
-    many ended."""
-
-    async def end() -> int:
-        engine = create_async_engine(url, isolation_level="AUTOCOMMIT")
-        try:
-            async with engine.connect() as connection:
-                ended = await connection.execute(
-                    text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
-                        " AND pid <> pg_backend_pid() AND query NOT LIKE 'LISTEN%'"
-                    )
-                )
-                return sum(1 for (done,) in ended if done)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(end())
-
-
 @pytest.mark.parametrize("migrated_database", ["postgres"], indirect=True)
 def test_a_connection_the_database_ends_costs_one_503_and_the_retry_is_kept_once(
     serve: Callable[..., Server],
@@ -489,7 +464,7 @@ def test_a_connection_the_database_ends_costs_one_503_and_the_retry_is_kept_once
     a = server.agent("a")
     _, job = server.running(a)
     a.printed(job, 0, "before")
-    assert _end_pooled_connections(server.url) >= 1
+    assert end_pooled_connections(server.url) >= 1
 
     batch = wire.EventBatch(lease_token=job.lease_token, sequence=1, events=[to_event("after")[0]])
     upload = {
