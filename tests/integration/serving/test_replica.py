@@ -25,31 +25,51 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 LONG = 600  # tokens: seconds of work on the CPU, so that the stop lands in the middle of it
 
 
-def _probe_while_draining(url: str, stop_sent: threading.Event, outcome: dict[str, str]) -> None:
-    """A probe's requests to the replica from the moment it is told to stop, until one is refused: vLLM aborts
-    the new requests of a draining server while its own /health still answers 200."""
+def _probe_while_draining(url: str, warm: threading.Event, outcome: dict[str, str]) -> None:
+    """A probe's requests to the replica, a new one every 50 ms (at most 8 in flight), from before it is told to
+    stop until one is refused: vLLM aborts the requests that reach it while it drains, and its own /health still
+    answers 200 then. Requests sent at a steady pace, not one after another, so that some land in the drain however
+    slowly each is answered on a loaded machine; one that reaches the engine after the drain waits until the server
+    closes, long after the aborted ones are answered."""
     tokenizer = seedmodel.load_tokenizer(TINY)
     prompt_ids = [int(t) for t in tokenizer("The table")["input_ids"]]
     item = TaskItem("dev-drain", "dev", 0, "lookup", 0, False, "The table", {}, prompt_ids)
 
     async def probe() -> None:
         async with httpx.AsyncClient() as client:
-            service = ProbeService([item], tokenizer, url, 4, 8, client)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            service = ProbeService([item], tokenizer, url, 4, 1, client)
+            refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            answered = 0
+
+            async def one() -> None:
+                nonlocal answered
                 try:
                     await service._generate(InferRequest(request_id="drain", task_id=item.id), item)
                 except ReplicaError as exc:
-                    outcome["refused"] = exc.detail
-                    outcome["replica_health"] = str((await client.get(f"{url}/health")).status_code)
-                    try:
-                        await service.health()
-                    except ReplicaError as health:
-                        outcome["probe_health"] = health.detail
+                    if not refused.done():
+                        refused.set_result(exc.detail)
                     return
-                await asyncio.sleep(0.1)
+                answered += 1
+                warm.set()
 
-    stop_sent.wait(60)
+            in_flight: set[asyncio.Task[None]] = set()
+            deadline = time.monotonic() + 120
+            while not refused.done() and time.monotonic() < deadline:
+                if len(in_flight) < 8:
+                    task = asyncio.create_task(one())
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                await asyncio.wait([refused], timeout=0.05)
+            outcome["refused"] = await asyncio.wait_for(refused, 1)
+            outcome["answered_before"] = str(answered)
+            outcome["replica_health"] = str((await client.get(f"{url}/health")).status_code)
+            try:
+                await service.health()
+            except ReplicaError as health:
+                outcome["probe_health"] = health.detail
+            for task in list(in_flight):
+                task.cancel()
+
     asyncio.run(probe())
 
 
@@ -59,15 +79,14 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
     args = ["replica", "--model-dir", str(TINY), "--served-model-name", "tiny-seed", "--port", str(port)]
     served = EventProcess(args, "unused", tmp_path / "replica.log")
     codes: list[int] = []
-    stop_sent = threading.Event()
 
     def stop() -> None:
-        stop_sent.set()
         codes.append(served.terminate(timeout=120))
 
     stopping = threading.Thread(target=stop)
     outcome: dict[str, str] = {}
-    probing = threading.Thread(target=_probe_while_draining, args=(url, stop_sent, outcome))
+    warm = threading.Event()
+    probing = threading.Thread(target=_probe_while_draining, args=(url, warm, outcome))
     body = {
         "model": "tiny-seed",
         "prompt": "The table",
@@ -80,6 +99,7 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
     try:
         served.wait_for_event("healthy", STARTUP_SECONDS)
         probing.start()
+        assert warm.wait(60), "the probe's first request was not answered"
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as response:
             assert response.status_code == 200
             lines = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -90,7 +110,9 @@ def test_a_replica_stopped_mid_request_answers_it_and_exits_by_itself(tmp_path: 
         probing.join(timeout=120)
     finally:
         served.terminate()
-    # Refused as unfinished while vLLM drained and still called itself healthy; the probe said it was stopping.
+    # Answered in full while the replica ran; refused as unfinished once vLLM drained and still called itself
+    # healthy; the probe said it was stopping.
+    assert int(outcome["answered_before"]) > 0, outcome
     assert outcome["refused"].endswith("did not finish task dev-drain: abort"), outcome
     assert outcome["replica_health"] == "200", outcome
     assert outcome["probe_health"].endswith("is stopping: it aborted task dev-drain"), outcome
