@@ -597,28 +597,24 @@ async def finish(
     return await _settle(session, job, attempt)
 
 
-# A heartbeat's reads and writes, as Core statements built once: the unit of work's flush of the same rows cost a
-# third of a heartbeat's CPU. The held attempts are read as rows: a heartbeat changes none of them as an object unless
-# it ends one. ``updated_at`` is set as the ORM's listener would set it. Neither holds an IN list: SQLAlchemy renders
-# one anew at every execution (an expanding parameter), where plain comparisons are compiled once.
-# The active attempts of an agent: what a heartbeat judges and answers them by.
-_HELD = (
-    select(
+# A heartbeat's writes, as Core statements built once: the unit of work's flush of the same rows cost a third of a
+# heartbeat's CPU. ``updated_at`` is set as the ORM's listener would set it. Neither holds an IN list: SQLAlchemy
+# renders one anew at every execution (an expanding parameter), where plain comparisons are compiled once.
+# Every active attempt of an agent has its lease renewed, and comes back as the row a heartbeat judges and answers it
+# by: one statement, where a read and then an update of the attempts named were two. An attempt the heartbeat then
+# ends (not named) is ended in the same transaction, so its renewal never counts; one claimed since the agent's
+# previous heartbeat, whose claim reply may still be on its way, keeps a lease from now rather than from its claim.
+_RENEW = (
+    update(_attempts)
+    .where(_attempts.c.agent_id == bindparam("holder"), or_(*(_attempts.c.state == state for state in ACTIVE)))
+    .values(lease_expires_at=bindparam("expires"), updated_at=bindparam("now"))
+    .returning(
         _attempts.c.id,
         _attempts.c.job_id,
         _attempts.c.claim_key,
         _attempts.c.created_at,
         _attempts.c.cancel_deadline,
     )
-    .where(_attempts.c.agent_id == bindparam("agent_id"), or_(*(_attempts.c.state == state for state in ACTIVE)))
-    .order_by(_attempts.c.id)
-    .with_for_update()
-)
-# One attempt's lease, executed once for each attempt renewed (one executemany).
-_RENEW = (
-    update(_attempts)
-    .where(_attempts.c.id == bindparam("attempt_id"))
-    .values(lease_expires_at=bindparam("expires"), updated_at=bindparam("now"))
 )
 _SEEN = (
     update(_agents)
@@ -634,7 +630,7 @@ async def heartbeat(
     attempt_ids: Sequence[uuid.UUID],
     claiming: str | None = None,
 ) -> tuple[wire.HeartbeatReply, list[Ended]]:
-    """Renew the leases this agent names and tell it, per attempt named, whether to go on.
+    """Renew the leases of the agent's attempts and tell it, per attempt named, whether to go on.
 
     An active attempt of the agent that it does not name, and whose claim is not the one it has in flight, is
     not held by it (its result was refused, its claim reply lost, or it restarted): it ends lost and is retried.
@@ -645,20 +641,15 @@ async def heartbeat(
     previous = agent.last_seen_at
     named = set(attempt_ids)
     ended = []
-    held = {row.id: row for row in await session.execute(_HELD, {"agent_id": agent.id})}
-    renewed = []
+    renewal = {"holder": agent.id, "expires": expires, "now": now}
+    held = {row.id: row for row in sorted(await session.execute(_RENEW, renewal), key=lambda row: row.id)}
     for row in held.values():
-        if row.id in named or (claiming is not None and row.claim_key == claiming):
-            renewed.append(row.id)
-        elif row.created_at < previous:
+        named_or_claiming = row.id in named or (claiming is not None and row.claim_key == claiming)
+        if not named_or_claiming and row.created_at < previous:
             job = await session.get_one(models.Job, row.job_id, with_for_update=True)
             active = await session.get_one(models.Attempt, row.id)
             lifecycle.move_attempt(session, job, active, J.LOST, NOT_HELD)
             ended.append(await _settle(session, job, active))
-    if renewed:
-        await session.execute(
-            _RENEW, [{"attempt_id": renewed_id, "expires": expires, "now": now} for renewed_id in renewed]
-        )
     await session.execute(_SEEN, {"agent_id": agent.id, "now": now})
     directives = []
     for attempt_id in attempt_ids:
