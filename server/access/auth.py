@@ -1,8 +1,8 @@
 """Who may do what: reads are public unless switched off; writes need a bearer token of the handler's role.
 
 A handler declares its role in ``opt={"role": ...}`` (a role, or a tuple of roles); the app-wide guard
-resolves the token, checks the role and leaves the principal on the connection for the ``principal`` and
-``agent`` dependencies.
+resolves the token, checks the role and leaves the principal (and an agent's row) on the connection for the
+``principal`` and ``call`` dependencies.
 """
 
 from __future__ import annotations
@@ -56,18 +56,31 @@ def _bearer(connection: Connection) -> str | None:
     return secret.strip()
 
 
+# The dependency of an agent's frequent routes (server.api.calls), whose token is read in the handler's transaction.
+CALL = "call"
+
+
 async def authorize(connection: Connection, handler: BaseRouteHandler) -> None:
     """Check the token, and set the request's database session up so that no request holds the SQLite write
     lock while it reads a body or waits: the token and an agent's row are read by one statement, on SQLite
     outside any transaction (one statement reads one snapshot); a GET stays a reader; any other method's handler
-    writes in transactions of its own."""
+    writes in transactions of its own.
+
+    A handler that takes ``call`` (claim, heartbeat, start, events, result) has its body read first, and then its
+    token in the write transaction that the handler goes on with: one transaction, not a read and then a write.
+    Its body is checked only once its token is (server.store.bodies)."""
     ctx = context(connection)
     session = ctx.database.provide_session(connection.app.state, connection.scope)
+    if CALL in handler.parsed_fn_signature.parameters and isinstance(connection, Request):
+        _required_bearer(connection)  # no body is read for a request that sends no token
+        await connection.body()
+        await _check(connection, handler, ctx, session, alone=False)
+        return
     writes = connection.scope.get("method", "GET") not in {"GET", "HEAD"}
     db.reading(session)
     db.one_statement(session, True)
     try:
-        await _check(connection, handler, ctx, session)
+        await _check(connection, handler, ctx, session, alone=True)
         await session.commit()
     finally:
         db.one_statement(session, False)
@@ -80,16 +93,19 @@ async def _check(
     handler: BaseRouteHandler,
     ctx: Context,
     session: AsyncSession,
+    *,
+    alone: bool,
 ) -> None:
+    """Leave the principal (and an agent's row) on ``connection``, read in ``session``: in a read of its own when
+    ``alone``, else in the session's transaction, which the handler goes on with."""
     if handler.opt.get("web") or handler.opt.get("public"):
         return  # the web UI's pages and assets (server.web checks their session cookie) and /health
     role = handler.opt.get("role")
     if role is None and (ctx.settings.public_read or connection.url.path.startswith("/schema")):
         return
-    secret = _bearer(connection)
-    if secret is None:
-        raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
-    await db.read_alone(session)
+    secret = _required_bearer(connection)
+    if alone:
+        await db.read_alone(session)
     principal, agent = await tokens.lookup_with_agent(session, secret)
     if principal is None:
         raise Unauthenticated("the bearer token is unknown or revoked")
@@ -99,6 +115,13 @@ async def _check(
     connection.state.principal = principal
     if principal.role == "agent":
         connection.state.agent = agent
+
+
+def _required_bearer(connection: Connection) -> str:
+    secret = _bearer(connection)
+    if secret is None:
+        raise Unauthenticated("this request needs a bearer token (Authorization: Bearer <token>)")
+    return secret
 
 
 def _a(role: str) -> str:

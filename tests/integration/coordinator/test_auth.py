@@ -25,6 +25,12 @@ def test_auth_matrix(api: Api) -> None:
     assert post("/api/experiments", json=plan, headers=bearer(a.token)).status_code == 403
     assert post("/api/agents/claim", json={}, headers=bearer(api.operator)).status_code == 403
     assert post("/api/agents/claim", json={}).status_code == 401
+    # An agent's route reads its token in its write transaction, after its body: still checked before the body is,
+    # and the refusal ends that transaction (the claim below would wait for the write lock otherwise).
+    malformed = {"attempt_ids": "not a list"}
+    assert post("/api/agents/heartbeat", json=malformed, headers=bearer("coop_unknown")).status_code == 401
+    assert post("/api/agents/heartbeat", json=malformed, headers=bearer(api.operator)).status_code == 403
+    assert post("/api/agents/heartbeat", json=malformed, headers=bearer(a.token)).status_code == 400
     api.create_experiment()
     job = a.claim()
     assert job is not None

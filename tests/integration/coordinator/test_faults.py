@@ -162,30 +162,44 @@ def test_a_retried_claim_gets_the_same_attempt_and_a_heartbeat_naming_the_claim_
 # 2. A slow upload cannot block the others ------------------------------------------------------------------
 
 
-def _stalled_upload(base: str, token: str, job: wire.Assignment, sent: threading.Event, stop: threading.Event) -> None:
-    """A PUT of a 1,024-byte blob that sends 16 bytes and then waits, as a client on a dying link does."""
-    data = bytes(1024)
-    digest = hashlib.sha256(data).hexdigest()
+def _stalled_upload(
+    base: str, token: str, job: wire.Assignment, route: str, sent: threading.Event, stop: threading.Event
+) -> None:
+    """An upload that sends its head and 16 bytes of its body and then waits, as a client on a dying link does: a
+    PUT of a 1,024-byte blob, or a POST of an event batch (whose token the coordinator reads in the handler's write
+    transaction, once the body is in)."""
+    if route == "blob":
+        data = bytes(1024)
+        target = f"PUT /api/blobs/{hashlib.sha256(data).hexdigest()}?attempt={job.attempt_id}"
+        kind = "application/octet-stream"
+    else:
+        batch = wire.EventBatch(lease_token=job.lease_token, sequence=0, events=[wire.Event("output", {"line": "x"})])
+        data = msgspec.json.encode(batch)
+        target = f"POST /api/attempts/{job.attempt_id}/events"
+        kind = f"application/json\r\nIdempotency-Key: {job.job_id}:{job.attempt_id}:0"
     address = urlsplit(base)
     with socket.create_connection((address.hostname, address.port)) as sock:
         head = (
-            f"PUT /api/blobs/{digest}?attempt={job.attempt_id} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"{target} HTTP/1.1\r\nHost: {address.netloc}\r\n"
             f"Authorization: Bearer {token}\r\nContent-Length: {len(data)}\r\n"
-            "Content-Type: application/octet-stream\r\n\r\n"
+            f"Content-Type: {kind}\r\n\r\n"
         )
         sock.sendall(head.encode() + data[:16])
         sent.set()
         stop.wait(60)
 
 
-def test_a_stalled_upload_blocks_no_other_request_and_no_reaper_round(serve: Callable[..., Server]) -> None:
+@pytest.mark.parametrize("route", ["blob", "events"])
+def test_a_stalled_upload_blocks_no_other_request_and_no_reaper_round(serve: Callable[..., Server], route: str) -> None:
     server = serve(COOP_LEASE_SECONDS="2", COOP_HEARTBEAT_SECONDS="0.5")
     a, b = server.agent("a"), server.agent("b")
     server.experiment()
     job = a.claim()
     assert job is not None
     sent, stop = threading.Event(), threading.Event()
-    uploader = threading.Thread(target=_stalled_upload, args=(server.base, a.token, job, sent, stop), daemon=True)
+    uploader = threading.Thread(
+        target=_stalled_upload, args=(server.base, a.token, job, route, sent, stop), daemon=True
+    )
     uploader.start()
     try:
         assert sent.wait(10)
