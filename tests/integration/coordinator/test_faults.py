@@ -171,18 +171,18 @@ def _stalled_upload(
     if route == "blob":
         data = bytes(1024)
         target = f"PUT /api/blobs/{hashlib.sha256(data).hexdigest()}?attempt={job.attempt_id}"
-        kind = "application/octet-stream"
+        fields = "Content-Type: application/octet-stream"
     else:
         batch = wire.EventBatch(lease_token=job.lease_token, sequence=0, events=[wire.Event("output", {"line": "x"})])
         data = msgspec.json.encode(batch)
         target = f"POST /api/attempts/{job.attempt_id}/events"
-        kind = f"application/json\r\nIdempotency-Key: {job.job_id}:{job.attempt_id}:0"
+        fields = f"Content-Type: application/json\r\nIdempotency-Key: {job.job_id}:{job.attempt_id}:0"
     address = urlsplit(base)
     with socket.create_connection((address.hostname, address.port)) as sock:
         head = (
             f"{target} HTTP/1.1\r\nHost: {address.netloc}\r\n"
             f"Authorization: Bearer {token}\r\nContent-Length: {len(data)}\r\n"
-            f"Content-Type: {kind}\r\n\r\n"
+            f"{fields}\r\n\r\n"
         )
         sock.sendall(head.encode() + data[:16])
         sent.set()
