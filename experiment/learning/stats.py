@@ -1,6 +1,9 @@
 """Statistics of the pre-registered comparisons: the exact one-sided sign (McNemar) test, mid-p,
 Clopper-Pearson intervals, the retention bound, breakdowns, the one primary pass/fail, and the local-SGD design's
-exact non-inferiority test."""
+exact non-inferiority test.
+
+SciPy is imported by the functions that compute with it: the coordinator loads these records (the report's shape) at
+every start, and computes with them only when it reports; SciPy's import would be about a third of its start's CPU."""
 
 from __future__ import annotations
 
@@ -12,9 +15,6 @@ from typing import Any, TypeVar
 import msgspec
 import numpy
 from numpy.typing import NDArray
-from scipy.optimize import minimize_scalar
-from scipy.special import gammaln, xlogy
-from scipy.stats import binom, binomtest
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import StatisticsPlan
@@ -52,6 +52,8 @@ def sign_test(wins: int, losses: int) -> float:
         raise CoopError("wins and losses must not be negative")
     if wins + losses == 0:
         return 1.0
+    from scipy.stats import binomtest
+
     return float(binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue)
 
 
@@ -60,6 +62,8 @@ def mid_p(wins: int, losses: int) -> float:
     n = wins + losses
     if n == 0:
         return 1.0
+    from scipy.stats import binom
+
     return float(binom.sf(wins, n, 0.5) + 0.5 * binom.pmf(wins, n, 0.5))
 
 
@@ -80,6 +84,8 @@ def clopper_pearson(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     """The exact two-sided interval of a binomial proportion."""
     if n == 0:
         return (0.0, 1.0)
+    from scipy.stats import binomtest
+
     interval = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="exact")
     return (float(interval.low), float(interval.high))
 
@@ -194,6 +200,8 @@ def _at_least_as_extreme(wins: int, losses: int, n: int, margin: float) -> tuple
 
 def _probability(b: Counts, c: Counts, rest: Counts, n: int, margin: float, discordance: float) -> float:
     """The trinomial probability of the outcomes (b, c, rest) on H0's boundary, P(win) + P(loss) = discordance."""
+    from scipy.special import gammaln, xlogy
+
     win, loss = (discordance - margin) / 2, (discordance + margin) / 2
     log = (
         gammaln(n + 1)
@@ -214,6 +222,8 @@ def noninferiority_p_value(wins: int, losses: int, n: int, margin: float) -> flo
     largest). Wins: items the arm answers right and its control wrong; losses the other way."""
     if not 0 < margin < 1 or n <= 0 or wins < 0 or losses < 0 or wins + losses > n:
         raise CoopError("a non-inferiority test needs 0 < margin < 1 and wins + losses <= n paired items")
+    from scipy.optimize import minimize_scalar
+
     b, c, rest = _at_least_as_extreme(wins, losses, n, margin)
     grid = numpy.linspace(margin, 1.0, 1001)
     tails = [_probability(b, c, rest, n, margin, float(d)) for d in grid]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from matplotlib import colormaps
 from matplotlib.artist import Artist
@@ -18,6 +17,7 @@ from matplotlib.patches import Patch
 
 from experiment.report.localsgd import Communication
 from experiment.report.model import Report
+from experiment.report.spans import Span
 from experiment.serving.servingrecord import PHASES, Metrics
 
 # matplotlib's default colour cycle, by number, so that a timeline's group keeps its colour in every figure.
@@ -30,9 +30,6 @@ def arm_colours(arms: Sequence[str]) -> dict[str, str]:
     """One colour per arm, the same in every figure: the baseline (the plan's first arm) grey, the others the
     palette in the plan's order."""
     return {arm: BASELINE_COLOUR if number == 0 else PALETTE[(number - 1) % 10] for number, arm in enumerate(arms)}
-
-
-SERVING_PHASES: tuple[str, ...] = PHASES
 
 
 def _figure(width: float = 7.5, height: float = 3.2) -> tuple[Figure, Axes]:
@@ -97,18 +94,6 @@ def distributions(title: str, series: Mapping[str, Sequence[float]], ylabel: str
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     return _svg(figure)
-
-
-@dataclass(frozen=True)
-class Span:
-    """One bar of a timeline: something in ``lane`` (a host, a request) from ``start`` to ``end`` (on the
-    figure's x axis), coloured by its ``group`` (a job kind, an endpoint)."""
-
-    lane: str
-    start: float
-    end: float
-    group: str
-    failed: bool = False  # drawn hatched
 
 
 def _rows(spans: Sequence[Span]) -> list[int]:
@@ -191,7 +176,7 @@ def timeline(
 
 def serving_latency(phases: Mapping[str, Metrics]) -> str:
     """p50, p95 and p99 end-to-end latency per serving phase, from the report's serving metrics."""
-    names = [phase for phase in SERVING_PHASES if phase in phases]
+    names = [phase for phase in PHASES if phase in phases]
     quantiles = {"p50": "median_e2el_ms", "p95": "p95_e2el_ms", "p99": "p99_e2el_ms"}
     return grouped_bars(
         "End-to-end request latency by phase",

@@ -12,7 +12,7 @@ import msgspec
 
 from experiment import wire
 from experiment.core.canonical import JsonObject
-from experiment.report.figures import Span
+from experiment.report.spans import Span
 from experiment.serving.servingrecord import PHASES, Attempt, PhaseResult
 from server.web import charts
 

@@ -1,5 +1,6 @@
 """The UI's figures: experiment.report.figures' SVG (the report's own matplotlib code), kept while the data stays
-the same, since htmx asks for the live parts every few seconds and a figure takes a while to draw."""
+the same, since htmx asks for the live parts every few seconds and a figure takes a while to draw. matplotlib is
+imported by the first figure drawn, not by the coordinator's start."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from experiment.report import figures
-from experiment.report.figures import Span
 from experiment.report.model import Report, read_report
+from experiment.report.spans import Span
 
 Series = tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
 
 
 @functools.lru_cache(maxsize=32)
 def _lines(title: str, series: Series, xlabel: str, ylabel: str) -> str:
+    from experiment.report import figures
+
     return figures.lines(title, {name: list(points) for name, points in series}, xlabel, ylabel)
 
 
@@ -34,6 +36,8 @@ def losses(by_arm: Mapping[str, Sequence[tuple[int, float]]]) -> str | None:
 
 @functools.lru_cache(maxsize=32)
 def _distributions(title: str, series: tuple[tuple[str, tuple[float, ...]], ...], ylabel: str) -> str:
+    from experiment.report import figures
+
     return figures.distributions(title, {name: list(values) for name, values in series}, ylabel)
 
 
@@ -52,6 +56,8 @@ def _timeline(
     marker: tuple[float, str] | None,
     failed_label: str,
 ) -> str:
+    from experiment.report import figures
+
     return figures.timeline(
         title, spans, xlabel, ylabel=ylabel, groups=groups, marker=marker, failed_label=failed_label
     )
@@ -73,6 +79,8 @@ def timeline(
 
 @functools.lru_cache(maxsize=8)
 def _report(text: bytes) -> dict[str, str]:
+    from experiment.report import figures
+
     return figures.report_figures(read_report(text))
 
 

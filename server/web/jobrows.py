@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from experiment import wire
 from experiment.core.states import JobState
-from experiment.report.figures import Span
+from experiment.report.spans import Span
 from server import models
 from server.dispatch.lifecycle import JOB_ACTIVE, JOB_FINAL
 from server.web import charts

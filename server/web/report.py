@@ -13,8 +13,8 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from experiment.report.figures import SERVING_PHASES
 from experiment.report.model import Report, read_report
+from experiment.serving.servingrecord import PHASES
 from server.httperrors import NotFound
 from server.protocol import recording
 from server.settings import Settings
@@ -64,7 +64,7 @@ class ReportPages(Controller):
             experiment=experiment,
             report=document,
             figures=charts.report(document),
-            phases=SERVING_PHASES,
+            phases=PHASES,
             comparisons={(c.arm, c.baseline): c for c in paired.stated(document)},
         )
 
