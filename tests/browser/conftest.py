@@ -25,7 +25,9 @@ ARGS = [
 OUTPUT = Path(__file__).parent / "output"
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: Playwright's sync API keeps an event loop running in the test process while it is open, and any
+# test after it in the same process that calls asyncio.run would fail; each browser file starts and stops its own.
+@pytest.fixture(scope="module")
 def playwright() -> Iterator[Playwright]:
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make services` (as root) or `apt-get install chromium`")
@@ -33,7 +35,7 @@ def playwright() -> Iterator[Playwright]:
         yield driver
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(playwright: Playwright) -> Iterator[Browser]:
     browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
     try:
