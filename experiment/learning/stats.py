@@ -3,7 +3,7 @@ Clopper-Pearson intervals, the retention bound, breakdowns, the one primary pass
 exact non-inferiority test.
 
 SciPy is imported by the functions that compute with it: the coordinator loads these records (the report's shape) at
-every start, and computes with them only when it reports; SciPy's import would be about a third of its start's CPU."""
+every start, and computes with them only when it reports (a start's CPU, with and without SciPy: docs/figures.md)."""
 
 from __future__ import annotations
 
