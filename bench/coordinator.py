@@ -555,6 +555,14 @@ def _checkout(revision: str) -> Iterator[Path]:
         subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, check=True)
 
 
+def _sources(stack: contextlib.ExitStack, baseline: str | None) -> dict[str, Path]:
+    """The code measured, by label: this checkout ("after"), and the worktree of ``baseline`` ("before") if given,
+    removed when ``stack`` closes."""
+    if baseline is None:
+        return {"after": ROOT}
+    return {"before": stack.enter_context(_checkout(baseline)), "after": ROOT}
+
+
 def _commit(source: Path) -> str:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, check=True, capture_output=True, text=True)
     dirty = subprocess.run(
@@ -576,9 +584,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "coordinator-cpu.json")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        sources = {"after": ROOT}
-        if args.baseline:
-            sources = {"before": stack.enter_context(_checkout(args.baseline)), **sources}
+        sources = _sources(stack, args.baseline)
         results: dict[str, Any] = {label: {"commit": _commit(source)} for label, source in sources.items()}
         floors = {}
         for backend in args.backends.split(","):

@@ -26,7 +26,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coordinator import ROOT, _checkout, _commit, _free_port
+from coordinator import ROOT, _commit, _free_port, _sources
 
 
 def start_once(source: Path) -> dict[str, float]:
@@ -82,9 +82,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "coordinator-start-cpu.json")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        sources = {"after": ROOT}
-        if args.baseline:
-            sources = {"before": stack.enter_context(_checkout(args.baseline)), **sources}
+        sources = _sources(stack, args.baseline)
         measured: dict[str, list[dict[str, float]]] = {label: [] for label in sources}
         for source in sources.values():
             start_once(source)  # warm-up: the file cache, the bytecode
