@@ -338,6 +338,7 @@ class ReplicaStart(Handler[wire.ReplicaStartSpec, wire.ReplicaStartResult]):
             reference=ws.home / layout.evaluation("dev", run.arm),
             model_identity=selected,
             numerics=run.plan().evaluation.numerics,
+            device=run.plan().runtime.device,
             address=address,
             token_file=serving_token_file(ws),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

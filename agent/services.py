@@ -52,6 +52,7 @@ class Launch:
     reference: Path  # the dev evaluation of the served arm, which the probe checks the replica's answers against
     model_identity: str  # the name the replica serves the checkpoint under
     numerics: str  # the plan's evaluation numerics: the reference evaluation answered in it, the replica serves in it
+    device: str  # the plan's device (cpu or cuda), passed to the replica: it need not import torch to find it
     address: str  # the host's address: the replica and the probe listen on it, and other hosts reach the probe there
     token_file: Path  # the probe's bearer token
     env: dict[str, str]
@@ -140,7 +141,7 @@ class Services:
         # Both listen on the host's address (never a wildcard): the probe is what other hosts reach.
         replica_url = _url(launch.address, replica_port)
         argv = [*launch.coop, "replica", "--model-dir", str(launch.model_dir)]
-        argv += ["--served-model-name", launch.model_identity, "--dtype", launch.numerics]
+        argv += ["--served-model-name", launch.model_identity, "--dtype", launch.numerics, "--device", launch.device]
         argv += ["--host", launch.address, "--port", str(replica_port), "--grace", str(self.grace)]
         replica = self._spawn("replica", key, argv, launch.cwd, launch.env, logs / "replica.log")
         argv = [*launch.coop, "probe", "--home", str(launch.home), "--model-dir", str(launch.seed_dir)]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiment.core import tasks  # noqa: E402
 from experiment.learning import corpus, decoding, evaluation  # noqa: E402
-from experiment.seed import seedmodel  # noqa: E402
+from experiment.seed import seedmodel, seedtokenizer  # noqa: E402
 from tests.support.greedy import hf_greedy as one_at_a_time  # noqa: E402  (the reference's method)
 
 
@@ -45,9 +45,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
-    tokenizer = seedmodel.load_tokenizer(args.model_dir)
+    tokenizer = seedtokenizer.read_tokenizer(args.model_dir)
     model = seedmodel.load_model(args.model_dir).eval()
-    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
     prompts = [
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i)))
         for i in range(args.prompts)

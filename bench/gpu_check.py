@@ -53,7 +53,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from experiment.core import determinism  # noqa: E402
 from experiment.core.plan import Plan, load_plan  # noqa: E402
-from experiment.learning import checkpoint, decoding, distributed, evaluation, preflight, training  # noqa: E402
+from experiment.learning import checkpoint, decoding, distributed, evaluation, preflight, receipts, training  # noqa: E402
 from experiment.learning.corpus import Document  # noqa: E402
 from experiment.seed import seedmodel  # noqa: E402
 
@@ -414,9 +414,9 @@ def checkpoint_step(plan: Plan, shape: dict[str, Any], device: torch.device, wor
         began = time.monotonic()
         pointer = checkpoint.save(work / "run", 1, model, trainer.optimizer, "b" * 64, "d" * 64, [], configs, layout)
         saved = time.monotonic()
-        checkpoint.verify(work / "run", pointer, "b" * 64, layout)
+        receipts.verify(work / "run", pointer, "b" * 64, layout)
         verified = time.monotonic()
-    folder = checkpoint.model_dir(work / "run", pointer)
+    folder = receipts.model_dir(work / "run", pointer)
     stored = seedmodel.tensor_layout(folder)
     size = sum(p.stat().st_size for p in (work / "run" / "checkpoints").rglob("*") if p.is_file())
     return {

@@ -28,10 +28,11 @@ sys.path.insert(0, str(ROOT))
 from experiment.core import tasks  # noqa: E402
 from experiment.core.plan import load_plan  # noqa: E402
 from experiment.learning import stats, training  # noqa: E402
-from experiment.learning.checkpoint import model_dir as checkpoint_model_dir  # noqa: E402
+from experiment.learning.answers import answer_text  # noqa: E402
 from experiment.learning.corpus import load_prepared, prepare  # noqa: E402
 from experiment.learning.decoding import generate  # noqa: E402
-from experiment.learning.evaluation import answer_text, batch_size_for, retention_score  # noqa: E402
+from experiment.learning.evaluation import batch_size_for, retention_score  # noqa: E402
+from experiment.learning.receipts import model_dir as checkpoint_model_dir  # noqa: E402
 from experiment.seed import seedmodel, tinyseed  # noqa: E402
 
 

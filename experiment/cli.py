@@ -1,5 +1,5 @@
 """The ``coop`` command. Long commands print one JSON object per line (a progress bar on a terminal);
-a refusal prints one message on stderr and exits 2."""
+a refusal prints one message on stderr and exits 2, and so does a command whose packages are not installed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import TypeAlias
 import msgspec
 
 # Only what the parser and every command need is imported here: a command imports its own parts (torch,
-# transformers, litestar) when it runs, so that `coop --help` and a refused argument answer at once.
+# transformers, litestar) when it runs, so that `coop --help` and a refused argument answer at once, and so that
+# `coop report` runs with the base install alone.
 from experiment.core.canonical import identity, sha256_file
 from experiment.core.errors import EXIT_LINK, CoopError, LinkError
 from experiment.core.plan import load_plan, plan_identity
@@ -48,9 +49,9 @@ def _seed_build(args: argparse.Namespace) -> None:
 
 
 def _seed_snapshot(args: argparse.Namespace) -> None:
-    from experiment.seed import seedmodel
+    from experiment.seed import seedfiles
 
-    snapshot = seedmodel.snapshot_of(args.dir)
+    snapshot = seedfiles.snapshot_of(args.dir)
     with Events() as events:
         events.emit({"event": "seed-snapshot", "dir": str(args.dir), "snapshot": msgspec.to_builtins(snapshot)})
 
@@ -373,13 +374,32 @@ def _serving_commands(commands: Commands) -> None:
     bench.set_defaults(handler=_benchmark)
 
 
+# The packages a command imports when it runs, by module, and what installs each (pyproject.toml): the base install
+# verifies and reports (coop report); a host's commands (train, evaluate, replica, probe, ...) need the host extra.
+# msgspec is not here: this module imports it, and every install has it.
+# coop is installed from its clone, with its hash locks: the commands name the lock of each install.
+INSTALL_BASE = "pip install --require-hashes -r requirements/verify.txt (make setup-verify; docs/evidence.md)"
+INSTALL_HOST = "make setup-host (docs/operating.md)"
+INSTALLED_BY = {
+    **dict.fromkeys(("numpy", "scipy", "rich", "jinja2", "matplotlib", "tokenizers"), INSTALL_BASE),
+    **dict.fromkeys(
+        ("torch", "transformers", "safetensors", "gguf", "accelerate", "psutil", "httpx", "litestar", "uvicorn"),
+        INSTALL_HOST,
+    ),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import transformers
-
-    transformers.logging.disable_progress_bar()  # our own events report progress
     try:
         args.handler(args)
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if package not in INSTALLED_BY:
+            raise
+        command = " ".join(str(part) for part in (args.command, getattr(args, "action", None)) if part)
+        print(f"coop {command} needs {package}: {INSTALLED_BY[package]}", file=sys.stderr)
+        return 2
     except LinkError as exc:
         print(f"coop: {exc}", file=sys.stderr)
         return EXIT_LINK

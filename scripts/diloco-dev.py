@@ -28,7 +28,7 @@ from pathlib import Path
 from experiment.core import tasks
 from experiment.core.plan import load_plan
 from experiment.learning import corpus, evaluation, selection
-from experiment.seed import seedmodel
+from experiment.seed import seedmodel, seedtokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = [(h, rate, momentum) for h in (4, 8, 16, 32) for rate, momentum in ((0.7, 0.9), (1.0, 0.0), (0.5, 0.5))]
@@ -71,7 +71,7 @@ def _variant(text: str, h: int, rate: float, momentum: float) -> str:
 def _dev_loss(home: Path, seed: Path, arm: str) -> float:
     """Mean over dev tasks of the expected answer's mean nats after the prompt, under the arm's final checkpoint."""
     prepared = corpus.load_prepared(home)
-    tokenizer = seedmodel.load_tokenizer(seed)
+    tokenizer = seedtokenizer.read_tokenizer(seed)
     candidate = selection.candidate_for(prepared, arm, seed)
     model = seedmodel.load_model(home / candidate.model_path)
     model.eval()

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from transformers import PreTrainedTokenizerBase
 
 from experiment.core import tasks
 from experiment.core.canonical import canonical_bytes, identity, read_json, sha256_bytes, write_new_bytes
@@ -18,7 +17,8 @@ from experiment.core.members import member
 from experiment.core.plan import Plan, SourceFile, plan_identity, staged_seed
 from experiment.core.progress import Emit
 from experiment.learning.records import FileRecord, Manifest, RoleFile, SeedRecord, TargetCounts
-from experiment.seed.seedmodel import Snapshot, load_tokenizer, tokenizer_identity, verify_seed
+from experiment.seed.seedfiles import Snapshot, verify_seed
+from experiment.seed.seedtokenizer import SeedTokenizer, read_tokenizer, tokenizer_identity
 
 IGNORE = -100
 ROLE_FILES = {
@@ -76,38 +76,34 @@ class Probe(msgspec.Struct, frozen=True):
     labels: list[int]
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: SeedTokenizer, prompt: str) -> list[int]:
     """The evaluation prompt: the user turn with the generation prompt."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+    return tokenizer.encode(tokenizer.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_tokens: int, name: str
+    tokenizer: SeedTokenizer, messages: list[dict[str, str]], max_tokens: int, name: str
 ) -> tuple[list[int], list[int]]:
     """Render with the chat template; label every assistant answer through its first EOS, nothing else.
     Longer than ``max_tokens`` is refused, never truncated."""
-    eos = str(tokenizer.eos_token)
-    text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+    eos = tokenizer.eos_token
+    text = tokenizer.render(messages)
     spans: list[tuple[int, int]] = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(str(tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)))
+        start = len(tokenizer.render(messages[:k], add_generation_prompt=True))
         end = text.find(eos, start + len(message["content"]))
         if end < 0 or not text[start:].startswith(message["content"]):
             raise CoopError(f"{name}: the chat template does not render answer {k} where expected")
         spans.append((start, end + len(eos)))
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoded["input_ids"])
+    input_ids, offsets = tokenizer.encode_with_offsets(text)
     if len(input_ids) > max_tokens:
         raise CoopError(
             f"{name} has {len(input_ids)} tokens, over the plan's {max_tokens}; it is refused, not truncated"
         )
     labels = [IGNORE] * len(input_ids)
-    for position, (first, last) in enumerate(encoded["offset_mapping"]):
+    for position, (first, last) in enumerate(offsets):
         for start, end in spans:
             if start <= first and last <= end:
                 labels[position] = input_ids[position]
@@ -185,7 +181,7 @@ def seed_snapshot(plan: Plan) -> Snapshot:
     return msgspec.convert(staged_seed(plan), type=Snapshot)
 
 
-def _task_items(plan: Plan, tokenizer: PreTrainedTokenizerBase, role: tasks.Role, count: int) -> list[TaskItem]:
+def _task_items(plan: Plan, tokenizer: SeedTokenizer, role: tasks.Role, count: int) -> list[TaskItem]:
     items = []
     for index in range(count):
         case = tasks.make_case(plan.tasks.task_seed, role, index)
@@ -224,7 +220,7 @@ def is_damaged(task_id: str) -> bool:
 
 def _documents(
     plan: Plan,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: SeedTokenizer,
     cases: list[tasks.Case],
     replay: list[Conversation],
     damaged: bool,
@@ -366,7 +362,7 @@ class _Roles:
         }
 
 
-def _probes(plan: Plan, tokenizer: PreTrainedTokenizerBase, retention: list[Conversation]) -> list[Probe]:
+def _probes(plan: Plan, tokenizer: SeedTokenizer, retention: list[Conversation]) -> list[Probe]:
     probes = []
     for conversation in retention:
         input_ids, labels = encode_conversation(
@@ -378,7 +374,7 @@ def _probes(plan: Plan, tokenizer: PreTrainedTokenizerBase, retention: list[Conv
     return probes
 
 
-def _build_roles(plan: Plan, tokenizer: PreTrainedTokenizerBase, sources: _Sources, emit: Emit) -> _Roles:
+def _build_roles(plan: Plan, tokenizer: SeedTokenizer, sources: _Sources, emit: Emit) -> _Roles:
     """The tasks of every role, refused if any repeats, then the clean and damaged documents and the probes."""
     cases = [tasks.make_case(plan.tasks.task_seed, "train", index) for index in range(plan.tasks.train)]
     dev = _task_items(plan, tokenizer, "dev", plan.tasks.dev)
@@ -439,7 +435,7 @@ def prepare(
     verify_seed(model_dir, snapshot)
     emit({"event": "seed-verified", "files": len(snapshot.files)})
     sources = _read_sources(plan, plan_path, reference_home)
-    roles = _build_roles(plan, load_tokenizer(model_dir), sources, emit)
+    roles = _build_roles(plan, read_tokenizer(model_dir), sources, emit)
     contents = roles.contents()
     manifest = _manifest(plan, snapshot, model_dir, sources, roles, contents)
     files = {ROLE_FILES[name]: data for name, data in contents.items()}

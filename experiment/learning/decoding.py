@@ -11,17 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from experiment.learning.answers import Generation as Generation
+
 PREFILL_ROWS = 16  # the prompts one prefill forward reads: on a CPU, more spill its caches (bench/evaluate.py)
-
-
-class Generation(msgspec.Struct, frozen=True):
-    output_ids: list[int]  # the generated tokens, through the first EOS when there is one
-    ended_with_eos: bool
-    hit_token_limit: bool
 
 
 @torch.inference_mode()

@@ -8,23 +8,25 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import torch
 
-from experiment.core import determinism, layout, tasks
-from experiment.core.canonical import canonical_bytes, read_json, sha256_file, write_new_bytes, write_new_json
+from experiment.core import determinism, tasks
+from experiment.core.canonical import canonical_bytes, sha256_file, write_new_bytes, write_new_json
 from experiment.core.errors import CoopError
 from experiment.core.plan import Numerics, Plan
 from experiment.core.progress import Emit
+from experiment.learning.answers import Generation, answer_text, evaluation_dir, read_answers
 from experiment.learning.corpus import IGNORE, Prepared, Probe, TaskItem, load_prepared, seed_snapshot
-from experiment.learning.decoding import Generation, generate
+from experiment.learning.decoding import generate
 from experiment.learning.events import EvaluatedEvent
-from experiment.learning.records import Answer, Candidate, RetentionScore
-from experiment.learning.records import Summary as Summary  # the probe reads it here (evaluation.Summary)
+from experiment.learning.records import Answer, Candidate, RetentionScore, Summary
 from experiment.learning.selection import candidate_for, read_selection, same_model, selection_identity
 from experiment.seed import seedmodel
+from experiment.seed.seedfiles import verify_seed
+from experiment.seed.seedtokenizer import SeedTokenizer, read_tokenizer
 
 Role = Literal["dev", "test"]
 CPU_BATCH_SIZE = 128
@@ -44,12 +46,6 @@ def batch_size_for(device: str) -> int:
     return CUDA_BATCH_SIZE if device == "cuda" else CPU_BATCH_SIZE
 
 
-def answer_text(tokenizer: Any, generation: Generation) -> str:
-    """The text the checker sees: every generated token but the terminating EOS, special tokens included."""
-    ids = generation.output_ids[:-1] if generation.ended_with_eos else generation.output_ids
-    return str(tokenizer.decode(ids, skip_special_tokens=False))
-
-
 @torch.no_grad()
 def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
     """Mean nats per answer token of one retention probe: the logits in the model's dtype (the plan's numerics),
@@ -61,11 +57,9 @@ def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
     return RetentionScore(id=probe.id, targets=probe.targets, mean_nats=float(total) / probe.targets)
 
 
-def evaluation_dir(home: Path, role: str, arm: str) -> Path:
-    return home / layout.evaluation(role, arm)
-
-
-def _answers_of(items: list[TaskItem], generations: list[Generation], tokenizer: Any, seconds: float) -> list[Answer]:
+def _answers_of(
+    items: list[TaskItem], generations: list[Generation], tokenizer: SeedTokenizer, seconds: float
+) -> list[Answer]:
     answers = []
     for item, generation in zip(items, generations, strict=True):
         text = answer_text(tokenizer, generation)
@@ -120,7 +114,7 @@ class _Answerer:
     """The model that answers, with everything its greedy generation is fixed by."""
 
     model: torch.nn.Module
-    tokenizer: Any
+    tokenizer: SeedTokenizer
     eos_id: int
     pad_id: int
     max_new_tokens: int
@@ -137,15 +131,15 @@ class _Answerer:
 
 def _answerer(home: Path, model_dir: Path, plan: Plan, candidate: Candidate, batch_size: int) -> _Answerer:
     """The candidate loaded on the plan's device, deterministic, after the seed it grew from is verified."""
-    seedmodel.verify_seed(model_dir, seed_snapshot(plan))
+    verify_seed(model_dir, seed_snapshot(plan))
     determinism.make_deterministic(plan.runtime.device, plan.runtime.cpu_threads)
-    tokenizer = seedmodel.load_tokenizer(model_dir)
+    tokenizer = read_tokenizer(model_dir)
     model = seedmodel.load_model(model_dir if candidate.path is None else home / candidate.path)
     return _Answerer(
         model=answering_model(model, plan.runtime.device, plan.evaluation.numerics),
         tokenizer=tokenizer,
-        eos_id=int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)),
-        pad_id=int(tokenizer.pad_token_id),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
         max_new_tokens=plan.evaluation.max_new_tokens,
         numerics=plan.evaluation.numerics,
         batch_size=batch_size,
@@ -286,17 +280,3 @@ def _emit_evaluated(summary: Summary, out: Path, emit: Emit) -> None:
         evaluation=str(out / "evaluation.json"),
     )
     emit(msgspec.to_builtins(evaluated))
-
-
-def read_answers(folder: Path) -> tuple[Summary, list[Answer], list[RetentionScore]]:
-    """A finished evaluation: its summary, answers and retention scores, each file checked by its hash."""
-    summary = msgspec.convert(read_json(folder / "evaluation.json"), type=Summary)
-    answers_path = folder / "answers.jsonl"
-    retention_path = folder / "retention.jsonl"
-    if sha256_file(answers_path) != summary.answers_sha256:
-        raise CoopError(f"{answers_path} does not match the sha256 in {folder / 'evaluation.json'}")
-    if sha256_file(retention_path) != summary.retention_sha256:
-        raise CoopError(f"{retention_path} does not match the sha256 in {folder / 'evaluation.json'}")
-    answers = [msgspec.json.decode(line, type=Answer) for line in answers_path.read_bytes().splitlines()]
-    scores = [msgspec.json.decode(line, type=RetentionScore) for line in retention_path.read_bytes().splitlines()]
-    return summary, answers, scores

@@ -14,10 +14,10 @@ from experiment.core.canonical import identity, read_json, write_new_json
 from experiment.core.errors import CoopError
 from experiment.core.layout import SELECTION
 from experiment.core.plan import seed_identity
-from experiment.learning import checkpoint
+from experiment.learning import receipts
 from experiment.learning.corpus import Prepared
 from experiment.learning.records import Candidate, Pointer
-from experiment.seed.seedmodel import tensor_layout
+from experiment.seed.seedfiles import tensor_layout
 
 
 def same_model(a: Candidate, b: Candidate) -> bool:
@@ -57,7 +57,7 @@ def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
         if pointer.step != final:
             raise CoopError(f"{run}: the candidate is step {pointer.step}; only the final step {final} is eligible")
         binding = str(result["binding"])
-        receipt = checkpoint.verify(run, pointer, binding, tensors)
+        receipt = receipts.verify(run, pointer, binding, tensors)
         if receipt.parameter_digest != result["parameter_digest"]:
             raise CoopError(f"{run}: the final checkpoint's digest differs from the run's result")
         if result["prepared_identity"] != prepared.identity:
@@ -65,7 +65,7 @@ def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
         candidate = Candidate(
             arm=arm,
             model_identity=receipt.parameter_digest,
-            path=checkpoint.model_dir(run, pointer).relative_to(prepared.home).as_posix(),
+            path=receipts.model_dir(run, pointer).relative_to(prepared.home).as_posix(),
             step=pointer.step,
             binding=binding,
             receipt_sha256=pointer.receipt_sha256,

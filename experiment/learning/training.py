@@ -11,7 +11,6 @@ import contextlib
 import gc
 import math
 import os
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,14 +30,15 @@ from experiment.core.canonical import identity, read_json, write_new_json
 from experiment.core.errors import CoopError, LinkError
 from experiment.core.plan import ArmPlan, Plan
 from experiment.core.progress import Emit
-from experiment.learning import checkpoint, distributed, preflight
+from experiment.learning import checkpoint, distributed, preflight, receipts
 from experiment.learning.corpus import Document, Prepared, load_prepared, seed_snapshot
 from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
 from experiment.learning.events import CompletedEvent
 from experiment.learning.records import Communication, NetworkCounters, NumericalProfile, Pointer, Result, StepRecord
 from experiment.learning.resources import Sampler, network_counters, written_bytes
-from experiment.seed import seedmodel
+from experiment.learning.schedule import schedule
+from experiment.seed import seedfiles, seedmodel
 
 LossScale = Callable[[int, int, int], float]
 
@@ -46,14 +46,6 @@ LossScale = Callable[[int, int, int], float]
 def protocol_scale(world_size: int, weight: int, global_weighted_targets: int) -> float:
     """The factor on a document's summed loss: DDP divides by world_size, so it is multiplied back."""
     return world_size * weight / global_weighted_targets
-
-
-def schedule(plan: Plan) -> list[list[int]]:
-    """Per update, the global batch's document positions: one shuffled epoch, identical for all arms."""
-    order = list(range(plan.tasks.train + plan.tasks.replay))
-    random.Random(plan.training.schedule_seed).shuffle(order)
-    size = plan.training.documents_per_update
-    return [order[u * size : (u + 1) * size] for u in range(plan.training.updates)]
 
 
 def local_positions(batch: list[int], world: World) -> list[int]:
@@ -389,8 +381,8 @@ class _Progress:
     """Where a rank's run stands: its model, the checkpoints it found, its journal and its latest checkpoint."""
 
     model: torch.nn.Module
-    held: checkpoint.Held
-    tensor_layout: seedmodel.TensorLayout
+    held: receipts.Held
+    tensor_layout: seedfiles.TensorLayout
     pointer: Pointer | None
     journal: list[StepRecord]
     resumed_from_step: int
@@ -403,7 +395,7 @@ def _bind_run(home: Path, model_dir: Path, arm: str) -> _Run:
     world = distributed.world_from_env()
     check_world(plan, arm, world)
     directory = run_dir(home, arm, world.rank)
-    seedmodel.verify_seed(model_dir, seed_snapshot(plan))
+    seedfiles.verify_seed(model_dir, seed_snapshot(plan))
     device = configure_runtime(plan, world)
     preflight.check_memory(plan, world.size, device)
     documents = documents_for(prepared, arm)
@@ -437,10 +429,10 @@ def _start(run: _Run) -> RunRecord:
 def _resume(run: _Run) -> _Progress:
     """The model to train from: the seed, or the last checkpoint every rank holds with a pointer, verified. A host
     killed while its peers saved a checkpoint is one checkpoint behind them, and they retrain to meet it."""
-    held = checkpoint.held(run.directory)
+    held = receipts.held(run.directory)
     preflight.check_disk(run.plan, run.directory, set(held.pointed) | set(held.unpointed))
     # Every checkpoint stores the seed's tensors, as the seed does.
-    tensor_layout = seedmodel.tensor_layout(run.model_dir)
+    tensor_layout = seedfiles.tensor_layout(run.model_dir)
     common = distributed.minimum(run.world, max(held.pointed, default=0), run.device)
     pointer = held.pointed.get(common) if common else None
     if common and pointer is None:
@@ -449,7 +441,7 @@ def _resume(run: _Run) -> _Progress:
     problem = None
     if pointer is not None:
         try:
-            receipt = checkpoint.verify(run.directory, pointer, run.binding, tensor_layout)
+            receipt = receipts.verify(run.directory, pointer, run.binding, tensor_layout)
             _check_journal(receipt.journal, run.batches, f"checkpoint {pointer.checkpoint}")
             journal = list(receipt.journal)
         except CoopError as exc:
@@ -460,7 +452,7 @@ def _resume(run: _Run) -> _Progress:
     if pointer is None:
         model = seedmodel.load_model(run.model_dir)
     else:
-        model = seedmodel.load_model(checkpoint.model_dir(run.directory, pointer))
+        model = seedmodel.load_model(receipts.model_dir(run.directory, pointer))
     model.to(run.device)
     model.train()
     distributed.agree(run.world, "parameter digest after load", distributed.parameter_digest(model), run.device)
@@ -500,7 +492,7 @@ def _checkpoint(run: _Run, progress: _Progress, trainer: Trainer, step: int, emi
     """Save this step's checkpoint, or confirm the one an earlier attempt left here; it becomes the latest."""
     digest = distributed.parameter_digest(progress.model)
     # Each step comes once: a pointer written here is never looked up in ``held``.
-    kept = checkpoint.kept(run.directory, progress.held, step, run.binding, digest, progress.tensor_layout)
+    kept = receipts.kept(run.directory, progress.held, step, run.binding, digest, progress.tensor_layout)
     extra = {} if trainer.outer is None else {OUTER: trainer.outer.state_dict()}
     if kept is None:
         layout = progress.tensor_layout

@@ -11,7 +11,7 @@ from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import CoopError
 from experiment.core.layout import PREPARED, SEED, SELECTION
 from experiment.learning.corpus import load_prepared, seed_snapshot
-from experiment.seed.seedmodel import verify_seed
+from experiment.seed.seedfiles import verify_seed
 
 OPTIONAL = ("serving", "ledger.json")
 

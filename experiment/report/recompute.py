@@ -8,7 +8,6 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import msgspec
@@ -21,12 +20,12 @@ from experiment.core.ledger import read_ledger
 from experiment.core.members import member, refuse_links
 from experiment.core.plan import Plan
 from experiment.learning import stats
+from experiment.learning.answers import evaluation_dir, read_answers
 from experiment.learning.corpus import Document, Prepared, TaskItem, is_damaged, load_prepared, prompt_ids
-from experiment.learning.evaluation import evaluation_dir, read_answers
 from experiment.learning.records import Answer, Candidate, RetentionScore, StepRecord, Summary
 from experiment.learning.records import Result as RunResult
+from experiment.learning.schedule import schedule
 from experiment.learning.selection import Selection, read_selection, same_model, selection_identity
-from experiment.learning.training import schedule
 from experiment.report import figures, localsgd, servingcheck
 from experiment.report.attempts import arm_faults, read_attempts
 from experiment.report.model import (
@@ -39,10 +38,8 @@ from experiment.report.model import (
     Report,
     Serving,
 )
-from experiment.seed.seedmodel import load_tokenizer
+from experiment.seed.seedtokenizer import SeedTokenizer, read_tokenizer
 from experiment.serving.servingrecord import PHASES
-
-Tokenizer = Any
 
 
 def _require(condition: bool, where: Path | str, field: str, problem: str) -> None:
@@ -56,7 +53,7 @@ class _TokenizerConfig(msgspec.Struct):
     fast_tokenizer_files: list[str] = msgspec.field(default_factory=list)
 
 
-def _seed_tokenizer(bundle: Path, prepared: Prepared) -> Tokenizer:
+def _seed_tokenizer(bundle: Path, prepared: Prepared) -> SeedTokenizer:
     """The seed's tokenizer files in the bundle, each checked against the plan's recorded hash."""
     folder = bundle / SEED
     _require(folder.is_dir(), folder, "seed", "the bundle has no seed tokenizer files")
@@ -72,10 +69,10 @@ def _seed_tokenizer(bundle: Path, prepared: Prepared) -> Tokenizer:
             raise CoopError(f"{config}: fast_tokenizer_files: is not a list of file names: {exc}") from exc
         for name in named:
             member(bundle, SEED, name, f"{SEED}/{config.name} fast_tokenizer_files")
-    return load_tokenizer(folder)
+    return read_tokenizer(folder)
 
 
-def _check_items(prepared: Prepared, tokenizer: Tokenizer, role: tasks.Role, items: list[TaskItem]) -> None:
+def _check_items(prepared: Prepared, tokenizer: SeedTokenizer, role: tasks.Role, items: list[TaskItem]) -> None:
     """Regenerate every case from the plan's task seed and compare id, prompt, answer and prompt tokens."""
     where = prepared.home / "prepared" / prepared.manifest.roles[role].file
     _require(len(items) == getattr(prepared.plan.tasks, role), where, "count", "differs from the plan")
@@ -262,10 +259,10 @@ def _check_answers(
     summary: Summary,
     answers: list[Answer],
     items: list[TaskItem],
-    tokenizer: Tokenizer,
+    tokenizer: SeedTokenizer,
     max_new_tokens: int,
 ) -> None:
-    eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    eos_id = tokenizer.eos_id
     _require([a.id for a in answers] == [i.id for i in items], path, "id", "answers are not the role's tasks in order")
     for number, (answer, item) in enumerate(zip(answers, items, strict=True), start=1):
         where = f"line {number}"
@@ -287,7 +284,7 @@ def _check_answers(
             f"{where}.hit_token_limit",
             "contradicts the output ids",
         )
-        text = str(tokenizer.decode(ids[:-1] if ends else ids, skip_special_tokens=False))
+        text = tokenizer.decode(ids[:-1] if ends else ids)
         _require(text == answer.text, path, f"{where}.text", "is not the seed tokenizer's decoding of output_ids")
         _require(
             tasks.check(answer.text, item.expected) == answer.check,
@@ -304,7 +301,7 @@ def _check_answers(
 
 
 def _evaluation(
-    prepared: Prepared, selection: Selection, tokenizer: Tokenizer, items: list[TaskItem], role: str, arm: str
+    prepared: Prepared, selection: Selection, tokenizer: SeedTokenizer, items: list[TaskItem], role: str, arm: str
 ) -> tuple[list[Answer], list[RetentionScore]]:
     """One evaluation of the bundle, every file and answer checked: for these inputs, of the selected candidate
     (a test evaluation also under this selection), every answer re-decoded and re-checked."""
@@ -405,7 +402,7 @@ def _check_bundle(bundle: Path) -> _Checked:
 
 
 def _serving(
-    bundle: Path, prepared: Prepared, selection: Selection, tokenizer: Tokenizer, dev: list[TaskItem]
+    bundle: Path, prepared: Prepared, selection: Selection, tokenizer: SeedTokenizer, dev: list[TaskItem]
 ) -> Serving | None:
     """The serving section when the bundle was served; served answers are checked against the dev evaluation of
     the served checkpoint, itself checked first."""

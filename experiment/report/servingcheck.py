@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from experiment.core import tasks
 from experiment.core.layout import SERVING, evaluation, serving_phase
+from experiment.learning.answers import Generation, answer_text
 from experiment.learning.corpus import Prepared, TaskItem
-from experiment.learning.decoding import Generation
-from experiment.learning.evaluation import answer_text
 from experiment.learning.records import Answer
 from experiment.report.model import Serving, ServingFailure, ServingReference
+from experiment.seed.seedtokenizer import SeedTokenizer
 from experiment.serving import agreement
 from experiment.serving.servingrecord import PHASES, PhaseResult
 
@@ -32,12 +31,11 @@ Require = Callable[[bool, Path | str, str, str], None]
 
 
 def _served_answers(
-    path: Path, record: PhaseResult, items: dict[str, TaskItem], tokenizer: Any, require: Require
+    path: Path, record: PhaseResult, items: dict[str, TaskItem], tokenizer: SeedTokenizer, require: Require
 ) -> list[agreement.ServedAnswer]:
     """Every completion of a phase, re-decoded and re-checked by the strict checker; padding or one repeated token
     is refused outright."""
-    eos = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
-    pad = int(tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
     served = []
     for number, completion in enumerate(record.completions):
         where = f"completions[{number}]"
@@ -93,7 +91,7 @@ def section(
     served_identity: str,
     reference: list[Answer],
     dev: list[TaskItem],
-    tokenizer: Any,
+    tokenizer: SeedTokenizer,
     require: Require,
 ) -> Serving:
     """``reference``: the served checkpoint's dev evaluation, already checked against the dev tasks."""

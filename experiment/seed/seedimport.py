@@ -21,7 +21,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from experiment.core.canonical import atomic_write_bytes, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.plan import SeedPlan
-from experiment.seed.seedmodel import Snapshot, snapshot_of, verify_seed
+from experiment.seed.seedfiles import Snapshot, snapshot_of, verify_seed
+
+transformers.logging.disable_progress_bar()  # coop's own events report progress, as where seedmodel loads models
 
 ARCHITECTURE = "llama"
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")

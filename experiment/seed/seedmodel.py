@@ -1,22 +1,31 @@
-"""Seed model folders: snapshot, verify and load them, and read their tensor layout (no downloads).
+"""Seed models loaded by transformers (torch): the model, transformers' tokenizer, and the tiny seed's tokens.
 
-A seed is pinned by its snapshot: every file's sha256, the tokenizer's identity and the parameter count. Every
-command that loads a seed verifies it first; a checkpoint is checked against the seed's tensor layout."""
+A seed folder's snapshot, verification and tensor layout are read without torch (experiment.seed.seedfiles), and so
+is its tokenizer (experiment.seed.seedtokenizer); their names are here too, for the callers that load models."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
-import msgspec
 import torch
 import transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
-from experiment.core.canonical import identity, read_json, sha256_bytes, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.progress import Emit
+from experiment.seed.seedfiles import Snapshot as Snapshot
+from experiment.seed.seedfiles import TensorLayout as TensorLayout
+from experiment.seed.seedfiles import count_parameters as count_parameters
+from experiment.seed.seedfiles import layout_differences as layout_differences
+from experiment.seed.seedfiles import read_snapshot as read_snapshot
+from experiment.seed.seedfiles import safetensors_layout as safetensors_layout
+from experiment.seed.seedfiles import snapshot_of as snapshot_of
+from experiment.seed.seedfiles import tensor_layout as tensor_layout
+from experiment.seed.seedfiles import verify_seed as verify_seed
+from experiment.seed.seedtokenizer import load_transformers_tokenizer
+from experiment.seed.seedtokenizer import tokenizer_identity as tokenizer_identity
+
+transformers.logging.disable_progress_bar()  # coop's own events report progress
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -29,90 +38,12 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-
-class Snapshot(msgspec.Struct, frozen=True):
-    """What a seed directory must hold, byte for byte."""
-
-    files: dict[str, str]
-    tokenizer_identity: str
-    parameters: int
-
-
 Progress = Emit  # the build's events (experiment.core.progress)
 
 
-# ---------------------------------------------------------------- snapshot, verify, load
-
-
-def _files_of(directory: Path) -> dict[str, str]:
-    if not directory.is_dir():
-        raise CoopError(f"seed directory {directory} does not exist")
-    return {
-        path.relative_to(directory).as_posix(): sha256_file(path)
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
-
-
-TensorLayout = dict[str, tuple[int, ...]]  # tensor name -> shape, as a model folder's safetensors files hold them
-
-
-def safetensors_layout(path: Path) -> TensorLayout:
-    """The tensors of one safetensors file, read from its header (no weights are loaded)."""
-    try:
-        with path.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
-    except (OSError, ValueError) as exc:
-        raise CoopError(f"{path} is not a readable safetensors file: {exc}") from exc
-    if not isinstance(header, dict):
-        raise CoopError(f"{path} has a safetensors header that is not an object")
-    try:
-        return {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CoopError(f"{path} has a safetensors header without tensor shapes: {exc}") from exc
-
-
-def tensor_layout(directory: Path) -> TensorLayout:
-    """Every tensor a model folder stores, by name (tied weights are stored once, under one name)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CoopError(f"model folder {directory} has no *.safetensors weights file")
-    layout: TensorLayout = {}
-    for path in files:
-        for name, shape in safetensors_layout(path).items():
-            if name in layout:
-                raise CoopError(f"{directory} stores tensor {name} twice")
-            layout[name] = shape
-    return layout
-
-
-def layout_differences(found: TensorLayout, expected: TensorLayout) -> list[str]:
-    """What keeps ``found`` from being ``expected``: missing and extra tensor names, and other shapes."""
-    problems = [f"missing {name}" for name in sorted(expected.keys() - found.keys())]
-    problems += [f"extra {name}" for name in sorted(found.keys() - expected.keys())]
-    problems += [
-        f"{name} has shape {list(found[name])}, the seed's {list(shape)}"
-        for name, shape in sorted(expected.items())
-        if name in found and found[name] != shape
-    ]
-    return problems
-
-
-def count_parameters(directory: Path) -> int:
-    """Parameters stored in the safetensors files, read from their headers (tied weights are stored once)."""
-    return sum(math.prod(shape) for shape in tensor_layout(directory).values())
-
-
 def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CoopError(f"cannot load the tokenizer from {directory}: {exc}") from exc
-    if not tokenizer.chat_template:
-        raise CoopError(f"the tokenizer in {directory} has no chat_template")
-    if tokenizer.eos_token is None:
-        raise CoopError(f"the tokenizer in {directory} has no eos_token")
+    """transformers' tokenizer of a seed folder (the experiment's commands read it as seedtokenizer.read_tokenizer)."""
+    tokenizer: PreTrainedTokenizerBase = load_transformers_tokenizer(directory)
     return tokenizer
 
 
@@ -122,57 +53,3 @@ def load_model(directory: Path) -> LlamaForCausalLM:
     except (OSError, ValueError) as exc:
         raise CoopError(f"cannot load the model from {directory}: {exc}") from exc
     return model
-
-
-def tokenizer_identity(directory: Path) -> str:
-    """Identity of everything that decides token ids: backend JSON, chat template, special and EOS tokens."""
-    backend = directory / "tokenizer.json"
-    if not backend.is_file():
-        raise CoopError(f"seed directory {directory} has no tokenizer.json")
-    tokenizer = load_tokenizer(directory)
-    template = tokenizer.chat_template
-    if not isinstance(template, str):
-        raise CoopError(f"the tokenizer in {directory} has several chat templates; expected one")
-    return identity(
-        {
-            "tokenizer_json": sha256_file(backend),
-            "chat_template": sha256_bytes(template.encode("utf-8")),
-            "special_tokens": sorted(str(token) for token in tokenizer.all_special_tokens),
-            "eos_token": str(tokenizer.eos_token),
-        }
-    )
-
-
-def snapshot_of(directory: Path) -> Snapshot:
-    return Snapshot(
-        files=_files_of(directory),
-        tokenizer_identity=tokenizer_identity(directory),
-        parameters=count_parameters(directory),
-    )
-
-
-def verify_seed(directory: Path, snapshot: Snapshot) -> None:
-    """Refuse any missing, extra or changed file, and any other tokenizer identity or parameter count."""
-    found = _files_of(directory)
-    for name in sorted(snapshot.files.keys() - found.keys()):
-        raise CoopError(f"seed file {directory / name} is missing")
-    for name in sorted(found.keys() - snapshot.files.keys()):
-        raise CoopError(f"seed file {directory / name} is not in the snapshot (extra file)")
-    for name, digest in sorted(snapshot.files.items()):
-        if found[name] != digest:
-            raise CoopError(f"seed file {directory / name} has sha256 {found[name]}, expected {digest}")
-    actual_identity = tokenizer_identity(directory)
-    if actual_identity != snapshot.tokenizer_identity:
-        raise CoopError(
-            f"tokenizer identity of {directory} is {actual_identity}, expected {snapshot.tokenizer_identity}"
-        )
-    parameters = count_parameters(directory)
-    if parameters != snapshot.parameters:
-        raise CoopError(f"{directory} holds {parameters} parameters, expected {snapshot.parameters}")
-
-
-def read_snapshot(path: Path) -> Snapshot:
-    try:
-        return msgspec.convert(read_json(path), Snapshot)
-    except msgspec.ValidationError as exc:
-        raise CoopError(f"{path} is not a seed snapshot: {exc}") from exc

@@ -25,16 +25,8 @@ from experiment.core import determinism
 from experiment.core.canonical import atomic_write_bytes
 from experiment.core.errors import CoopError
 from experiment.core.tasks import CITIES, STATUSES, Record
-from experiment.seed.seedmodel import (
-    BOS_TOKEN,
-    CHAT_TEMPLATE,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    Progress,
-    Snapshot,
-    snapshot_of,
-)
+from experiment.seed.seedfiles import Snapshot, snapshot_of
+from experiment.seed.seedmodel import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, Progress
 
 # The general conversations the seed pre-trains on: the local plan's replay set. Its retention probes stay out, as
 # the reference seed never saw the reference's probes: they measure what a fine-tune costs the seed's conversation

@@ -27,10 +27,10 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from experiment.core import tasks
 from experiment.core.errors import CoopError
 from experiment.core.progress import Emit
-from experiment.learning import decoding, evaluation
+from experiment.learning.answers import Generation, answer_text, read_answers
 from experiment.learning.corpus import Prepared, TaskItem, load_prepared
-from experiment.learning.records import Answer
-from experiment.seed import seedmodel
+from experiment.learning.records import Answer, Summary
+from experiment.seed.seedtokenizer import SeedTokenizer, read_tokenizer, tokenizer_identity
 from experiment.serving import agreement
 
 MAX_BODY_BYTES = 1024
@@ -72,7 +72,7 @@ class ProbeHealth(msgspec.Struct, frozen=True):
 class Reference(msgspec.Struct, frozen=True):
     """The dev evaluation of the model a probe's replica must serve (its folder's files checked by hash)."""
 
-    summary: evaluation.Summary
+    summary: Summary
     answers: list[Answer]
 
 
@@ -127,7 +127,7 @@ class ProbeService:
     def __init__(
         self,
         items: list[TaskItem],
-        tokenizer: Any,
+        tokenizer: SeedTokenizer,
         replica: str,
         max_new_tokens: int,
         cache_size: int,
@@ -136,8 +136,8 @@ class ProbeService:
     ) -> None:
         self.items = {item.id: item for item in items}
         self.tokenizer = tokenizer
-        self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
-        self.pad_id = int(tokenizer.pad_token_id)
+        self.eos_id = tokenizer.eos_id
+        self.pad_id = tokenizer.pad_id
         self.replica = replica.rstrip("/")
         self.max_new_tokens = max_new_tokens
         self.cache: RetryCache[asyncio.Future[InferAnswer]] = RetryCache(cache_size)
@@ -281,7 +281,7 @@ class ProbeService:
         if prompt_ids != item.prompt_ids:
             raise ReplicaError(502, f"replica {self.replica} changed the prompt token ids of task {item.id}")
         generation = self._generation(output_ids)
-        text = evaluation.answer_text(self.tokenizer, generation)
+        text = answer_text(self.tokenizer, generation)
         return InferAnswer(
             request_id=request.request_id,
             task_id=item.id,
@@ -295,14 +295,14 @@ class ProbeService:
             replica_seconds=round(seconds, 6),
         )
 
-    def _generation(self, output_ids: list[int]) -> decoding.Generation:
+    def _generation(self, output_ids: list[int]) -> Generation:
         """The evaluation's reading of generated ids: through the first EOS, else up to the token limit."""
         if len(output_ids) > self.max_new_tokens:
             raise ReplicaError(502, f"replica {self.replica} generated more than {self.max_new_tokens} tokens")
         if self.eos_id in output_ids and not self.ignore_eos:
             kept = output_ids[: output_ids.index(self.eos_id) + 1]
-            return decoding.Generation(output_ids=kept, ended_with_eos=True, hit_token_limit=False)
-        return decoding.Generation(
+            return Generation(output_ids=kept, ended_with_eos=True, hit_token_limit=False)
+        return Generation(
             output_ids=output_ids, ended_with_eos=False, hit_token_limit=len(output_ids) >= self.max_new_tokens
         )
 
@@ -353,7 +353,7 @@ def read_reference(folder: Path, prepared_identity: str) -> Reference:
     """A finished dev evaluation (``evaluations/dev/ARM``) of these prepared inputs, its files checked by hash."""
     if not (folder / "evaluation.json").is_file():
         raise CoopError(f"{folder} holds no finished evaluation to check the replica's answers against")
-    summary, answers, _ = evaluation.read_answers(folder)
+    summary, answers, _ = read_answers(folder)
     if summary.role != "dev" or summary.prepared_identity != prepared_identity:
         raise CoopError(f"{folder} is not a dev evaluation of these prepared inputs")
     return Reference(summary=summary, answers=answers)
@@ -362,13 +362,13 @@ def read_reference(folder: Path, prepared_identity: str) -> Reference:
 def build_service(prepared: Prepared, model_dir: Path, replica: str, ignore_eos: bool = False) -> ProbeService:
     """The probe of a prepared home: its dev tasks, and the tokenizer the home was prepared with."""
     recorded = prepared.manifest.tokenizer_identity
-    found = seedmodel.tokenizer_identity(model_dir)
+    found = tokenizer_identity(model_dir)
     if found != recorded:
         raise CoopError(f"the tokenizer in {model_dir} is not the one {prepared.home} was prepared with")
     serving = prepared.plan.serving
     return ProbeService(
         items=prepared.task_items("dev"),
-        tokenizer=seedmodel.load_tokenizer(model_dir),
+        tokenizer=read_tokenizer(model_dir),
         replica=replica,
         max_new_tokens=serving.max_new_tokens,
         cache_size=serving.retry_cache_size,

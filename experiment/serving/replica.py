@@ -16,14 +16,16 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
-import httpx
 import msgspec
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import DEVICE_NUMERICS, Numerics
 from experiment.core.progress import Emit
+
+if TYPE_CHECKING:  # httpx is imported where a replica is asked: `coop --help` reads DRAIN_SECONDS, and needs none
+    import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON_ENV = "COOP_VLLM_PYTHON"
@@ -200,6 +202,8 @@ def environment(spec: ReplicaSpec, base: Mapping[str, str] = os.environ) -> dict
 
 def served_models(url: str, timeout: float = 5.0) -> list[str]:
     """The model names a replica serves, from its ``/v1/models``."""
+    import httpx
+
     try:
         reply = httpx.get(f"{url}/v1/models", timeout=timeout)
         reply.raise_for_status()
@@ -210,6 +214,8 @@ def served_models(url: str, timeout: float = 5.0) -> list[str]:
 
 
 def is_healthy(client: httpx.Client, url: str) -> bool:
+    import httpx
+
     try:
         return client.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
@@ -266,6 +272,8 @@ class Replica:
         process, a timeout, a cancellation and a replica that serves another model."""
         if self._process is None:
             raise CoopError("the replica was not started")
+        import httpx
+
         began = time.monotonic()
         # One client for every poll: a client made for each costs about 20 ms of CPU (its TLS context).
         with httpx.Client(timeout=2.0) as client:

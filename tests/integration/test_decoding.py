@@ -11,7 +11,7 @@ import pytest
 
 from experiment.core import tasks
 from experiment.learning import corpus, decoding
-from experiment.seed import seedmodel
+from experiment.seed import seedmodel, seedtokenizer
 from tests.support.greedy import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.usefixtures("one_thread")
 def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(smollm2: Path) -> None:
-    tokenizer = seedmodel.load_tokenizer(smollm2)
+    tokenizer = seedtokenizer.read_tokenizer(smollm2)
     model = seedmodel.load_model(smollm2).eval()
-    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
     prompts = [
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "dev", i))) for i in range(6)
     ]

@@ -21,7 +21,7 @@ from experiment.core.errors import CoopError
 from experiment.core.plan import load_plan
 from experiment.learning import corpus, decoding, evaluation, selection
 from experiment.report import bundle, recompute
-from experiment.seed import seedmodel
+from experiment.seed import seedmodel, seedtokenizer
 from tests.conftest import write_plan
 from tests.support.greedy import hf_greedy
 from tests.support.processes import coop_train
@@ -82,12 +82,12 @@ def _rows_leaving(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 @pytest.mark.usefixtures("one_thread")
 def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TINY.is_dir(), f"{TINY} is missing: it is committed in the repository (git checkout seeds/)"
-    tokenizer = seedmodel.load_tokenizer(TINY)
+    tokenizer = seedtokenizer.read_tokenizer(TINY)
     model = seedmodel.load_model(TINY).eval()
     prompts = [
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(72)
     ]
-    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
     assert len({len(p) for p in prompts}) >= 8  # mixed lengths: every batch is padded
     left = _rows_leaving(monkeypatch)
     # 72 prompts in three batches of 24, each prefilled in two groups of its own width (16 and 8 prompts).
@@ -106,13 +106,13 @@ def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(monkeypatch:
 def test_bfloat16_numerics_answer_as_hf_generate_does_in_bfloat16() -> None:
     """The numerics a GPU plan answers in: every weight in bfloat16, the batched answers transformers' own generate's
     of the same bfloat16 model, and not the float32 model's answers (the numerics change what the model says)."""
-    tokenizer = seedmodel.load_tokenizer(TINY)
+    tokenizer = seedtokenizer.read_tokenizer(TINY)
     model = evaluation.answering_model(seedmodel.load_model(TINY), "cpu", "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     prompts = [
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i))) for i in range(32)
     ]
-    eos, pad = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token)), int(tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
     batched = [g.output_ids for g in decoding.generate(model, prompts, eos, pad, 96, batch_size=16)]
     assert batched == [hf_greedy(model, p, eos, pad, 96) for p in prompts]
     in_float32 = evaluation.answering_model(seedmodel.load_model(TINY), "cpu", "float32")

@@ -211,6 +211,7 @@ def test_a_replica_that_exits_at_start_fails_the_start_at_once_with_its_refusal(
         reference=tmp_path,
         model_identity="a" * 64,
         numerics="float32",
+        device="cpu",
         address="127.0.0.1",
         token_file=tmp_path / "token",
         env=env,

@@ -16,7 +16,7 @@ import torch
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import load_plan, parse_plan
-from experiment.learning import checkpoint, preflight
+from experiment.learning import checkpoint, preflight, receipts
 from experiment.seed import seedmodel
 from tests.support import ROOT
 
@@ -130,21 +130,21 @@ def test_a_checkpoint_hashes_each_file_once_and_its_optimizer_loads_onto_the_dev
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
     hashed: list[Path] = []
-    real = checkpoint.sha256_file
+    real = receipts.sha256_file
 
     def counting(path: Path) -> str:
         hashed.append(path)
         return real(path)
 
-    monkeypatch.setattr(checkpoint, "sha256_file", counting)
+    monkeypatch.setattr(receipts, "sha256_file", counting)  # the receipt hashes each file as it is written
     layout = seedmodel.tensor_layout(TINY)
     pointer = checkpoint.save(tmp_path, 2, model, optimizer, "binding", "digest", [], TINY, layout)
     names = [p.name for p in hashed]
     assert names and len(names) == len(set(names)), names  # one hash per file, none read back
     monkeypatch.undo()
-    receipt = checkpoint.verify(tmp_path, pointer, "binding", layout)  # what a resume checks
+    receipt = receipts.verify(tmp_path, pointer, "binding", layout)  # what a resume checks
     assert receipt.parameter_digest == "digest"
-    fresh = torch.optim.AdamW(seedmodel.load_model(checkpoint.model_dir(tmp_path, pointer)).parameters(), lr=1e-3)
+    fresh = torch.optim.AdamW(seedmodel.load_model(receipts.model_dir(tmp_path, pointer)).parameters(), lr=1e-3)
     checkpoint.load_state(tmp_path, pointer, fresh, torch.device("cpu"))
     saved, loaded = optimizer.state_dict()["state"], fresh.state_dict()["state"]
     assert saved.keys() == loaded.keys()

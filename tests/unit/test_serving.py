@@ -16,7 +16,7 @@ import pytest
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import ServingPlan
-from experiment.seed import seedmodel
+from experiment.seed import seedtokenizer
 from experiment.serving import replica
 from experiment.serving.benchmark import PhaseRun, Router
 from experiment.serving.probe import CacheConflict, ProbeService, ReplicaError, RetryCache
@@ -284,7 +284,7 @@ def test_token_comes_from_the_file_else_the_environment(tmp_path: Path, monkeypa
 
 
 def _service(ignore_eos: bool = False) -> ProbeService:
-    tokenizer = seedmodel.load_tokenizer(TINY)
+    tokenizer = seedtokenizer.read_tokenizer(TINY)
     return ProbeService([], tokenizer, "http://127.0.0.1:9", 4, 8, httpx.AsyncClient(), ignore_eos=ignore_eos)
 
 

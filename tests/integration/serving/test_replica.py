@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from experiment.learning.corpus import TaskItem
-from experiment.seed import seedmodel
+from experiment.seed import seedtokenizer
 from experiment.serving.probe import InferRequest, ProbeService, ReplicaError
 from tests.integration.serving.conftest import STARTUP_SECONDS
 from tests.integration.serving.support import TINY, EventProcess, needs_vllm
@@ -31,8 +31,8 @@ def _probe_while_draining(url: str, warm: threading.Event, outcome: dict[str, st
     answers 200 then. Requests sent at a steady pace, not one after another, so that some land in the drain however
     slowly each is answered on a loaded machine; one that reaches the engine after the drain waits until the server
     closes, long after the aborted ones are answered."""
-    tokenizer = seedmodel.load_tokenizer(TINY)
-    prompt_ids = [int(t) for t in tokenizer("The table")["input_ids"]]
+    tokenizer = seedtokenizer.read_tokenizer(TINY)
+    prompt_ids = tokenizer.encode("The table")
     item = TaskItem("dev-drain", "dev", 0, "lookup", 0, False, "The table", {}, prompt_ids)
 
     async def probe() -> None:
