@@ -24,7 +24,7 @@ define install-project
 $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 endef
 
-.PHONY: setup setup-host setup-coordinator venvs run test lint typecheck unit services clean vllm-venv lock lock-check
+.PHONY: setup setup-host setup-coordinator setup-verify venvs run test lint typecheck unit services clean vllm-venv lock lock-check
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -43,8 +43,8 @@ $(STAMP): pyproject.toml constraints.txt requirements/dev.txt requirements/test-
 	$(install-project)
 	touch $@
 
-# A host of the experiment (docs/operating.md): the runtime alone, no dev extras and no npm. A GPU host's lock holds
-# PyPI's CUDA torch and what it needs; a host without a GPU (the coordinator) gets torch's CPU build.
+# A host of the experiment (docs/operating.md): the server and host extras, no dev extras and no npm. A GPU host's
+# lock holds PyPI's CUDA torch and what it needs; a host without a GPU (the coordinator) gets torch's CPU build.
 HOST_DEVICE ?= $(DEVICE)
 HOST_LOCK := requirements/host-$(HOST_DEVICE).txt
 HOST_STAMP := $(VENV)/.installed-host
@@ -58,6 +58,19 @@ $(HOST_STAMP): pyproject.toml constraints.txt $(HOST_LOCK)
 	$(LOCK_CHECK)
 	$(call new-venv,$(VENV))
 	$(BIN)/python $(PIP_LOCKED) -r $(HOST_LOCK)
+	$(install-project)
+	touch $@
+
+# A verifier's .venv (docs/evidence.md): the base alone (requirements/verify.txt), what `coop report` recomputes a
+# published evidence bundle with; no torch, no server, no npm.
+VERIFY_STAMP := $(VENV)/.installed-verify
+
+setup-verify: $(VERIFY_STAMP)
+
+$(VERIFY_STAMP): pyproject.toml requirements/verify.txt
+	$(LOCK_CHECK)
+	$(call new-venv,$(VENV))
+	$(BIN)/python $(PIP_LOCKED) -r requirements/verify.txt
 	$(install-project)
 	touch $@
 

