@@ -32,7 +32,6 @@ OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import
 SERVING_TESTS = "tests/integration/serving/"  # one unit: its tests share one trained checkpoint and its replicas
 SLOW_FIRST = (
     "tests/integration/agent/test_coordinator_kills.py",
-    "tests/integration/agent/test_backup.py",
     "tests/integration/agent/test_experiment.py",
     "tests/integration/test_smollm2.py",
     SERVING_TESTS,
@@ -42,6 +41,7 @@ SLOW_FIRST = (
     "tests/integration/coordinator/test_faults.py",
     "tests/integration/test_diloco.py",
     "tests/integration/test_decoding.py",
+    "tests/integration/test_verifier_install.py",
 )
 
 

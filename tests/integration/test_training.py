@@ -146,16 +146,30 @@ def test_interrupted_run_resumes_to_the_same_final_digest(
     assert repeated[-1]["parameter_digest"] == uninterrupted and path.read_bytes() == written
 
 
-def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, small_seed: Seed, tmp_path: Path) -> None:
-    pair = _fresh_home(home, tmp_path)
-    runs = coop_train(pair, small_seed[0], "clean-pair", 2)
+@pytest.fixture(scope="module")
+def whole_pair(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The clean pair trained without interruption: its home and each rank's final parameter digest."""
+    whole = _fresh_home(home, tmp_path_factory.mktemp("whole-pair"))
+    runs = coop_train(whole, small_seed[0], "clean-pair", 2)
     for done in runs:
         assert done.returncode == 0, done.stderr
-    digests = {_events(done)[-1]["parameter_digest"] for done in runs}
-    assert len(digests) == 1
+    return whole, [str(_events(done)[-1]["parameter_digest"]) for done in runs]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_pair(whole_pair: tuple[Path, list[str]]) -> str:
+    """The final parameter digest of the clean pair trained without interruption."""
+    (digest,) = set(whole_pair[1])
+    return digest
+
+
+def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(whole_pair: tuple[Path, list[str]]) -> None:
+    pair, digests = whole_pair
+    assert len(set(digests)) == 1
     for rank in (0, 1):
         result = json.loads((training.run_dir(pair, "clean-pair", rank) / "result.json").read_text())
         assert result["world_size"] == 2 and result["rank"] == rank
+        assert result["parameter_digest"] == digests[rank]
         assert [r["step"] for r in result["journal"]] == [1, 2, 3, 4]
         assert all(r["documents"] == 4 for r in result["journal"])
         # Every rank keeps a loadable copy of the weights (each host resumes and serves from its own).
@@ -165,23 +179,20 @@ def test_pair_arm_runs_two_ranks_that_agree_on_the_final_digest(home: Path, smal
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_pair(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The final parameter digest of the clean pair trained without interruption."""
-    whole = _fresh_home(home, tmp_path_factory.mktemp("whole-pair"))
-    digests = {_events(done)[-1]["parameter_digest"] for done in coop_train(whole, small_seed[0], "clean-pair", 2)}
-    assert len(digests) == 1
-    (digest,) = digests
-    assert isinstance(digest, str)
-    return digest
-
-
-def _pair_killed_while_saving(home: Path, seed: Path, tmp_path: Path, moment: str) -> Path:
-    """A pair stopped after its last update, whose rank 1 then looks as if its host died while saving step 4,
-    while rank 0's step 4 is complete: before the folder's rename (still partial, no pointer) or between the
-    rename and the pointer's write (complete, no pointer)."""
-    broken = _fresh_home(home, tmp_path / "broken")
-    runs = coop_train(broken, seed, "clean-pair", 2, "--stop-after", "4")
+def stopped_pair(home: Path, small_seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pair stopped after its last update (--stop-after 4): both ranks hold step 4, and neither a result."""
+    broken = _fresh_home(home, tmp_path_factory.mktemp("stopped-pair"))
+    runs = coop_train(broken, small_seed[0], "clean-pair", 2, "--stop-after", "4")
     assert all(done.returncode == 0 for done in runs), [done.stderr for done in runs]
+    return broken
+
+
+def _pair_killed_while_saving(stopped_pair: Path, tmp_path: Path, moment: str) -> Path:
+    """A copy of the stopped pair whose rank 1 then looks as if its host died while saving step 4, while rank 0's
+    step 4 is complete: before the folder's rename (still partial, no pointer) or between the rename and the
+    pointer's write (complete, no pointer)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(stopped_pair, broken)
     behind = training.run_dir(broken, "clean-pair", 1)
     (behind / "pointers" / "step-000004.json").unlink()
     if moment == "before-rename":
@@ -193,9 +204,9 @@ def _pair_killed_while_saving(home: Path, seed: Path, tmp_path: Path, moment: st
 
 @pytest.mark.parametrize(("moment", "rank1_wrote"), [("before-rename", "checkpoint"), ("before-pointer", "pointer")])
 def test_a_pair_resumes_from_the_last_checkpoint_both_ranks_hold(
-    home: Path, small_seed: Seed, uninterrupted_pair: str, tmp_path: Path, moment: str, rank1_wrote: str
+    stopped_pair: Path, small_seed: Seed, uninterrupted_pair: str, tmp_path: Path, moment: str, rank1_wrote: str
 ) -> None:
-    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path, moment)
+    broken = _pair_killed_while_saving(stopped_pair, tmp_path, moment)
     receipts = [
         training.run_dir(broken, "clean-pair", r) / "checkpoints" / "step-000004" / "receipt.json" for r in (0, 1)
     ]
@@ -220,9 +231,9 @@ def test_a_pair_resumes_from_the_last_checkpoint_both_ranks_hold(
 
 
 def test_a_kept_checkpoint_that_retraining_does_not_reproduce_is_refused(
-    home: Path, small_seed: Seed, tmp_path: Path
+    stopped_pair: Path, small_seed: Seed, tmp_path: Path
 ) -> None:
-    broken = _pair_killed_while_saving(home, small_seed[0], tmp_path, "before-rename")
+    broken = _pair_killed_while_saving(stopped_pair, tmp_path, "before-rename")
     run = training.run_dir(broken, "clean-pair", 0)
     receipt_path = run / "checkpoints" / "step-000004" / "receipt.json"
     receipt = json.loads(receipt_path.read_text())

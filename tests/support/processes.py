@@ -95,6 +95,19 @@ def stop_process(process: subprocess.Popen[bytes], sig: signal.Signals = signal.
             process.wait(timeout=5)
 
 
+def coop_server(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+    """``coop-server ARGS`` with COOP_* ``environment``, as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args],
+        cwd=ROOT,
+        env={**os.environ, **environment},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 class CoordinatorProcess:
     """``coop-server serve`` on a loopback port fixed at construction, so that a restart is found at the same
     address, over ``database_url`` (a SQLite file in ``home`` unless given), with ``environment``'s COOP_*

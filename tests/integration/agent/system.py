@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 
 from experiment.core import layout
@@ -23,6 +24,7 @@ from experiment.report.attempts import TrainingFault, arm_faults, read_attempts
 from experiment.seed import seedmodel
 from tests.conftest import LOCAL_PLAN, write_plan, write_reference_home_plan
 from tests.integration.agent.support import AgentProcess
+from tests.support import ROOT
 from tests.support.processes import QUICK, CoordinatorProcess, coop_train
 from tests.support.tls import Authority
 from tests.support.waiting import wait_for
@@ -190,6 +192,23 @@ class System:
             return next((j for j in self._jobs_unfailed() if j["kind"] == kind and j["state"] in states), None)
 
         return wait_for(reached, seconds, lambda: f"a {kind} job to become {states}\n{self.describe()}")
+
+
+def local_sgd_plan(path: Path, seed: seedmodel.Snapshot, ranks: int = 2) -> Path:
+    """The local-SGD design on ``ranks`` ranks a gang, one on each host (its report needs no replica, so no vLLM):
+    the cheapest plan that a coordinator and its agents take through prepare, two gangs' training, the dev and test
+    evaluations, the selection and the report."""
+    plan_file = write_plan(
+        path, seed, ROOT / "plans" / "local-diloco.toml", sync_every=2, outer_learning_rate=0.7, outer_momentum=0.9
+    )
+    plan = msgspec.toml.decode(plan_file.read_bytes())
+    for arm in plan["arms"]:
+        if "ranks" in arm:
+            arm["ranks"] = ranks
+            arm["name"] = arm["name"].replace("-4", f"-{ranks}")
+    plan["hosts"]["count"] = ranks
+    path.write_bytes(msgspec.toml.encode(plan))
+    return path
 
 
 def kill_host(agent: AgentProcess) -> None:

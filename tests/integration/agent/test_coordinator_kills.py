@@ -1,47 +1,61 @@
-"""The coordinator survives SIGKILL at any moment of its writes. One experiment runs to its report through two
-agents while the coordinator kills itself (server.failpoints, a real SIGKILL) at each named point in turn: during a
-blob upload (bytes on the disk, not yet under their name; under their name, no row yet), as a commitment is added,
-as a result settles, and as the report job writes and stores the report. After each death, before the restart,
-the test reads the database and the blob store as they were left: the ledger's hash chain verifies, every blob's
-file hashes to its name, and no row names a file or blob that is not there. The run ends with the report of the
-same experiment run undisturbed: the same verdict, counts, final digests and test answers. On SQLite and Postgres."""
+"""The coordinator survives SIGKILL at any moment of its writes, and the loss of its host. One experiment of the
+local-SGD design (no kill point is in serving, so no vLLM) runs to its report through two agents, on SQLite and on
+Postgres, while:
+- the coordinator kills itself (server.failpoints, a real SIGKILL) at each named point in turn: during a blob upload
+  (bytes on the disk, not yet under their name; under their name, no row yet), as a commitment is added, as a result
+  settles, and as the report job writes and stores the report. After each death, before the restart, the test reads
+  the database and the blob store as they were left: the ledger's hash chain verifies, every blob's file hashes to
+  its name, and no row names a file or blob that is not there;
+- once the first gang has trained, `coop-server backup` copies the live coordinator, which is then killed with its
+  home; `coop-server restore` puts the copy into a new home (and, on Postgres, a new database), and a coordinator on
+  it takes the old one's address. The agents, which never stopped, carry the second gang's training across it.
+The run ends with the report of the same experiment run undisturbed: the same verdict and counts, final digests
+(the arm trained across the restore included) and test answers; and the exported evidence recomputes to it."""
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import signal
+import subprocess
+import tarfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.errors import CoopError
-from experiment.core.ledger import verify_ledger
+from experiment.core.ledger import decode_ledger, verify_ledger
+from experiment.report.recompute import compute
 from experiment.seed import seedmodel
 from server import models
 from server.store import commitments
 from server.store.blobstore import INCOMING
-from tests.conftest import write_plan
 from tests.integration.agent.support import AgentProcess
-from tests.support import ROOT
-from tests.support.database import create_postgres_database, drop_postgres_database, postgres_admin_url, with_session
-from tests.support.processes import QUICK, CoordinatorProcess
+from tests.integration.agent.system import System, local_sgd_plan
+from tests.support import database
+from tests.support.database import with_session
+from tests.support.processes import QUICK, CoordinatorProcess, coop_server, stop_process
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
-TINY = ROOT / "seeds" / "tiny"  # vLLM serves it (the seconds-fast test seed is too small for its kernels)
 # Each point kills the coordinator on the visit named, counted from its last start; they come in this order in a run.
-KILLS = (
+# The backup, the coordinator's death and the restore come between the two lists, once the first gang has trained.
+KILLS_BEFORE_BACKUP = (
     "blob.received:1",
     "blob.installed:2",
     "commitment.appended:1",  # the prepared inputs' commitment, as the prepare job's result settles
-    "result.settled:2",  # a training rank's result
+)
+KILLS_AFTER_RESTORE = (
+    "result.settled:2",  # a result of the second gang, which trains across the restore
     "commitment.appended:1",  # the selection
     "result.settled:1",
     "report.written:1",
@@ -67,61 +81,92 @@ class Coordinator(CoordinatorProcess):
             return False
 
 
-class Run:
-    """A coordinator on ``database_url`` and two agents on loopback, and one experiment of the small plan."""
+class Run(System):
+    """A coordinator on ``database_url`` and two agents on loopback, and one experiment of the two-rank local-SGD
+    plan."""
 
-    def __init__(self, tmp: Path, database_url: str | None) -> None:
-        self.home = tmp / "coordinator"
-        self.home.mkdir(parents=True)
+    @classmethod
+    def start(cls, tmp: Path, seed: tuple[Path, seedmodel.Snapshot], database_url: str | None) -> Run:
+        home = tmp / "coordinator"
+        home.mkdir(parents=True)
         # A lease that outlasts a restart, so that an agent's attempts are not lost while the coordinator is down.
         environment = {**QUICK, "COOP_LEASE_SECONDS": "12", "COOP_HEARTBEAT_SECONDS": "0.5", "COOP_MAX_ATTEMPTS": "6"}
-        self.server = Coordinator(self.home, database_url, **environment)
-        self.agents: list[AgentProcess] = []
+        server = Coordinator(home, database_url, **environment)
+        agents: dict[str, AgentProcess] = {}
         try:
-            self.server.start()
-            self.agents = [
-                AgentProcess(self.server, name, tmp / name, TINY, self.server.agent_token(name))
-                for name in ("host-a", "host-b")
-            ]
-            for agent in self.agents:
-                agent.start()
-            # The small plan's training, and a serving workload long enough for the failure phase's stop to land
-            # midway.
-            plan = write_plan(tmp / "plan.toml", seedmodel.snapshot_of(TINY), dev=16, workload_tasks=16)
-            self.experiment: dict[str, Any] = self.server.create_experiment(plan)
+            server.start()
+            for name in ("host-a", "host-b"):
+                agents[name] = AgentProcess(server, name, tmp / name, seed[0], server.agent_token(name))
+                agents[name].start()
+            experiment = server.create_experiment(local_sgd_plan(tmp / "plan.toml", seed[1]))
         except BaseException:
-            self.stop()  # a run that could not start leaves no process behind
+            for agent in agents.values():  # a run that could not start leaves no process behind
+                agent.stop()
+            server.close()
             raise
-        self.id = self.experiment["id"]
+        return cls(server, agents, experiment, {})
 
-    def state(self) -> str:
-        state: str = self.server.get(f"/api/experiments/{self.id}")["state"]
-        return state
+    @property
+    def id(self) -> str:
+        experiment_id: str = self.experiment["id"]
+        return experiment_id
 
     def reported(self) -> bool:
         """Whether the experiment is reported; a failed job fails the test at once, with its attempts' reasons."""
-        failed = [j for j in self.server.jobs(self.id) if j["state"] == "failed"]
-        reasons = [a["reason"] for j in failed for a in self.server.get(f"/api/jobs/{j['id']}/attempts")]
-        assert not failed, f"failed jobs {[(j['kind'], j['arm']) for j in failed]}: {reasons}"
+        failed = [j for j in self.jobs() if j["state"] == "failed"]
+        assert not failed, self.failure(failed)
         return self.state() == "reported"
 
     def outcome(self) -> dict[str, Any]:
         """What an undisturbed run must equal: the verdict and counts, the arms' final digests, the test answers."""
         report = self.server.get(f"/api/experiments/{self.id}/report")
-        arms = {a["name"]: a["model_identity"] for a in self.server.get(f"/api/experiments/{self.id}/arms")}
         answers = self.server.get(f"/api/experiments/{self.id}/answers?role=test&limit=1000")["items"]
         return {
-            "verdict": report["primary"]["verdict"],
-            "primary": {k: v for k, v in report["primary"].items() if k != "verdict"},
+            "verdict": report["local_sgd"]["verdict"],
+            "noninferiority": report["local_sgd"]["noninferiority"],
             "candidates": report["candidates"],
-            "digests": arms,
+            "digests": {a["name"]: a["model_identity"] for a in self.server.get(f"/api/experiments/{self.id}/arms")},
             "answers": sorted((a["arm"], a["answer"]["index"], a["answer"]["output_ids"]) for a in answers),
         }
 
-    def stop(self) -> None:
-        for agent in self.agents:
-            agent.stop()
-        self.server.close()
+    def kill_at(self, point: str) -> None:
+        """Restart the coordinator to die at ``point``, wait for its death, and check what it left."""
+        server = self.server
+        assert isinstance(server, Coordinator)
+        server.stop()
+        server.environment["COOP_FAILPOINTS"] = point
+        server.start()
+        process = server.process
+        assert process is not None
+        wait_for(lambda: server.killed_or(self.reported), 600, lambda: f"the kill at {point}\n{self.describe()}")
+        assert process.poll() == -signal.SIGKILL, f"{point}: the run reached its report before the point"
+        assert left_behind(server.home, server.database_url, self.id) == [], f"after the kill at {point}"
+        server.process = None
+        server.environment.pop("COOP_FAILPOINTS")
+
+    def back_up_and_restore(self, folder: Path, empty_database: str | None) -> list[str]:
+        """Once a gang has trained: back the live coordinator up, kill it, restore the backup into a new home (and
+        ``empty_database``) and start it there at the same address. The arms not yet trained at the backup."""
+        server = self.server
+        server.start()
+        self.wait_job("train", {"succeeded"}, 300)
+        untrained = [j["arm"] for j in self.jobs() if j["kind"] == "train" and j["state"] != "succeeded"]
+        backed_up = _events(coop_server("backup", "--out", str(folder / "backup.tar"), **server.environment))
+        assert server.process is not None
+        stop_process(server.process, signal.SIGKILL)  # the coordinator's host is gone, and its home with it
+        server.process = None
+        old_home = server.home
+        server.rehome(folder / "restored", empty_database)
+        restored = _events(coop_server("restore", "--from", str(folder / "backup.tar"), **server.environment))
+        assert restored[-1]["event"] == "restored" and restored[-1]["blobs"] == backed_up[-1]["blobs"] > 0
+        # The home's secret came along (the web sessions and the probes' tokens derive from it).
+        assert (server.home / "web-secret").read_bytes() == (old_home / "web-secret").read_bytes()
+        return untrained
+
+
+def _events(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 def left_behind(home: Path, database_url: str, experiment_id: str) -> list[str]:
@@ -158,53 +203,75 @@ def left_behind(home: Path, database_url: str, experiment_id: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    run = Run(tmp_path_factory.mktemp("undisturbed"), None)
+def undisturbed(
+    tmp_path_factory: pytest.TempPathFactory, small_seed: tuple[Path, seedmodel.Snapshot]
+) -> dict[str, Any]:
+    """The outcome of the same experiment run without a fault: the truth both recorded runs must end at."""
+    run = Run.start(tmp_path_factory.mktemp("undisturbed"), small_seed, None)
     try:
-        wait_for(run.reported, 900, "the undisturbed run's report")
+        wait_for(run.reported, 600, lambda: f"the undisturbed run's report\n{run.describe()}")
         return run.outcome()
     finally:
         run.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
+def databases(request: pytest.FixtureRequest) -> Iterator[tuple[str | None, str | None]]:
+    """The coordinator's database URL and the empty one its backup is restored into (None, None: SQLite files in
+    the homes)."""
     if request.param == "sqlite":
-        yield None  # the coordinator's own file under its home
+        yield None, None
         return
-    admin = postgres_admin_url()
-    created = create_postgres_database(admin)
-    if created is None:
-        pytest.fail(f"no Postgres server answers at {admin}: run `make services` (as root)")
+    admin = database.postgres_admin_url()
+    made = [database.create_postgres_database(admin) for _ in range(2)]
     try:
-        yield created
+        if None in made:
+            pytest.fail(
+                f"no Postgres server answers at {admin}: run `make services` (as root), or set COOP_TEST_POSTGRES_URL"
+            )
+        yield made[0], made[1]
     finally:
-        drop_postgres_database(admin, created)
+        for url in made:
+            if url is not None:
+                database.drop_postgres_database(admin, url)
 
 
-def test_the_coordinator_killed_at_each_point_of_its_writes_restarts_whole_and_reports_as_undisturbed(
-    undisturbed: dict[str, Any], database_url: str | None, tmp_path: Path
+def test_the_coordinator_killed_at_each_point_of_its_writes_and_restored_from_a_live_backup_reports_as_undisturbed(
+    undisturbed: dict[str, Any],
+    databases: tuple[str | None, str | None],
+    small_seed: tuple[Path, seedmodel.Snapshot],
+    tmp_path: Path,
 ) -> None:
-    run = Run(tmp_path, database_url)
+    original, empty = databases
+    run = Run.start(tmp_path, small_seed, original)
     try:
-        for point in KILLS:
-            run.server.stop()
-            run.server.environment["COOP_FAILPOINTS"] = point
-            run.server.start()
-            process = run.server.process
-            assert process is not None
-            wait_for(lambda: run.server.killed_or(run.reported), 900, f"the kill at {point}")
-            assert process.poll() == -signal.SIGKILL, f"{point}: the run reached its report before the point"
-            problems = left_behind(run.home, run.server.database_url, run.id)
-            assert problems == [], f"after the kill at {point}: {problems}"
-            run.server.process = None
-        run.server.environment.pop("COOP_FAILPOINTS")
+        for point in KILLS_BEFORE_BACKUP:
+            run.kill_at(point)
+        untrained = run.back_up_and_restore(tmp_path, empty)
+        for point in KILLS_AFTER_RESTORE:
+            run.kill_at(point)
         run.server.start()
-        wait_for(run.reported, 900, "the report after the last kill")
-        assert left_behind(run.home, run.server.database_url, run.id) == []
-        assert not any((run.home / "blobs" / INCOMING).iterdir())  # a restart clears what a dead upload left
-        assert run.outcome() == undisturbed
-        failed = [j for j in run.server.jobs(run.id) if j["state"] == "failed"]
-        assert failed == []
+        wait_for(run.reported, 600, lambda: f"the report after the last kill\n{run.describe()}")
+        home = run.server.home
+        assert left_behind(home, run.server.database_url, run.id) == []
+        assert not any((home / "blobs" / INCOMING).iterdir())  # a restart clears what a dead upload left
+        outcome = run.outcome()
+        ledger = run.server.get(f"/api/experiments/{run.id}/ledger")
+        report = run.server.get(f"/api/experiments/{run.id}/report")
+        exported = run.server.http.get(f"/api/experiments/{run.id}/evidence.tar")
+        assert [j for j in run.jobs() if j["state"] == "failed"] == []
     finally:
         run.stop()
+    # One gang trained across the backup and the restore, to the parameters of the undisturbed run's.
+    assert len(untrained) == 1
+    assert outcome == undisturbed
+    assert [e["kind"] for e in ledger] == ["plan", "prepared", "selection", "tested", "report"]
+    # The report, verdict and counts, is what the exported evidence recomputes to.
+    assert exported.status_code == 200
+    bundle = tmp_path / "exported"
+    with tarfile.open(fileobj=io.BytesIO(exported.content)) as tar:
+        tar.extractall(bundle, filter="data")
+    verify_ledger(decode_ledger((bundle / "ledger.json").read_bytes(), "ledger.json"))
+    recomputed = msgspec.to_builtins(compute(bundle))
+    assert {**recomputed, "ledger_entries": len(ledger) - 1} == report
+    assert report["local_sgd"]["verdict"]["conditions"]
