@@ -2,9 +2,12 @@
 children's (bench/suite_accounting.py). Runs the suite as `make unit` does (two processes, whole files each) and
 adds three totals: the run's wall time, the CPU of the whole process tree as the kernel accounts it when pytest is
 reaped, and the machine's busy CPU over the run (/proc/stat, which also counts any process the tree left unreaped,
-and anything else running). Writes the run under ``--label`` into ``--output``, beside the runs already there.
+and anything else running). With ``--ci`` it runs `bash .ci/run` instead, on a clean clone (set-up, lint, types and
+the same pytest run, the plugin passed in PYTEST_ADDOPTS): the totals are then CI's whole run's. Writes the run under
+``--label`` into ``--output``, beside the runs already there.
 
     .venv/bin/python bench/test_suite_cpu.py --label after [-- EXTRA PYTEST ARGS]
+    python3 CLONE/bench/test_suite_cpu.py --ci --label after-ci --output bench/results/test-suite-cpu.json
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ def commit() -> str:
     return done.stdout.strip() + ("+changes" if dirty.strip() else "")
 
 
-def run(extra: list[str]) -> dict[str, Any]:
+def run(extra: list[str], ci: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="coop-suite-") as folder:
         env = {**os.environ, "COOP_SUITE_ACCOUNTING": folder}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), env.get("PYTHONPATH")]))
+        if ci:
+            env["PYTEST_ADDOPTS"] = " ".join(filter(None, [env.get("PYTEST_ADDOPTS"), "-p suite_accounting"]))
+        argv = ["bash", ".ci/run"] if ci else [sys.executable, *PYTEST, *extra]
         children_before = os.times().children_user + os.times().children_system
         busy_before, began = busy_seconds(), time.monotonic()
-        done = subprocess.run([sys.executable, *PYTEST, *extra], cwd=ROOT, env=env, check=False)
+        done = subprocess.run(argv, cwd=ROOT, env=env, check=False)
         wall, busy = time.monotonic() - began, busy_seconds() - busy_before
         tree = os.times().children_user + os.times().children_system - children_before
         groups: dict[str, dict[str, float]] = {}
@@ -69,6 +75,7 @@ def run(extra: list[str]) -> dict[str, Any]:
     ]
     modules.sort(key=lambda m: -m["cpu_s"])
     return {
+        "command": " ".join(argv[:2] if ci else ["pytest", *PYTEST[2:], *extra]),
         "commit": commit(),
         "exit_code": done.returncode,
         "tests": sum(m["tests"] for m in modules),
@@ -85,9 +92,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", required=True, help="the run's name in the output, e.g. before or after")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--ci", action="store_true", help="run `bash .ci/run` (a clean clone) instead of pytest alone")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = parser.parse_args()
-    measured = run(args.pytest_args)
+    measured = run(args.pytest_args, args.ci)
     measured["machine"] = f"{os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}"
     results = json.loads(args.output.read_text()) if args.output.exists() else {"runs": {}}
     results["runs"][args.label] = measured

@@ -96,6 +96,8 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
         plan["tasks"][key] = counts[key]
     for key in ("updates", "warmup_updates", "checkpoint_steps", "peak_learning_rate", "schedule_seed"):
         plan["training"][key] = counts[key]
+    if "documents_per_update" in counts:
+        plan["training"]["documents_per_update"] = counts["documents_per_update"]
     plan["serving"]["workload_tasks"] = counts["workload_tasks"]
     if "collective_timeout_seconds" in counts:
         plan["runtime"]["collective_timeout_seconds"] = counts["collective_timeout_seconds"]

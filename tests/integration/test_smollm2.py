@@ -186,9 +186,12 @@ def test_prepare_labels_exactly_the_answer_and_im_end_under_the_default_system_p
         )
 
 
-# The reference design through the system on the real model: 2 updates of every trained arm, and 8 dev tasks, as
-# many as a probe's identity check asks a replica.
-SYSTEM_COUNTS = {**COUNTS, "dev": 8, "workload_tasks": 8, "checkpoint_steps": [2]}
+# The reference design through the system on the real model: 2 updates of 4 documents for every trained arm (2 a
+# rank of the pair), and 8 dev tasks, as many as a probe's identity check asks a replica.
+SYSTEM_COUNTS = {
+    **COUNTS, "train": 6, "replay": 2, "documents_per_update": 4, "checkpoint_steps": [2],
+    "dev": 8, "workload_tasks": 8,
+}  # fmt: skip
 
 
 @needs_vllm
