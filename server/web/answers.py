@@ -123,7 +123,7 @@ class PreparedTask(msgspec.Struct, frozen=True):
 
 
 # The prepared role files in the evidence bundle (experiment.learning.corpus.ROLE_FILES under prepared/); importing
-# experiment.learning.corpus would load the model libraries into the coordinator.
+# experiment.learning.corpus would load a seed's tokenizer library into the coordinator.
 ROLE_FILES = {role: f"{layout.PREPARED}/{role}.jsonl" for role in ("dev", "test")}
 
 
