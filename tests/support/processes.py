@@ -3,6 +3,7 @@ and evaluation tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -106,6 +107,13 @@ def coop_server(*args: str, **environment: str) -> subprocess.CompletedProcess[s
         timeout=120,
         check=False,
     )
+
+
+def coop_server_events(*args: str, **environment: str) -> list[dict[str, Any]]:
+    """The JSON events of ``coop-server ARGS``, which must succeed."""
+    done = coop_server(*args, **environment)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 class CoordinatorProcess:

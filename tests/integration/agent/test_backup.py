@@ -6,25 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
-import subprocess
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from server import migrate
 from server.settings import sqlite_url
-from tests.support.processes import coop_server
-
-
-def _events(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines()]
-
+from tests.support.processes import coop_server, coop_server_events
 
 # Bad input ---------------------------------------------------------------------------------------------------------
 
@@ -43,7 +34,7 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (home / "web-secret").write_text(os.urandom(32).hex() + "\n")
     (home / "web-secret").chmod(0o600)
     out = folder / "backup.tar"
-    _events(coop_server("backup", "--out", str(out), COOP_HOME=str(home), COOP_DATABASE_URL=""))
+    coop_server_events("backup", "--out", str(out), COOP_HOME=str(home), COOP_DATABASE_URL="")
     return out
 
 

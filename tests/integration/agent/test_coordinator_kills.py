@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import signal
-import subprocess
 import tarfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -42,7 +40,7 @@ from tests.integration.agent.support import AgentProcess
 from tests.integration.agent.system import System, local_sgd_plan
 from tests.support import database
 from tests.support.database import with_session
-from tests.support.processes import QUICK, CoordinatorProcess, coop_server, stop_process
+from tests.support.processes import QUICK, CoordinatorProcess, coop_server_events, stop_process
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -151,22 +149,17 @@ class Run(System):
         server.start()
         self.wait_job("train", {"succeeded"}, 300)
         untrained = [j["arm"] for j in self.jobs() if j["kind"] == "train" and j["state"] != "succeeded"]
-        backed_up = _events(coop_server("backup", "--out", str(folder / "backup.tar"), **server.environment))
+        backed_up = coop_server_events("backup", "--out", str(folder / "backup.tar"), **server.environment)
         assert server.process is not None
         stop_process(server.process, signal.SIGKILL)  # the coordinator's host is gone, and its home with it
         server.process = None
         old_home = server.home
         server.rehome(folder / "restored", empty_database)
-        restored = _events(coop_server("restore", "--from", str(folder / "backup.tar"), **server.environment))
+        restored = coop_server_events("restore", "--from", str(folder / "backup.tar"), **server.environment)
         assert restored[-1]["event"] == "restored" and restored[-1]["blobs"] == backed_up[-1]["blobs"] > 0
         # The home's secret came along (the web sessions and the probes' tokens derive from it).
         assert (server.home / "web-secret").read_bytes() == (old_home / "web-secret").read_bytes()
         return untrained
-
-
-def _events(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 def left_behind(home: Path, database_url: str, experiment_id: str) -> list[str]:
