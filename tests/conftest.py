@@ -99,6 +99,8 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
     if "documents_per_update" in counts:
         plan["training"]["documents_per_update"] = counts["documents_per_update"]
     plan["serving"]["workload_tasks"] = counts["workload_tasks"]
+    if "max_new_tokens" in counts:
+        plan["evaluation"]["max_new_tokens"] = plan["serving"]["max_new_tokens"] = counts["max_new_tokens"]
     if "collective_timeout_seconds" in counts:
         plan["runtime"]["collective_timeout_seconds"] = counts["collective_timeout_seconds"]
     for arm in plan.get("arms", []):

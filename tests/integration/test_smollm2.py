@@ -6,6 +6,7 @@ is in test_decoding.py; its serving phases and report are in the committed bundl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -187,10 +188,13 @@ def test_prepare_labels_exactly_the_answer_and_im_end_under_the_default_system_p
 
 
 # The reference design through the system on the real model: 2 updates of 4 documents for every trained arm (2 a
-# rank of the pair), and 8 dev tasks, as many as a probe's identity check asks a replica.
+# rank of the pair; with 2, one a rank, the pair's sum of gradients is the single's to the bit, and clean-pair's
+# checkpoint is clean-single's), 8 dev tasks, as many as a probe's identity check asks a replica, 2 test tasks and 2
+# retention probes. Answers stop at 32 new tokens, in the HF evaluations and the replicas alike (the plan's 96 only
+# lengthens the same decoding), so the identity check compares up to 8 x 32 output ids.
 SYSTEM_COUNTS = {
     **COUNTS, "train": 6, "replay": 2, "documents_per_update": 4, "checkpoint_steps": [2],
-    "dev": 8, "workload_tasks": 8,
+    "dev": 8, "test": 2, "retention": 2, "workload_tasks": 8, "max_new_tokens": 32,
 }  # fmt: skip
 
 
@@ -204,16 +208,6 @@ def test_smollm2_trains_through_two_agents_and_its_replicas_answer_as_its_hf_eva
     Autopilot is switched off once the selection is made, so the experiment stops at its test results. The serving
     phases and the report run on the tiny seed (agent/test_experiment.py, serving/); on SmolLM2 they are in the
     committed bundle that test_smollm2_run.py recomputes byte for byte."""
-    home = tmp_path / "coordinator"
-    home.mkdir()
-    server = CoordinatorProcess(home, **QUICK)
-    server.start()
-    agents = {
-        name: AgentProcess(server, name, tmp_path / name, smollm2, server.agent_token(name))
-        for name in ("host-a", "host-b")
-    }
-    for agent in agents.values():
-        agent.start()
     plan = write_plan(
         tmp_path / "plan.toml",
         seedmodel.snapshot_of(smollm2),
@@ -221,9 +215,21 @@ def test_smollm2_trains_through_two_agents_and_its_replicas_answer_as_its_hf_eva
         **SYSTEM_COUNTS,
         peak_learning_rate=load_plan(SMOLLM2_PLAN).training.peak_learning_rate,
     )
-    run = System(server, agents, server.create_experiment(plan), topology={})
-    experiment_id = run.experiment["id"]
-    try:
+    home = tmp_path / "coordinator"
+    home.mkdir()
+    server = CoordinatorProcess(home, **QUICK)
+    with contextlib.ExitStack() as started:  # whatever fails, nothing started outlives the test
+        server.start()
+        started.callback(server.close)
+        agents = {
+            name: AgentProcess(server, name, tmp_path / name, smollm2, server.agent_token(name))
+            for name in ("host-a", "host-b")
+        }
+        for agent in agents.values():
+            agent.start()
+            started.callback(agent.stop)
+        run = System(server, agents, server.create_experiment(plan), topology={})
+        experiment_id = run.experiment["id"]
         run.wait_state({"selected", "tested"}, 1500)
         operate(server, f"/api/experiments/{experiment_id}/autopilot", {"on": False})
 
@@ -234,8 +240,6 @@ def test_smollm2_trains_through_two_agents_and_its_replicas_answer_as_its_hf_eva
         run.wait_state({"tested"}, 900)
         wait_for(served_and_tested, 900, lambda: f"both replicas to start\n{run.describe()}")
         _check_the_run(run)
-    finally:
-        run.stop()
 
 
 def _check_the_run(run: System) -> None:
@@ -247,7 +251,7 @@ def _check_the_run(run: System) -> None:
     assert len({entry["model_identity"] for entry in selected.values()}) == 4  # three trained checkpoints, the seed
     # Every final-test answer is the strict checker's verdict on the text the model gave.
     page = server.get(f"/api/experiments/{experiment_id}/answers?role=test&limit=1000")
-    assert len(page["items"]) == 4 * COUNTS["test"]
+    assert len(page["items"]) == 4 * SYSTEM_COUNTS["test"]
     for item in page["items"]:
         answer = item["answer"]
         case = tasks.make_case(2026091301, "test", answer["index"])
