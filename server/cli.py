@@ -90,6 +90,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log every request on stderr (off by default: it costs about a tenth of a heartbeat's CPU)",
     )
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this host before the coordinator starts (COOP_* settings, TLS files): one line a check, exit 2 "
+        "on any failure",
+    )
+    doctor.add_argument("--certfile", type=Path, help="the PEM certificate serve will use")
+    doctor.add_argument("--keyfile", type=Path, help="its private key, which must be this user's alone")
+    doctor.add_argument(
+        "--ephemeral-mount",
+        type=Path,
+        action="append",
+        default=[],
+        help="a mount that a stop of the host erases (the instance store's /opt/dlami/nvme is known)",
+    )
     token = commands.add_parser("token", help="manage bearer tokens").add_subparsers(dest="action", required=True)
     create = token.add_parser("create", help="create a token and print it once")
     create.add_argument(
@@ -261,6 +275,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.command == "experiment":
         return _experiment(args)
     settings = from_env()
+    if args.command == "doctor":
+        from experiment.core.hostchecks import report
+        from server import doctor
+
+        if (args.certfile is None) != (args.keyfile is None):
+            raise CoopError("give --certfile and --keyfile together, or neither")
+        found = doctor.findings(settings, args.certfile, args.keyfile, tuple(args.ephemeral_mount))
+        return report(found, sys.stdout)
     if args.command in {"backup", "restore"}:
         return _backup_or_restore(args, settings)  # before _prepare_home: a restore's home must be left as it is
     _prepare_home(settings)

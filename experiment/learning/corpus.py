@@ -313,6 +313,12 @@ def _read_sources(plan: Plan, plan_path: Path, reference_home: Path | None) -> _
     return _Sources(replay=replay, replay_sha256=replay_sha, retention=retention, retention_sha256=retention_sha)
 
 
+def check_reference_home(plan: Plan, folder: Path) -> None:
+    """A CoopError unless ``folder`` holds the plan's replay and retention files as prepare will read them: the
+    recorded sha256, enough conversations, each well formed, no id in both."""
+    _read_sources(plan, Path(), folder)
+
+
 def reference_snapshot(plan: Plan, folder: Path) -> dict[str, str]:
     """The sha256 of the plan's replay and retention files in ``folder`` (a reference home), by role, once both
     hold what prepare will need of them: to be recorded as the plan's replay.replay.sha256 and

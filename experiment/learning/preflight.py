@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import CHECKPOINT_BYTES_PER_PARAMETER, Plan
+
+if TYPE_CHECKING:
+    import torch
 
 GIB = 2**30
 # float32 weights, gradients, AdamW's exp_avg and exp_avg_sq; and a later document's forward and backward
@@ -42,6 +44,8 @@ def check_memory(plan: Plan, world_size: int, device: torch.device) -> None:
     """Refuse to train on a GPU whose free memory is less than ``memory_needed`` (no check on a CPU)."""
     if device.type != "cuda":
         return
+    import torch  # here: the doctor reads this module's rules without torch
+
     free, _total = torch.cuda.mem_get_info(device)
     needed = memory_needed(plan, world_size)
     if free < needed:

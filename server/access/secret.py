@@ -11,6 +11,7 @@ import secrets
 import uuid
 from pathlib import Path
 
+from experiment.core import secretfile
 from experiment.core.errors import CoopError
 
 FILE = "web-secret"  # its name from when only the web UI used it; kept so that existing homes keep their keys
@@ -33,11 +34,9 @@ def _read_or_create(path: Path) -> bytes:
                 os.link(draft, path)
         finally:
             draft.unlink()
-    if path.stat().st_mode & 0o077:
-        raise CoopError(f"{path} is readable by others; make it private with: chmod 600 {path}")
     try:
-        return bytes.fromhex(path.read_text().strip())
-    except ValueError as exc:
+        return bytes.fromhex(secretfile.read(path, "home's secret").decode().strip())
+    except ValueError as exc:  # UnicodeDecodeError is one
         raise CoopError(f"{path} is not a hex secret; delete it and restart to make a new one") from exc
 
 

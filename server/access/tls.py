@@ -12,6 +12,7 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
+from experiment.core import secretfile
 from experiment.core.errors import CoopError
 
 
@@ -34,13 +35,14 @@ def _read(path: Path, what: str) -> bytes:
 
 def check(certfile: Path, keyfile: Path) -> Certificate:
     """The pair, once both files are readable PEM, the key is the certificate's, it is valid now, and Python's ssl
-    module (uvicorn's) loads them; else a CoopError saying which of those failed."""
+    module (uvicorn's) loads them, and the key file belongs to this user alone (experiment.core.secretfile); else a
+    CoopError saying which of those failed."""
     try:
         certificate = x509.load_pem_x509_certificate(_read(certfile, "certificate file"))
     except ValueError as exc:
         raise CoopError(f"the certificate file {certfile} holds no PEM certificate: {exc}") from None
     try:
-        key = serialization.load_pem_private_key(_read(keyfile, "key file"), password=None)
+        key = serialization.load_pem_private_key(secretfile.read(keyfile, "key file"), password=None)
     except TypeError:
         raise CoopError(f"the key file {keyfile} is encrypted; give the coordinator an unencrypted key") from None
     except (ValueError, UnsupportedAlgorithm) as exc:

@@ -106,5 +106,6 @@ class Authority:
 
 def other_key(path: Path) -> Path:
     """A private key that belongs to no certificate (for a mismatched pair)."""
+    path.touch(mode=0o600)
     path.write_bytes(_pem(ec.generate_private_key(ec.SECP256R1())))
     return path

@@ -166,3 +166,21 @@ def test_a_command_whose_package_is_missing_names_its_install_in_one_line(
 ) -> None:
     code, _, stderr = _coop(*argv, missing=missing)
     assert (code, stderr) == (2, line + "\n")
+
+
+def test_the_agents_doctor_with_a_plan_loads_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    """The agent never imports torch (it holds no CUDA context on the card its jobs share), its doctor included,
+    though it reads the preflight's rules and verifies the seed."""
+    program = (
+        "import sys\nfrom agent import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "    print('exit', exc.code)\n"
+        "print('loaded:', *sorted(n for n in ('torch', 'transformers') if n in sys.modules))"
+    )
+    argv = ["doctor", "--coordinator", "http://127.0.0.1:9", "--work-dir", tmp_path / "work", "--model-dir", TINY]
+    done = subprocess.run(
+        [sys.executable, "-c", program, *map(str, argv), "--plan", str(LOCAL_PLAN), "--device", "cpu"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert "ok    seed: " in done.stdout and "FAIL  coordinator: " in done.stdout, done.stdout + done.stderr
+    assert lines[-2:] == ["exit 2", "loaded:"], done.stdout

@@ -6,6 +6,7 @@ from argv."""
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 import sys
 import uuid
@@ -201,10 +202,11 @@ def test_an_agent_without_a_usable_token_exits_2_with_a_message(tmp_path: Path) 
     shared.write_text("coop_secret-token\n")
     shared.chmod(0o644)
     empty.touch(mode=0o600)
+    me = pwd.getpwuid(os.geteuid()).pw_name
     cases = {
         (): "an agent token is needed: give --token-file FILE or set COOP_AGENT_TOKEN",
         ("--token-file", str(tmp_path / "absent")): "does not exist",
-        ("--token-file", str(shared)): f"is readable by others; make it private: chmod 600 {shared}",
+        ("--token-file", str(shared)): f"0644) is open to users other than {me}; make it private: chmod 600 {shared}",
         ("--token-file", str(empty)): "is empty",
     }
     for arguments, message in cases.items():
@@ -214,6 +216,33 @@ def test_an_agent_without_a_usable_token_exits_2_with_a_message(tmp_path: Path) 
     # --token is gone: refused by name (not read as --token-file), and the token is not repeated in the message.
     old = _agent_run(tmp_path, *url, "--token", "coop_secret-token", token=None)
     assert old.returncode == 2 and "--token is refused" in old.stderr and "coop_secret-token" not in old.stderr
+
+
+def test_an_agent_whose_durable_folders_are_on_a_mount_a_stop_erases_exits_2_naming_each(tmp_path: Path) -> None:
+    """/dev/shm, a real tmpfs, named as the instance store is (--ephemeral-mount): the work folder and the reference
+    home on it are refused, each with its mount; the seed folder on the root volume is not named; nothing is made."""
+    shm = Path("/dev/shm")
+    assert any(line.split()[1] == str(shm) for line in Path("/proc/self/mounts").read_text().splitlines())
+    work, reference = shm / f"coop-work-{uuid.uuid4().hex}", shm / f"coop-reference-{uuid.uuid4().hex}"
+    refused = _agent_run(
+        tmp_path,
+        "--coordinator",
+        "http://127.0.0.1:9",
+        "--work-dir",
+        str(work),
+        "--reference-home",
+        str(reference),
+        "--ephemeral-mount",
+        str(shm),
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    lines = refused.stderr.splitlines()
+    assert [line.split(" is on ")[0] for line in lines] == [
+        f"coop-agent: the work folder {work}",
+        f"coop-agent: the reference home {reference}",
+    ]
+    assert all(f" is on {shm} (tmpfs from " in line and "a stop of this host erases" in line for line in lines)
+    assert not work.exists() and not reference.exists()
 
 
 def test_the_token_file_wins_over_the_environment(

@@ -112,6 +112,19 @@ def _serve(home: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+def _private_copy(path: Path, folder: Path) -> Path:
+    copy = folder / f"private-{path.name}"
+    copy.touch(mode=0o600)
+    copy.write_bytes(path.read_bytes())
+    return copy
+
+
+def _opened_copy(path: Path, folder: Path) -> Path:
+    copy = _private_copy(path, folder)
+    copy.chmod(0o640)
+    return copy
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
@@ -122,6 +135,7 @@ def _serve(home: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
         ("key given as certificate", "holds no PEM certificate"),
         ("certificate given as key", "holds no PEM private key"),
         ("certificate without key", "needs both --certfile and --keyfile"),
+        ("key open to others", "is open to users other than"),
         ("expired certificate", "expired at"),
     ],
 )
@@ -135,8 +149,9 @@ def test_serve_refuses_a_certificate_or_key_it_cannot_use_with_a_message_and_exi
         "unreadable certificate": ["--certfile", str(tmp_path), "--keyfile", key],  # a folder: not readable as a file
         "key of another certificate": ["--certfile", cert, "--keyfile", str(other_key(tmp_path / "other.key"))],
         "key given as certificate": ["--certfile", key, "--keyfile", key],
-        "certificate given as key": ["--certfile", cert, "--keyfile", cert],
+        "certificate given as key": ["--certfile", cert, "--keyfile", str(_private_copy(Path(cert), tmp_path))],
         "certificate without key": ["--certfile", cert],
+        "key open to others": ["--certfile", cert, "--keyfile", str(_opened_copy(certificate.keyfile, tmp_path))],
         "expired certificate": [],
     }[case]
     if case == "expired certificate":
