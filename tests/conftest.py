@@ -30,17 +30,21 @@ OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import
 # fixtures are made once, and the serving tests, which share one trained checkpoint and its replicas, stay together.
 # The files that take minutes go first, so that neither process is left with one of them at the end.
 SERVING_TESTS = "tests/integration/serving/"  # one unit: its tests share one trained checkpoint and its replicas
-SLOW_FIRST = (
+SLOW_FIRST = (  # by the wall seconds each took in a clean clone's run, longest first
     "tests/integration/agent/test_coordinator_kills.py",
-    "tests/integration/agent/test_experiment.py",
+    "tests/integration/coordinator/test_faults.py",  # long, but mostly waiting: it overlaps the others' CPU
     "tests/integration/test_smollm2.py",
+    "tests/integration/test_training.py",
+    "tests/integration/agent/test_experiment.py",
+    "tests/integration/agent/test_local_sgd.py",
     SERVING_TESTS,
     "tests/integration/agent/test_link_faults.py",
-    "tests/integration/test_training.py",
-    "tests/integration/agent/test_local_sgd.py",
-    "tests/integration/coordinator/test_faults.py",
+    "tests/browser/test_ui.py",
     "tests/integration/test_diloco.py",
     "tests/integration/test_decoding.py",
+    "tests/browser/test_make_run.py",
+    "tests/integration/agent/test_agent.py",
+    "tests/integration/coordinator/test_queue.py",
     "tests/integration/test_verifier_install.py",
 )
 
