@@ -19,6 +19,8 @@ AGENT_ENV = {
     "COOP_PUBLIC_ADDRESS": "10.0.1.11",
     "COOP_PRIVATE_INTERFACE": "ens6",
     "COOP_PRIVATE_ADDRESS": "10.0.2.11",
+    "COOP_SEED_DIR": "/var/lib/coop/seed/SmolLM2-1.7B-Instruct",
+    "COOP_PLAN": "/opt/coop/plans/reference.toml",
 }
 G6E_MOUNTS = mounts.parse(
     "/dev/root / ext4 rw 0 0\n/dev/nvme2n1 /var/lib/coop ext4 rw 0 0\n/dev/nvme1n1 /opt/dlami/nvme ext4 rw 0 0\n"
