@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -88,9 +89,9 @@ def run(argv: list[str], **options: object) -> subprocess.CompletedProcess[str]:
 
 def rootfs() -> Path:
     """Debian 12 with systemd, made once by debootstrap and kept in CACHE (each host gets an overlay over it)."""
-    target = CACHE / f"rootfs-{SUITE}"
+    target = CACHE / f"rootfs-{SUITE}-{hashlib.sha256(PACKAGES.encode()).hexdigest()[:12]}"
     if not (target / "usr" / "lib" / "systemd" / "systemd").exists():
-        draft = CACHE / f"rootfs-{SUITE}.draft"
+        draft = target.with_name(target.name + ".draft")
         shutil.rmtree(draft, ignore_errors=True)
         draft.parent.mkdir(parents=True, exist_ok=True)
         run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE, str(draft), MIRROR])
@@ -134,7 +135,8 @@ class Host:
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=console, stderr=console)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            children = run(["pgrep", "-P", str(self.process.pid)], check=False).stdout.split()
+            pgrep = ["pgrep", "-P", str(self.process.pid)]
+            children = subprocess.run(pgrep, capture_output=True, text=True).stdout.split()
             if children:
                 self.leader = int(children[0])
                 state = self.sh("systemctl is-system-running --wait", check=False).stdout.strip()
