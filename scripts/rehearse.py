@@ -170,6 +170,16 @@ class Host:
             )
         return done
 
+    def wait_powered_off(self, seconds: float) -> None:
+        """Wait for the container's init to end (a power-off), then unmount its overlay."""
+        assert self.process is not None
+        try:
+            self.process.wait(seconds)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{self.name} still runs {seconds:.0f} s after its power-off") from None
+        self.leader = 0
+        subprocess.run(["umount", str(self.merged)], check=False)
+
     def journal(self, unit: str | None = None) -> str:
         where = f"-u {unit}" if unit else ""
         return self.sh(f"journalctl --no-pager -n 80 {where}", check=False).stdout
@@ -302,6 +312,11 @@ def agent_env(coordinator: Coordinator, topology: dict[str, object], host: dict[
     return "".join(f"{key}={value}\n" for key, value in values.items())
 
 
+def _last_seen(coordinator: Coordinator, name: str) -> str | None:
+    agents = coordinator.get("/api/agents") or []
+    return next((a["last_seen_at"] for a in agents if a["name"] == name), None)  # type: ignore[index]
+
+
 def main_process_user(host: Host, unit: str) -> str:
     pid = host.sh(f"systemctl show -p MainPID --value {unit}").stdout.strip()
     return host.sh(f"ps -o user= -p {pid}").stdout.strip() if pid not in {"", "0"} else ""
@@ -359,6 +374,27 @@ def rehearse(rehearsal: Rehearsal, work: Path, prefix: str, hosts: list[Host], s
         host.sh("chmod 600 /etc/coop/agent-token && systemctl reset-failed coop-agent; systemctl restart coop-agent")
         Coordinator.wait(lambda: host.sh("systemctl is-active coop-agent", check=False).stdout.strip() == "active",
                          120, "the agent active again")  # fmt: skip
+    with rehearsal.step("a power-off keeps the durable volume and erases the instance store") as detail:
+        host.sh("touch /opt/dlami/nvme/scratch && systemctl poweroff", check=False)
+        host.wait_powered_off(120)
+        host.boot(base, binds)
+        spool = host.sh("ls /var/lib/coop/work").stdout.split()
+        scratch = host.sh("ls -A /opt/dlami/nvme").stdout.split()
+        if "spool.sqlite3" not in spool or scratch:
+            raise RuntimeError(f"after the boot, /var/lib/coop/work holds {spool}, /opt/dlami/nvme holds {scratch}")
+        seen = _last_seen(coordinator, host.name)
+        Coordinator.wait(lambda: _last_seen(coordinator, host.name) != seen, 120, f"{host.name} heard from again")
+        detail.append(
+            f"the spool kept, the instance store empty, the agent active as {main_process_user(host, 'coop-agent')}"
+        )
+    with rehearsal.step("the deadline timer powers the host off") as detail:
+        host.sh(blocks["deadline-timer"], cwd="/opt/coop")
+        # A drop-in that brings the 8 hours after boot down to 5 s after the timer starts.
+        host.sh("mkdir -p /etc/systemd/system/coop-deadline.timer.d && printf '[Timer]\nOnBootSec=\nOnActiveSec=5s\n'"
+                " > /etc/systemd/system/coop-deadline.timer.d/rehearsal.conf && systemctl daemon-reload"
+                " && systemctl restart coop-deadline.timer")  # fmt: skip
+        host.wait_powered_off(60)
+        detail.append("powered off by coop-deadline.service")
 
 
 def main() -> int:
