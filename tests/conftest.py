@@ -32,6 +32,7 @@ OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # CI sets them; the import
 SERVING_TESTS = "tests/integration/serving/"  # one unit: its tests share one trained checkpoint and its replicas
 SLOW_FIRST = (  # by the wall seconds each took in a clean clone's run, longest first
     "tests/integration/agent/test_coordinator_kills.py",
+    "tests/integration/test_rehearsal.py",
     "tests/integration/coordinator/test_faults.py",  # long, but mostly waiting: it overlaps the others' CPU
     "tests/integration/test_smollm2.py",
     "tests/integration/test_training.py",
