@@ -27,7 +27,7 @@ define install-project
 $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 endef
 
-.PHONY: setup setup-host setup-coordinator setup-verify venvs run test lint typecheck unit services clean vllm-venv lock lock-check
+.PHONY: setup setup-host setup-coordinator setup-verify venvs run test lint typecheck unit services clean vllm-venv lock lock-check rehearse
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -114,6 +114,11 @@ $(LOCK_VENV)/.installed: requirements/uv.txt
 	$(call new-venv,$(LOCK_VENV))
 	$(LOCK_VENV)/bin/python $(PIP_LOCKED) -r requirements/uv.txt
 	touch $@
+
+# The runbook on a booted Debian 12 host (root): docs/operating.md's blocks marked rehearsed=NAME, run by
+# scripts/rehearse.py in a systemd-nspawn container; its steps and times go to bench/results/rehearsal-cpu.json.
+rehearse: venvs services
+	$(BIN)/python scripts/rehearse.py --out bench/results/rehearsal-cpu.json
 
 # Fails when pyproject.toml or a requirement file changed without `make lock`, or a CPU lock holds CUDA packages.
 lock-check:
