@@ -9,8 +9,6 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +20,7 @@ import pytest
 from experiment.seed import seedfiles
 from tests.conftest import write_plan
 from tests.support import ROOT
+from tests.support.doctor import run_doctor
 from tests.support.processes import QUICK, CoordinatorProcess
 from tests.support.tls import Authority, ServerFiles
 
@@ -85,20 +84,7 @@ class Host:
         given = {**self.flags, **(flags or {})}
         argv = [part for flag, value in given.items() if value is not None for part in (flag, value)]
         env = {"PATH": str(self.bin), "HOME": str(self.home), "LANG": "C.UTF-8", **environment}
-        done = subprocess.run(
-            [sys.executable, "-m", "agent", "doctor", *argv, *extra],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert "Traceback" not in done.stderr, done.stderr
-        lines: dict[str, str] = {}
-        last = ""
-        for line in done.stdout.splitlines():
-            if line.startswith("      fix: "):
-                lines[last] += "\n" + line.strip()
-                continue
-            last = line[6:].split(":")[0]
-            lines[last] = line
-        return done.returncode, lines, done.stdout
+        return run_doctor("agent", [*argv, *extra], env)
 
 
 @pytest.fixture

@@ -6,14 +6,12 @@ doctor makes nothing (no home, no database file, no secret)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from server import db
-from tests.support import ROOT
+from tests.support.doctor import run_doctor
 from tests.support.tls import Authority, ServerFiles
 
 
@@ -24,20 +22,7 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> ServerFiles:
 
 def _doctor(home: Path, database_url: str, *arguments: str) -> tuple[int, dict[str, str], str]:
     env = {**os.environ, "COOP_HOME": str(home), "COOP_DATABASE_URL": database_url}
-    done = subprocess.run(
-        [sys.executable, "-m", "server", "doctor", *arguments],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert "Traceback" not in done.stderr, done.stderr
-    lines: dict[str, str] = {}
-    last = ""
-    for line in done.stdout.splitlines():
-        if line.startswith("      fix: "):
-            lines[last] += "\n" + line.strip()
-        else:
-            last = line[6:].split(":")[0]
-            lines[last] = line
-    return done.returncode, lines, done.stdout
+    return run_doctor("server", list(arguments), env)
 
 
 def test_a_coordinator_host_with_what_it_needs_passes_and_the_doctor_makes_nothing(
