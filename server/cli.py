@@ -38,6 +38,7 @@ async def _create_token(settings: Settings, role: str, name: str) -> str:
     from server import db
     from server.access import tokens
 
+    await db.require_migrated(settings.database_url)
     engine = db.create_engine(settings.database_url)
     try:
         async with db.session_maker(engine)() as session, session.begin():
@@ -50,6 +51,7 @@ async def _revoke_token(settings: Settings, name: str) -> None:
     from server import db
     from server.access import tokens
 
+    await db.require_migrated(settings.database_url)
     engine = db.create_engine(settings.database_url)
     try:
         async with db.session_maker(engine)() as session, session.begin():
@@ -63,6 +65,7 @@ async def _verify(settings: Settings, experiment_id: uuid.UUID) -> int:
     from server import db
     from server.store import commitments
 
+    await db.require_migrated(settings.database_url)
     engine = db.create_engine(settings.database_url)
     try:
         async with db.session_maker(engine)() as session:
@@ -285,7 +288,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return report(found, sys.stdout)
     if args.command in {"backup", "restore"}:
         return _backup_or_restore(args, settings)  # before _prepare_home: a restore's home must be left as it is
-    _prepare_home(settings)
+    if args.command in {"migrate", "serve"}:
+        _prepare_home(settings)  # the others refuse a home that migrate has not made, and make nothing
     if args.command == "migrate":
         from server import db, migrate
 

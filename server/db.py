@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.pool import ConnectionPoolEntry
@@ -16,6 +18,7 @@ from experiment.core.errors import CoopError
 from server import sqlitedriver
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+MIGRATE_FIRST = "run `coop-server migrate` first (the coordinator's unit runs it at each start)"
 
 
 def is_sqlite(url: str) -> bool:
@@ -104,3 +107,20 @@ def session_maker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 def describe(url: str) -> str:
     """The URL without its password, for messages."""
     return make_url(url).render_as_string(hide_password=True)
+
+
+async def require_migrated(url: str) -> None:
+    """Refuse (CoopError) a database that ``coop-server migrate`` has not made: a SQLite file that does not exist is
+    not created, and a database without an alembic revision is not written to."""
+    if is_sqlite(url) and not Path(url.split("///", 1)[1]).exists():
+        raise CoopError(f"{describe(url)} does not exist yet: {MIGRATE_FIRST}")
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            found = await connection.run_sync(lambda sync: inspect(sync).has_table("alembic_version"))
+    except (OSError, SQLAlchemyError) as exc:
+        raise CoopError(f"{describe(url)} does not answer: {exc}") from exc
+    finally:
+        await engine.dispose()
+    if not found:
+        raise CoopError(f"{describe(url)} was never migrated: {MIGRATE_FIRST}")

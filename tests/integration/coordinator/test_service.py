@@ -49,6 +49,11 @@ def test_fresh_sqlite_server_answers_schema_and_commits_a_plan(tmp_path: Path) -
     """The issue's must-show: migrate a fresh SQLite file, make a token, serve, create from plans/local.toml."""
     env = {**os.environ, "COOP_HOME": str(tmp_path / "home")}
     env.pop("COOP_DATABASE_URL", None)
+    # Before migrate, a token has no table to go to: refused, naming the command, and no home or database is made
+    # (one made by root before the coordinator's unit first starts would be root's, not coop's).
+    early = coop_server(env, "token", "create", "--role", "operator", "--name", "op")
+    assert early.returncode == 2 and "run `coop-server migrate` first" in early.stderr, early.stderr
+    assert "Traceback" not in early.stderr and not (tmp_path / "home").exists()
     assert coop_server(env, "migrate").returncode == 0
     created = coop_server(env, "token", "create", "--role", "operator", "--name", "op")
     assert created.returncode == 0, created.stderr
