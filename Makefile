@@ -115,8 +115,8 @@ $(LOCK_VENV)/.installed: requirements/uv.txt
 	$(LOCK_VENV)/bin/python $(PIP_LOCKED) -r requirements/uv.txt
 	touch $@
 
-# The runbook on a booted Debian 12 host (root): docs/operating.md's blocks marked rehearsed=NAME, run by
-# scripts/rehearse.py in a systemd-nspawn container; its steps and times go to bench/results/rehearsal-cpu.json.
+# The runbook on three booted Debian 12 hosts, to the report (root): docs/operating.md's blocks marked
+# rehearsed=NAME, run by scripts/rehearse.py in systemd-nspawn containers; its steps go to rehearsal-cpu.json.
 rehearse: venvs services
 	$(BIN)/python scripts/rehearse.py --out bench/results/rehearsal-cpu.json
 
