@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import psutil
@@ -126,6 +126,9 @@ def to_event(line: str) -> tuple[wire.Event, dict[str, object] | None]:
 class _Stop:
     reason: str
     deadline: float
+    # cancelled: the coordinator asked (an operator's cancel, a halt), and the job ends. lost: the agent itself is
+    # stopping (its unit restarted, its host shutting down), and the coordinator retries the job from its checkpoint.
+    outcome: Literal["cancelled", "lost"]
 
 
 class Agent:
@@ -240,7 +243,9 @@ class Agent:
                     # if it is still the one running (a stop for the last job must not reach the next).
                     running = self._current
                     if self._stop is None and running is not None and directive.attempt_id == running.attempt_id:
-                        self._stop = _Stop(directive.reason or "stopped by the coordinator", time.monotonic() + grace)
+                        self._stop = _Stop(
+                            directive.reason or "stopped by the coordinator", time.monotonic() + grace, "cancelled"
+                        )
 
     def _send_loop(self) -> None:
         while True:
@@ -429,14 +434,14 @@ class Agent:
                 self.spool.forget_group(group)
         code = process.returncode
         if stopped is not None:
-            raise jobs.CommandEnded("cancelled", code, stopped)
+            raise jobs.CommandEnded(stopped.outcome, code, stopped.reason)
         if code != 0:
             tail = stderr_path.read_text(errors="replace")[-3000:]
             outcome = jobs.failure_outcome(code, job.world_size)
             raise jobs.CommandEnded(outcome, code, f"`coop {job.kind}` exited with {code}: {tail}")
         return decoded
 
-    def _forward(self, process: subprocess.Popen[bytes], attempt: OpenAttempt) -> tuple[list[wire.Event], str | None]:
+    def _forward(self, process: subprocess.Popen[bytes], attempt: OpenAttempt) -> tuple[list[wire.Event], _Stop | None]:
         """Spool the command's stdout as event batches until it exits; stop it when asked to."""
         lines: queue.Queue[bytes | None] = queue.Queue()
 
@@ -466,13 +471,16 @@ class Agent:
             if not done:
                 signals.send(self._stop_wanted())
         process.wait()
-        return decoded, signals.reason
+        return decoded, signals.stop
 
     def _stop_wanted(self) -> _Stop | None:
         """The stop the coordinator or the agent's shutdown asked for, if any."""
         with self._lock:
             if self.stopping.is_set() and self._stop is None:
-                self._stop = _Stop("the agent is shutting down", time.monotonic() + self.settings.grace_seconds)
+                deadline = time.monotonic() + self.settings.grace_seconds
+                self._stop = _Stop(
+                    "the agent is shutting down (its unit stopped or its host powering off)", deadline, "lost"
+                )
             return self._stop
 
 
@@ -501,13 +509,13 @@ class _Signals:
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
-        self.reason: str | None = None
+        self.stop: _Stop | None = None
         self.terminated = self.killed = False
 
     def send(self, stop: _Stop | None) -> None:
         if stop is None:
             return
-        self.reason = stop.reason
+        self.stop = stop
         if not self.terminated:
             _signal(self.process, signal.SIGTERM)
             self.terminated = True

@@ -274,6 +274,29 @@ def test_cancel_stops_the_command_and_reports_it_cancelled(
     assert coordinator.get(f"/api/jobs/{job['id']}")["state"] == "cancelled"
 
 
+def test_an_agent_stopped_on_its_host_reports_its_attempt_lost_and_the_job_runs_again(
+    coordinator: CoordinatorProcess, start_agent: Callable[[str], AgentProcess], small_plan: Path
+) -> None:
+    """systemd stops the agent's unit with TERM (`systemctl restart coop-agent`, a power-off): the agent stops its
+    command and reports the attempt lost, not cancelled, so the job is retried (on a booted host the single then
+    resumes from its checkpoint: scripts/rehearse.py); only a stop the coordinator asks for cancels a job."""
+    experiment = coordinator.create_experiment(small_plan)
+    agent = start_agent("host-a")
+    job = _running_train(coordinator, experiment["id"])
+    agent.stop(signal.SIGTERM)
+    attempt = _attempt(coordinator, job["id"])
+    assert attempt is not None and attempt["state"] == "lost", agent.log()
+    assert attempt["exit_code"] == -signal.SIGTERM and "the agent is shutting down" in attempt["reason"]
+    assert coordinator.get(f"/api/jobs/{job['id']}")["state"] == "queued"
+    agent.start()  # the unit started again: the same host, work folder and spool
+    done = wait_for(
+        lambda: (j := coordinator.get(f"/api/jobs/{job['id']}")) and j["state"] == "succeeded" and j,
+        120,
+        "the job to run again and succeed",
+    )
+    assert done["attempts_made"] == 2, agent.log()
+
+
 def test_an_agent_token_cannot_start_or_write_another_agents_attempt(
     coordinator: CoordinatorProcess, small_plan: Path
 ) -> None:
