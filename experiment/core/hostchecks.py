@@ -87,6 +87,40 @@ def compiler(which: Callable[[str], str | None] = shutil.which, include: str | N
     return passed("compiler", f"{cc} and {folder / 'Python.h'}")
 
 
+# Shared libraries that compiled modules of the venvs load from the system, and the Debian and Ubuntu package of each:
+# vLLM's CPU build links libnuma (a host without one fails its replica's first start, hours into the run).
+SYSTEM_LIBRARIES = {"libnuma.so.1": "libnuma1", "libgomp.so.1": "libgomp1", "libstdc++.so.6": "libstdc++6"}
+
+
+def shared_libraries(venv: Path, package: str, run: Callable[[list[str]], str]) -> Finding:
+    """Each compiled module of ``package`` in ``venv`` finds the libraries it links against, by ``ldd``: on the
+    system's library path, or shipped by a wheel of the venv (torch's, NVIDIA's), which Python loads first."""
+    check = f"{package} libraries"
+    found = sorted((venv / "lib").glob("python3*/site-packages"))
+    modules = sorted(found[0].joinpath(package).glob("*.so")) if found else []
+    if not modules:
+        return failed(check, f"{venv} holds no compiled module of {package}", f"install {venv.name} again (make)")
+    shipped = {path.name for path in found[0].rglob("*.so*")}
+    missing: dict[str, list[str]] = {}
+    try:
+        for module in modules:
+            for line in run(["ldd", str(module)]).splitlines():
+                name, _, where = line.strip().partition(" => ")
+                if where.strip() == "not found" and name not in shipped:
+                    missing.setdefault(name, []).append(module.name)
+    except CoopError as exc:
+        return failed(check, str(exc), "install ldd (Debian and Ubuntu: libc-bin)")
+    if not missing:
+        return passed(check, f"the {len(modules)} compiled modules of {package} find every library they link")
+    detail = "; ".join(
+        f"{name}, which {', '.join(users)} links, is on no library path" for name, users in missing.items()
+    )
+    packages = [SYSTEM_LIBRARIES.get(name) for name in missing]
+    if all(packages):
+        return failed(check, detail, f"apt-get install -y {' '.join(sorted(set(filter(None, packages))))}")
+    return failed(check, detail, f"install the system packages that hold {', '.join(missing)} (apt-file search NAME)")
+
+
 @dataclass(frozen=True)
 class Gpu:
     name: str

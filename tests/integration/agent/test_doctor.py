@@ -44,9 +44,9 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory, certificate: ServerFil
 
 
 def _fake_bin(folder: Path, gpu: str | None = L40S, compiler: bool = True) -> Path:
-    """A PATH of its own: `ip`, a C compiler unless told otherwise, and an nvidia-smi that prints ``gpu``."""
+    """A PATH of its own: `ip`, `ldd`, a C compiler unless told otherwise, and an nvidia-smi that prints ``gpu``."""
     folder.mkdir(parents=True, exist_ok=True)
-    for tool in ("ip", *(["cc"] if compiler else [])):
+    for tool in ("ip", "ldd", *(["cc"] if compiler else [])):
         found = shutil.which(tool)
         assert found is not None, f"{tool} is not installed"
         (folder / tool).symlink_to(found)
@@ -96,7 +96,7 @@ def test_a_host_with_what_the_run_needs_passes_every_check(host: Host) -> None:
     code, lines, out = host.doctor()
     assert code == 0, out
     assert list(lines) == [
-        "python", "venv .venv", "venv .venv-vllm", "home", "token file", "storage", "compiler", "driver",
+        "python", "venv .venv", "venv .venv-vllm", "vllm libraries", "home", "token file", "storage", "compiler", "driver",
         "gpu memory", "disk", "private link", "coordinator", "clock", "seed",
     ], out  # fmt: skip
     assert all(line.startswith("ok    ") for line in lines.values()), out
