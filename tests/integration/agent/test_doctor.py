@@ -96,8 +96,8 @@ def test_a_host_with_what_the_run_needs_passes_every_check(host: Host) -> None:
     code, lines, out = host.doctor()
     assert code == 0, out
     assert list(lines) == [
-        "python", "venv .venv", "venv .venv-vllm", "vllm libraries", "home", "token file", "storage", "compiler", "driver",
-        "gpu memory", "disk", "private link", "coordinator", "clock", "seed",
+        "python", "venv .venv", "venv .venv-vllm", "vllm libraries", "home", "token file", "storage", "compiler",
+        "driver", "gpu memory", "disk", "private link", "coordinator", "clock", "seed",
     ], out  # fmt: skip
     assert all(line.startswith("ok    ") for line in lines.values()), out
     assert "NVIDIA L40S driver 580.65.06" in lines["driver"]
