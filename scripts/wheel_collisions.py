@@ -93,29 +93,33 @@ def installed_path(name: str) -> str | None:
     return name
 
 
+def best_wheel(filenames: list[str]) -> str | None:
+    """The wheel pip takes for the target among ``filenames``: the one with the most preferred tag; None when none
+    fits (only an sdist, or wheels of other platforms)."""
+    fitting = []
+    for filename in filenames:
+        if filename.endswith(".whl"):
+            tags: frozenset[Tag] = parse_wheel_filename(filename)[3]
+            ranks = [RANK[tag] for tag in tags if tag in RANK]
+            if ranks:
+                fitting.append((min(ranks), filename))
+    return min(fitting)[1] if fitting else None
+
+
 def chosen_wheel(name: str, version: str, digests: list[str]) -> dict[str, Any]:
-    """The file pip would take among those the lock names: the wheel whose best tag fits best."""
+    """The file pip would take among those the lock names, and the paths it writes."""
     request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         files = json.load(answer)["files"]  # PEP 691: each file's name, url, size and hashes
-    named = [f for f in files if f["hashes"].get("sha256") in digests]
-    fitting = []
-    for entry in named:
-        if not entry["filename"].endswith(".whl"):
-            continue
-        tags: frozenset[Tag] = parse_wheel_filename(entry["filename"])[3]
-        ranks = [RANK[tag] for tag in tags if tag in RANK]
-        if ranks:
-            fitting.append((min(ranks), entry))
-    if not fitting:
-        kinds = sorted({f["filename"] for f in named})
-        return {"package": name, "version": version, "fits": False, "files": kinds}
-    entry = min(fitting, key=lambda pair: pair[0])[1]
+    named = {f["filename"]: f for f in files if f["hashes"].get("sha256") in digests}
+    best = best_wheel(sorted(named))
+    if best is None:
+        return {"package": name, "version": version, "fits": False, "files": sorted(named)}
+    entry = named[best]
     with zipfile.ZipFile(RemoteFile(entry["url"], entry["size"])) as wheel:
         members = [member for member in wheel.namelist() if not member.endswith("/")]
     paths = sorted(filter(None, map(installed_path, members)))
-    return {"package": name, "version": version, "fits": True, "file": entry["filename"], "bytes": entry["size"],
-            "paths": paths}  # fmt: skip
+    return {"package": name, "version": version, "fits": True, "file": best, "bytes": entry["size"], "paths": paths}
 
 
 def check_lock(path: str) -> dict[str, Any]:
