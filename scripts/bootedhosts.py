@@ -1,7 +1,7 @@
 """Booted throwaway hosts for the rehearsal (scripts/rehearse.py, root): a Debian 12 root file system made once by
 debootstrap, the locks' wheels and the web UI's npm packages kept beside it, each host an overlay over that root
-booted with systemd as init by ``systemd-nspawn --boot`` in a network namespace of its own; the coordinator's
-certificate made as docs/operating.md makes it; and a small client of the coordinator's API over TLS."""
+booted with systemd as init by ``systemd-nspawn --boot`` in a network namespace of its own; and a small client of
+the coordinator's API over TLS."""
 
 from __future__ import annotations
 
@@ -154,64 +154,6 @@ class Host:
                 self.process.wait()
         if os.path.ismount(self.merged):
             subprocess.run(["umount", str(self.merged)], check=False)
-
-
-def certificates(folder: Path, address: str) -> dict[str, Path]:
-    """A CA and the coordinator's certificate for ``address``, made as docs/operating.md makes them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    old = os.umask(0o077)
-    try:
-        run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-             "-subj", "/CN=coop CA", "-keyout", "ca.key", "-out", "ca.pem",
-             "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign"], cwd=folder)  # fmt: skip
-        run(
-            [
-                "openssl",
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-subj",
-                "/CN=coop coordinator",
-                "-keyout",
-                "coordinator.key",
-                "-out",
-                "coordinator.csr",
-            ],
-            cwd=folder,
-        )
-        (folder / "coordinator.ext").write_text(
-            f"subjectAltName=IP:{address}\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-            "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
-        )
-        run(
-            [
-                "openssl",
-                "x509",
-                "-req",
-                "-in",
-                "coordinator.csr",
-                "-CA",
-                "ca.pem",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-extfile",
-                "coordinator.ext",
-                "-out",
-                "coordinator.pem",
-            ],
-            cwd=folder,
-        )
-    finally:
-        os.umask(old)
-    (folder / "ca.pem").chmod(0o644)
-    return {"ca": folder / "ca.pem", "cert": folder / "coordinator.pem", "key": folder / "coordinator.key"}
 
 
 def npm_cache() -> Path:

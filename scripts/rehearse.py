@@ -49,7 +49,6 @@ from bootedhosts import (
     SUITE,
     Api,
     Host,
-    certificates,
     main_process_user,
     npm_cache,
     rootfs,
@@ -140,6 +139,15 @@ def prepare(rehearsal: Rehearsal, stage: Stage) -> tuple[Path, Path, dict[str, A
     return base, wheels, topology
 
 
+def certificates(blocks: dict[str, str], folder: Path, address: str) -> dict[str, Path]:
+    """The CA and the coordinator's key and certificate for ``address``, made by the runbook's own blocks on the
+    operator's machine (this one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("ca", "coordinator-certificate"):
+        run(["/bin/sh", "-ec", blocks[name]], cwd=folder, env={**os.environ, "COORDINATOR_ADDRESS": address})
+    return {"ca": folder / "ca.pem", "cert": folder / "coordinator.pem", "key": folder / "coordinator.key"}
+
+
 def agent_env(url: str, host: dict[str, str], plan: str) -> str:
     values = {
         "COOP_COORDINATOR": url,
@@ -177,7 +185,7 @@ def rehearse_guard(rehearsal: Rehearsal, stage: Stage) -> None:
     work = stage.work
     with rehearsal.step("coordinator") as detail:
         address = topology["coordinator_address"]
-        tls = certificates(work / "tls", address)
+        tls = certificates(blocks, work / "tls", address)
         home = work / "coordinator"
         env = {**os.environ, "COOP_HOME": str(home), "COOP_REAP_SECONDS": "1"}
         server = [str(ROOT / ".venv" / "bin" / "coop-server")]
@@ -325,7 +333,9 @@ def rehearse(rehearsal: Rehearsal, stage: Stage) -> None:
         npm = npm_cache()
         detail.append(f"package-lock.json's packages in {npm}")
     address = topology["coordinator_address"]
-    tls = certificates(work / "tls", address)
+    with rehearsal.step("runbook: ca and coordinator-certificate") as detail:
+        tls = certificates(blocks, work / "tls", address)
+        detail.append(f"a CA and the coordinator's certificate for {address}")
     api = Api(f"https://{address}:8443", tls["ca"])
     coordinator = Host("coordinator", topology["coordinator_namespace"], work / "coordinator")
     gpus = [Host(spec["name"], spec["namespace"], work / spec["name"]) for spec in topology["hosts"]]
