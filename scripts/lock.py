@@ -253,7 +253,7 @@ def problems(root: Path, lock: Lock) -> list[str]:
 
 
 WHEEL_REPORT = "bench/results/cuda-wheels.json"
-WHEEL_LOCKS = ("requirements/host-cuda.txt", "requirements/vllm-cuda.txt")  # scripts/wheel_collisions.py's
+WHEEL_LOCKS = ("requirements/host-cuda.txt", "requirements/vllm-cuda.txt")  # one venv each
 
 
 def wheel_problems(root: Path) -> list[str]:

@@ -34,10 +34,8 @@ except ImportError:  # a bare Python: pip carries its own copy
     from pip._vendor.packaging.utils import parse_wheel_filename  # type: ignore[assignment]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lock import ROOT, hashed
+from lock import ROOT, WHEEL_LOCKS, WHEEL_REPORT, hashed
 
-LOCKS = ("requirements/host-cuda.txt", "requirements/vllm-cuda.txt")
-REPORT = ROOT / "bench" / "results" / "cuda-wheels.json"
 INDEX = "https://pypi.org/simple"
 # Collisions known to be harmless, each with why: the lock check lets these alone pass.
 ACCEPTED = {
@@ -152,9 +150,9 @@ def check_lock(path: str) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPORT)
+    parser.add_argument("--out", type=Path, default=ROOT / WHEEL_REPORT)
     args = parser.parse_args()
-    report = {"target": "CPython 3.11, manylinux_2_35 x86_64", "locks": [check_lock(path) for path in LOCKS]}
+    report = {"target": "CPython 3.11, manylinux_2_35 x86_64", "locks": [check_lock(path) for path in WHEEL_LOCKS]}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for lock in report["locks"]:
         print(f"{lock['lock']}: {lock['packages']} packages, {lock['wheel_bytes'] / 1e9:.2f} GB of wheels")
