@@ -191,13 +191,22 @@ class Agent:
                 self.untrusted = exc
         self.stopping.set()
 
+    def claimable(self) -> list[wire.JobKind]:
+        """The kinds this agent claims now: its settings' (every kind by default), less the accelerator's kinds
+        while a replica holds this host's GPU."""
+        kinds = [kind for kind in wire.SPECS if not self.settings.kinds or kind in self.settings.kinds]
+        if self.services.holds_replica():
+            kinds = [kind for kind in kinds if kind not in wire.ACCELERATOR_KINDS]
+        return kinds  # type: ignore[return-value]
+
     def _claim_loop(self) -> None:
-        request = wire.ClaimRequest(
-            wait_seconds=self.settings.claim_wait_seconds,
-            kinds=list(self.settings.kinds) or None,  # type: ignore[arg-type]
-        )
         key: str | None = None
         while not self.stopping.is_set():
+            kinds = self.claimable()
+            if not kinds:
+                self.stopping.wait(1.0)
+                continue
+            request = wire.ClaimRequest(wait_seconds=self.settings.claim_wait_seconds, kinds=kinds)
             if key is None:
                 key = secrets.token_urlsafe(24)
                 with self._beating, self._lock:

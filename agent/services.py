@@ -81,10 +81,13 @@ def _url(host: str, port: int) -> str:
 
 
 def _last_words(log: Path) -> str:
-    """The refusal a ``coop`` command printed last (``coop: ...``), else the log's last line."""
+    """The refusal a ``coop`` command printed last (``coop: ...``, with the lines after it: a refused identity check
+    names each differing task on its own line), else the log's last line."""
     lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
-    refusals = [line for line in lines if line.startswith("coop: ")]
-    return (refusals or lines or ["(no output)"])[-1][:3000]
+    starts = [number for number, line in enumerate(lines) if line.startswith("coop: ")]
+    if starts:
+        return "\n".join(lines[starts[-1] :])[:3000]
+    return (lines or ["(no output)"])[-1][:3000]
 
 
 def _wait_healthy(
@@ -161,6 +164,11 @@ class Services:
         with self._lock:
             self._replicas[key] = started
         return started
+
+    def holds_replica(self) -> bool:
+        """Whether a replica runs on this host (its accelerator's memory is then the replica's)."""
+        with self._lock:
+            return bool(self._replicas)
 
     def stop(self, key: str) -> bool:
         """Stop the experiment's replica and probe; False when none runs here."""

@@ -34,6 +34,9 @@ BundlePath = Annotated[str, msgspec.Meta(min_length=1, max_length=500, pattern=r
 
 
 JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"]
+# The kinds whose command computes on the host's accelerator. vLLM reserves 90% of a GPU's memory, so a host that
+# holds a replica claims none of them (a retried evaluation of the seed waits for a host with a free GPU).
+ACCELERATOR_KINDS: frozenset[JobKind] = frozenset({"train", "evaluate"})
 Role = Literal["dev", "test"]
 TokenRole = Literal["operator", "agent", "reader"]
 # "lost": the agent lost track of the command (it restarted while the command ran); the job is retried.

@@ -1,10 +1,15 @@
 """Served answers against the evaluation of the same checkpoint: the check a replica passes before it serves
 anything, and the report's serving check (docs/evidence.md).
 
-The evaluation's greedy answers are the truth a replica must reproduce. On a CPU (fp32, one sequence at a time)
-the output ids must be equal. GPU kernels may round a last bit differently, so there the strict-check outcomes
-must agree and the token agreement is recorded. A completion made of one repeated token, or of padding only, is
-refused whatever the evaluation says: that is a broken model, not an answer."""
+The evaluation's greedy answers are the truth a replica must reproduce, by one rule (``refusal``) that the probe's
+start gate and the report's serving check both apply, stated with its reasons in docs/protocol.md:
+- on a CPU (fp32, one sequence at a time) the output ids must be equal, on every task;
+- on a GPU, vLLM's kernels are not transformers' (batch invariance makes vLLM agree with itself at any batch size,
+  not with another library), so a near-tie may end greedy decoding on another token: at most one strict-check
+  outcome in ``GPU_TASKS_PER_DIFFERENCE`` may differ, and the token agreement is recorded. The probe asks
+  ``identity_tasks(device)`` dev tasks, enough on a GPU for the rule to tolerate two.
+A completion made of one repeated token, or of padding only, is refused whatever the evaluation says: that is a
+broken model, not an answer."""
 
 from __future__ import annotations
 
@@ -15,12 +20,29 @@ import msgspec
 from experiment.core import tasks
 from experiment.learning.records import Answer
 
+CPU_IDENTITY_TASKS = 8  # on a CPU the ids must be equal: both wordings of every family show a wrong stack
+GPU_IDENTITY_TASKS = 32  # on a GPU: the serving workload's size, where the rule tolerates two differing outcomes
+GPU_TASKS_PER_DIFFERENCE = 16  # on a GPU, one strict-check outcome in 16 may differ from the evaluation's
+
+
+def identity_tasks(device: str) -> int:
+    """How many dev tasks a replica answers as evaluated before it serves anything."""
+    return CPU_IDENTITY_TASKS if device == "cpu" else GPU_IDENTITY_TASKS
+
+
+def allowed_differences(tasks: int, device: str) -> int:
+    """How many of ``tasks`` answers may differ from the evaluation's: none on a CPU (ids), one in 16 on a GPU
+    (strict-check outcomes)."""
+    return 0 if device == "cpu" else tasks // GPU_TASKS_PER_DIFFERENCE
+
 
 class ServedAnswer(msgspec.Struct, frozen=True):
-    """What a replica answered to one task, through the probe: the ids and the strict checker's outcome."""
+    """What a replica answered to one task, through the probe: the ids, their text and the strict checker's
+    outcome."""
 
     task_id: str
     output_ids: list[int]
+    text: str
     check: tasks.Check
 
 
@@ -92,19 +114,27 @@ def compare(expected: Mapping[str, Answer], served: Sequence[ServedAnswer]) -> A
     )
 
 
-def refusal(agreement: Agreement, device: str, min_same_outcome: float = 1.0) -> str | None:
-    """Why served answers are not the evaluated model's, or None. CPU: every answer's ids equal. GPU: at least
-    ``min_same_outcome`` of the strict-check outcomes equal (the ids' agreement is recorded, not required)."""
+def _side_by_side(truth: Answer, answer: ServedAnswer) -> str:
+    position = _first_difference(truth.output_ids, answer.output_ids)
+    where = "" if position is None else f" from output token {position}"
+    return (
+        f"task {answer.task_id} (dev index {truth.index}){where}: "
+        f"served {answer.text[:160]!r} ({answer.check.reason}) | evaluated {truth.text[:160]!r} ({truth.check.reason})"
+    )
+
+
+def refusal(expected: Mapping[str, Answer], served: Sequence[ServedAnswer], device: str) -> str | None:
+    """Why served answers are not the evaluated model's, or None: the one rule (module docstring). A refusal names
+    every differing task, the served answer beside the evaluated one, one task a line."""
+    result = compare(expected, served)
     if device == "cpu":
-        if agreement.identical < agreement.tasks:
-            return (
-                f"{agreement.tasks - agreement.identical} of {agreement.tasks} answers differ from the evaluation's "
-                f"output ids; the first: {agreement.first_difference}"
-            )
+        differing = [a for a in served if a.output_ids != expected[a.task_id].output_ids]
+        what = "answers differ from the evaluation's output ids"
+    else:
+        differing = [a for a in served if a.check != expected[a.task_id].check]
+        what = "strict-check outcomes differ from the evaluation's"
+    allowed = allowed_differences(result.tasks, device)
+    if len(differing) <= allowed:
         return None
-    if agreement.same_outcome < min_same_outcome * agreement.tasks:
-        return (
-            f"{agreement.same_outcome} of {agreement.tasks} strict-check outcomes equal the evaluation's "
-            f"(at least {min_same_outcome:.0%} must); the first that differs: {agreement.first_other_outcome}"
-        )
-    return None
+    lines = [_side_by_side(expected[a.task_id], a) for a in differing]
+    return "\n".join([f"{len(differing)} of {result.tasks} {what} (at most {allowed} may on {device}):", *lines])

@@ -35,7 +35,6 @@ from experiment.serving import agreement
 
 MAX_BODY_BYTES = 1024
 REPLICA_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
-IDENTITY_TASKS = 8  # dev tasks (both wordings of every family) a replica answers as evaluated before it serves
 FINISHED = ("stop", "length")  # vLLM's finish reasons of a generation that ran to its end
 REPLICA_WAIT_SECONDS = 900.0  # how long the probe waits for its replica to start before it gives up
 
@@ -198,7 +197,7 @@ class ProbeService:
                 f"the replica serves model {model[:16]}, the reference evaluation is of "
                 f"{reference.summary.candidate.model_identity[:16]} ({reference.summary.arm})"
             )
-        sample = reference.answers[:IDENTITY_TASKS]
+        sample = reference.answers[: agreement.identity_tasks(device)]
         served = []
         for answer in sample:
             item = self.items.get(answer.id)
@@ -211,13 +210,15 @@ class ProbeService:
             broken = agreement.degenerate(got.output_ids, self.eos_id, self.pad_id)
             if broken is not None:
                 raise CoopError(f"the replica's answer to dev task {item.id} (index {item.index}) is {broken}")
-            served.append(agreement.ServedAnswer(task_id=item.id, output_ids=got.output_ids, check=got.check))
-        result = agreement.compare({a.id: a for a in sample}, served)
-        refused = agreement.refusal(result, device)
+            served.append(
+                agreement.ServedAnswer(task_id=item.id, output_ids=got.output_ids, text=got.text, check=got.check)
+            )
+        expected = {a.id: a for a in sample}
+        refused = agreement.refusal(expected, served, device)
         if refused is not None:
             raise CoopError(f"the replica does not answer as the evaluated model {model[:16]} did: {refused}")
-        self.identity_check = result
-        return result
+        self.identity_check = agreement.compare(expected, served)
+        return self.identity_check
 
     async def infer(self, request: InferRequest) -> InferAnswer:
         item = self.items.get(request.task_id)
@@ -417,10 +418,10 @@ def run(
     async def main() -> None:
         # Until it serves, a stop ends the probe at once (the default handlers); uvicorn handles it from then on.
         if reference is not None:
-            emit(
-                {"event": "checking", "replica": service.replica, "tasks": min(IDENTITY_TASKS, len(reference.answers))}
-            )
-            checked = await service.check_identity(reference, prepared.plan.runtime.device)
+            device = prepared.plan.runtime.device
+            asked = min(agreement.identity_tasks(device), len(reference.answers))
+            emit({"event": "checking", "replica": service.replica, "tasks": asked})
+            checked = await service.check_identity(reference, device)
             info["identity"] = msgspec.to_builtins(checked)
         previous = {sig: signal.signal(sig, noted) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from experiment.learning import corpus, evaluation
 from experiment.seed import seedmodel
-from experiment.serving.probe import IDENTITY_TASKS
+from experiment.serving.agreement import CPU_IDENTITY_TASKS as IDENTITY_TASKS
 from tests.integration.serving.conftest import STARTUP_SECONDS
 from tests.integration.serving.support import TINY, EventProcess, Trained, needs_vllm
 from tests.support.processes import free_port
