@@ -2,6 +2,8 @@
 # The one prepared GPU check (bench/gpu_check.py says what it measures). On a lent GPU machine, from the
 # repository root:
 #     bash bench/gpu-check.sh > bench/results/gpu-check.json
+# About 6 minutes on one H100 or H200 once the machine is up (bench/gpu_check.py estimates each step); its checkpoint
+# step writes the seed's full state, 20.5 GB, under --work DIR (default: the temporary folder), on a disk, not tmpfs.
 # Here, on a CPU, the same steps on a small model of the same family:
 #     bash bench/gpu-check.sh --dry-run
 # It uses the image's own torch (a CUDA build on a GPU machine) and downloads nothing. On a GPU machine every wheel

@@ -1,13 +1,12 @@
 """What a rank needs before it trains, checked before its first update: GPU memory and disk.
 
-The memory rule: float32 weights, gradients and AdamW's two moments take 16 bytes a parameter, and each later
-document of an update runs its forward and backward on top of the gradients the first left (4 bytes a parameter
-more, and the plan's headroom the rest: 7.4 GB for the 1.7B seed under bfloat16 autocast, nearly independent of
-the document's length, measured on an H200 by bench/gpu_check.py in bench/results/gpu-check-h200.json).
-The design note's rule counted the 16 bytes only, which the measured peak exceeds (docs/protocol.md). A rank of a
-DDP group also holds DDP's gradient buckets, one more float32 copy of the gradients (4 bytes a parameter). A
-checkpoint holds the float32 weights and both moments, 12 bytes a parameter, and a run keeps every checkpoint of
-the plan's ``checkpoint_steps``.
+The memory rule: experiment.learning.memory's peak for a rank of the run (float32 weights, gradients, AdamW's two
+moments, a later document's gradient, the longest document's activations, the cuBLAS workspaces and, for a rank of a
+DDP group, DDP's gradient buckets and NCCL's buffers) less the rank's own CUDA context, which exists when the check
+reads the free memory, plus the plan's ``runtime.memory_headroom_gib`` for what the caching allocator reserves beyond
+what it hands out (1.65 GB at most on the H200 check, bench/results/gpu-check-h200.json). A checkpoint holds the
+float32 weights and both moments, 12 bytes a parameter, and a run keeps every checkpoint of the plan's
+``checkpoint_steps``.
 """
 
 from __future__ import annotations
@@ -18,20 +17,18 @@ from typing import TYPE_CHECKING
 
 from experiment.core.errors import CoopError
 from experiment.core.plan import CHECKPOINT_BYTES_PER_PARAMETER, Plan
+from experiment.learning import memory
 
 if TYPE_CHECKING:
     import torch
 
 GIB = 2**30
-# float32 weights, gradients, AdamW's exp_avg and exp_avg_sq; and a later document's forward and backward
-TRAINING_BYTES_PER_PARAMETER = 20
-BUCKET_BYTES_PER_PARAMETER = 4  # DDP's gradient buckets, float32
 
 
 def memory_needed(plan: Plan, world_size: int) -> int:
-    """Bytes of GPU memory one rank of a run of ``world_size`` ranks needs."""
-    per_parameter = TRAINING_BYTES_PER_PARAMETER + (BUCKET_BYTES_PER_PARAMETER if world_size > 1 else 0)
-    return plan.seed.parameters * per_parameter + int(plan.runtime.memory_headroom_gib * GIB)
+    """Bytes of GPU memory one rank of a run of ``world_size`` ranks needs free once its CUDA context exists."""
+    estimate = memory.training_rank(plan, world_size)
+    return estimate.total - estimate.term("cuda context") + int(plan.runtime.memory_headroom_gib * GIB)
 
 
 def disk_needed(plan: Plan, held_steps: set[int]) -> int:
@@ -49,11 +46,12 @@ def check_memory(plan: Plan, world_size: int, device: torch.device) -> None:
     free, _total = torch.cuda.mem_get_info(device)
     needed = memory_needed(plan, world_size)
     if free < needed:
+        estimate = memory.training_rank(plan, world_size)
         raise CoopError(
             f"GPU {device} has {free / GIB:.1f} GiB free; a rank of a {world_size}-rank run of this plan needs "
-            f"{needed / GIB:.1f} GiB (parameters x {TRAINING_BYTES_PER_PARAMETER} B"
-            f"{f' + {BUCKET_BYTES_PER_PARAMETER} B of DDP buckets' if world_size > 1 else ''}"
-            f" + {plan.runtime.memory_headroom_gib:g} GiB headroom)"
+            f"{needed / GIB:.1f} GiB at its peak ({estimate.what}): {estimate.describe()}, less the CUDA context "
+            f"this process already holds, + {plan.runtime.memory_headroom_gib:g} GiB headroom "
+            "(experiment/learning/memory.py): free the GPU (nvidia-smi lists what holds it) or use a larger card"
         )
 
 
