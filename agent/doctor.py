@@ -89,9 +89,11 @@ def _gpu(host: Host, plan: Plan | None) -> Iterator[Finding]:
         return
     yield hostchecks.driver(gpus)
     if plan is not None:
-        from experiment.learning import preflight  # torch-free: its rules only
+        from experiment.learning import memory, preflight  # torch-free: their rules only
 
-        needed = preflight.memory_needed(plan, plan.training.pair_world_size)
+        # nvidia-smi reads the card before any process of the run made its CUDA context, which the rank's own
+        # preflight finds already taken.
+        needed = preflight.memory_needed(plan, plan.training.pair_world_size) + memory.CUDA_CONTEXT_BYTES
         yield hostchecks.gpu_memory(gpus, needed, f"a rank of the {plan.training.pair_world_size}-rank pair")
 
 

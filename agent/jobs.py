@@ -25,9 +25,10 @@ from experiment import wire
 from experiment.core import layout
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import EXIT_LINK, CoopError
-from experiment.core.plan import Plan
+from experiment.core.plan import Plan, parse_plan
 from experiment.learning.events import (
     BenchmarkedEvent,
+    CanariedEvent,
     CommandEvent,
     CompletedEvent,
     EvaluatedEvent,
@@ -196,6 +197,43 @@ def _files(home: Path, folder: str) -> dict[str, Path]:
     return {f"{folder}/{p.name}": p for p in sorted((home / folder).iterdir()) if p.is_file()}
 
 
+def _reference_home(plan: Plan, ws: Workspace) -> list[str]:
+    """The ``--reference-home`` of a command that prepares a plan's inputs (none for the repository's replay)."""
+    if plan.replay.source == "repository":
+        return []
+    if ws.reference_home is None:
+        raise CoopError(
+            f"plan {plan.name} reads {plan.replay.replay.path} and {plan.replay.retention.path} from a reference "
+            "home, and this agent has none: start it with --reference-home DIR"
+        )
+    return ["--reference-home", str(ws.reference_home)]
+
+
+class Canary(Handler[wire.CanarySpec, wire.CanaryResult]):
+    """The canary of a draft (experiment.serving.canary): its own plan file and home beside the experiment's."""
+
+    spec = wire.CanarySpec
+
+    def stage(self, host: Host, run: Run[wire.CanarySpec]) -> None:
+        plan = msgspec.toml.decode(run.spec.plan_toml.encode())
+        link_replay_folder(plan, run.ws)
+        canary_plan(run.ws).write_text(run.spec.plan_toml)
+
+    def argv(self, run: Run[wire.CanarySpec]) -> list[str]:
+        ws, path = run.ws, canary_plan(run.ws)
+        plan = parse_plan(run.spec.plan_toml.encode(), "in the canary job's spec")
+        argv = coop("canary", "--plan", path, "--home", ws.root / "canary", "--model-dir", ws.model_dir)
+        return [*argv, *_reference_home(plan, ws)]
+
+    def collect(self, run: Run[wire.CanarySpec], events: Sequence[wire.Event]) -> Outcome[wire.CanaryResult]:
+        done = last_event(events, CanariedEvent)
+        return Outcome(wire.CanaryResult(passed=done.passed, steps=done.steps))
+
+
+def canary_plan(ws: Workspace) -> Path:
+    return ws.root / "canary-plan.toml"
+
+
 class Prepare(Handler[wire.PrepareSpec, wire.PrepareResult]):
     spec = wire.PrepareSpec
 
@@ -205,15 +243,7 @@ class Prepare(Handler[wire.PrepareSpec, wire.PrepareResult]):
 
     def argv(self, run: Run[wire.PrepareSpec]) -> list[str]:
         argv = coop("prepare", "--plan", run.ws.plan, "--home", run.ws.home, "--model-dir", run.ws.model_dir)
-        plan = run.plan()
-        if plan.replay.source == "repository":
-            return argv
-        if run.ws.reference_home is None:
-            raise CoopError(
-                f"plan {plan.name} reads {plan.replay.replay.path} and {plan.replay.retention.path} from a reference "
-                "home, and this agent has none: start it with --reference-home DIR"
-            )
-        return [*argv, "--reference-home", str(run.ws.reference_home)]
+        return [*argv, *_reference_home(run.plan(), run.ws)]
 
     def collect(self, run: Run[wire.PrepareSpec], events: Sequence[wire.Event]) -> Outcome[wire.PrepareResult]:
         return Outcome(wire.PrepareResult(prepared_identity=last_event(events, PreparedEvent).prepared_identity))
@@ -392,6 +422,7 @@ class Benchmark(Handler[wire.BenchmarkSpec, wire.BenchmarkResult]):
 
 
 HANDLERS: dict[str, Handler[Any, Any]] = {
+    "canary": Canary(),
     "prepare": Prepare(),
     "train": Train(),
     "evaluate": Evaluate(),
@@ -460,14 +491,19 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def write_plan(committed: wire.LedgerEntry, ws: Workspace) -> Path:
-    """The committed plan, from the experiment's ledger, as a TOML file beside the home (same identity)."""
-    plan = committed.body["plan"]
+def link_replay_folder(plan: dict[str, Any], ws: Workspace) -> None:
+    """A plan's relative replay folder, linked beside its plan file in the workspace to the agent's plans folder."""
     ws.root.mkdir(parents=True, exist_ok=True)
     folder = plan.get("replay", {}).get("folder")
     if folder is not None and not Path(folder).is_absolute():
         link = ws.root / folder
         if not link.exists():
             link.symlink_to((ws.plans_dir / folder).resolve(), target_is_directory=True)
+
+
+def write_plan(committed: wire.LedgerEntry, ws: Workspace) -> Path:
+    """The committed plan, from the experiment's ledger, as a TOML file beside the home (same identity)."""
+    plan = committed.body["plan"]
+    link_replay_folder(plan, ws)
     write_new_bytes(ws.plan, msgspec.toml.encode(_without_nulls(plan)))
     return ws.plan

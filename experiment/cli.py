@@ -135,6 +135,13 @@ def _train(args: argparse.Namespace) -> None:
         training.train(args.home, args.model_dir, args.arm, events.emit, stop_after=args.stop_after)
 
 
+def _canary(args: argparse.Namespace) -> None:
+    from experiment.serving import canary
+
+    with Events() as events:
+        canary.run(args.plan, args.home, args.model_dir, args.reference_home, events.emit)
+
+
 def _evaluate(args: argparse.Namespace) -> None:
     from experiment.learning import evaluation
 
@@ -288,6 +295,17 @@ def _learning_commands(commands: Commands) -> None:
     train.add_argument("--arm", required=True, help="a trained arm of the plan")
     train.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after an update
     train.set_defaults(handler=_train)
+
+    canary = commands.add_parser(
+        "canary",
+        help="try every step only the real hosts can fail, in minutes, before the plan is committed "
+        "(one rank of the gang: WORLD_SIZE/RANK from the environment)",
+    )
+    canary.add_argument("--plan", type=Path, required=True)
+    canary.add_argument("--home", type=Path, required=True, help="a folder of the canary's own (prepared inputs)")
+    canary.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder on this host")
+    canary.add_argument("--reference-home", type=Path)
+    canary.set_defaults(handler=_canary)
 
     evaluate = commands.add_parser("evaluate", help="greedy answers to every dev or test task, and retention")
     evaluate.add_argument("--home", type=Path, required=True)

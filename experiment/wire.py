@@ -15,6 +15,7 @@ from experiment.core.canonical import JsonObject
 from experiment.core.ledger import Entry as LedgerEntry
 from experiment.core.plan import ArmName
 from experiment.core.states import ExperimentState, JobState
+from experiment.learning.events import CanaryStep
 from experiment.learning.records import Answer, Candidate, ResourceSample, StepRecord
 from experiment.serving.servingrecord import Phase
 
@@ -33,7 +34,9 @@ Moment = Annotated[datetime.datetime, msgspec.Meta(tz=True)]
 BundlePath = Annotated[str, msgspec.Meta(min_length=1, max_length=500, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]
 
 
-JobKind = Literal["prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"]
+JobKind = Literal[
+    "canary", "prepare", "train", "evaluate", "select", "replica-start", "replica-stop", "benchmark", "report"
+]
 # The kinds whose command computes on the host's accelerator. vLLM reserves 90% of a GPU's memory, so a host that
 # holds a replica claims none of them (a retried evaluation of the seed waits for a host with a free GPU).
 ACCELERATOR_KINDS: frozenset[JobKind] = frozenset({"train", "evaluate"})
@@ -74,6 +77,13 @@ class ExperimentCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     commit: bool = True
     # Advance each phase as soon as the last one's jobs succeeded; off: one operator action per phase.
     autopilot: bool = True
+    # Commit a GPU plan without a passing canary: the operator's reason, recorded in the plan's commitment.
+    canary_override: Annotated[str, msgspec.Meta(min_length=1, max_length=500)] | None = None
+
+
+class PlanCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Commit a GPU plan without a passing canary: the operator's reason, recorded in the plan's commitment.
+    canary_override: Annotated[str, msgspec.Meta(min_length=1, max_length=500)] | None = None
 
 
 class AutopilotSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,6 +157,13 @@ class Tagged(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     """A spec or result; its tag is its job's kind."""
 
 
+class CanarySpec(Tagged, tag="canary", frozen=True):
+    """Try every step only the real hosts can fail (experiment.serving.canary), one rank per host of the plan's
+    largest gang, before the plan is committed. The coordinator fills in the draft's plan when it queues the job."""
+
+    plan_toml: Annotated[str, msgspec.Meta(max_length=1_000_000)] = ""
+
+
 class PrepareSpec(Tagged, tag="prepare", frozen=True):
     """Prepare the inputs the plan names; the committed plan says everything."""
 
@@ -187,7 +204,8 @@ class ReportSpec(Tagged, tag="report", frozen=True):
 
 
 JobSpec = (
-    PrepareSpec
+    CanarySpec
+    | PrepareSpec
     | TrainSpec
     | EvaluateSpec
     | SelectSpec
@@ -196,6 +214,13 @@ JobSpec = (
     | BenchmarkSpec
     | ReportSpec
 )
+
+
+class CanaryResult(Tagged, tag="canary", frozen=True):
+    """One host's canary: passed only if every step did; each step's figures, and a failed step's reason and fix."""
+
+    passed: bool
+    steps: Annotated[list[CanaryStep], msgspec.Meta(max_length=16)]
 
 
 class PrepareResult(Tagged, tag="prepare", frozen=True):
@@ -255,7 +280,8 @@ class ReportResult(Tagged, tag="report", frozen=True):
 
 
 JobResult = (
-    PrepareResult
+    CanaryResult
+    | PrepareResult
     | TrainResult
     | EvaluateResult
     | SelectResult
@@ -315,6 +341,27 @@ class Job(msgspec.Struct, frozen=True):
     spec: dict[str, Any]  # the kind's spec (JobSpec), untagged
     pinned_agent_id: uuid.UUID | None
     created_at: datetime.datetime
+
+
+class CanaryHost(msgspec.Struct, frozen=True):
+    """One rank of a canary: its agent, its attempt's state and, once it reported, its steps."""
+
+    rank: int
+    agent: str
+    state: JobState
+    reason: str | None
+    passed: bool | None  # None: no result yet
+    steps: list[CanaryStep]
+
+
+class Canary(msgspec.Struct, frozen=True):
+    """An experiment's latest canary job (server/protocol/canaries.py)."""
+
+    job_id: uuid.UUID
+    state: JobState
+    passed: bool
+    hosts: list[CanaryHost]
+    failures: list[str]  # each failed step, with its host and fix
 
 
 class Attempt(msgspec.Struct, frozen=True):

@@ -412,10 +412,13 @@ def rehearse(rehearsal: Rehearsal, stage: Stage) -> None:
             rehearsal.unit_users[host.name] = main_process_user(host, "coop-agent")
         detail.append(f"both registered; their units' processes run as {rehearsal.unit_users}")
     environment = {**os.environ, "COOP_COORDINATOR": api.url}
-    with rehearsal.step("runbook: create") as detail:
-        created = run(["/bin/sh", "-ec", blocks["create"]], cwd=operator, env=environment)
-        experiment = Run(api, json.loads(created.stdout.splitlines()[-1])["id"])
+    with rehearsal.step("runbook: canary") as detail:
+        tried = run(["/bin/sh", "-ec", blocks["canary"]], cwd=operator, env=environment)
+        experiment = Run(api, json.loads(tried.stdout.splitlines()[0])["experiment"])
         environment["ID"] = experiment.id
+        detail.append(next(line for line in tried.stdout.splitlines() if line.startswith("canary ")))
+    with rehearsal.step("runbook: commit") as detail:
+        run(["/bin/sh", "-ec", blocks["commit"]], cwd=operator, env=environment)
         log = (operator / "watch.log").open("ab")
         stage.processes.append(subprocess.Popen(["/bin/sh", "-ec", blocks["watch"]], cwd=operator, env=environment,
                                                 stdout=log, stderr=log))  # fmt: skip

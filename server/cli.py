@@ -151,6 +151,20 @@ def _experiment_parser(commands: Any) -> None:
     create = actions.add_parser("create", help="create and commit an experiment from a plan")
     create.add_argument("--plan", type=Path, required=True)
     create.add_argument("--no-autopilot", dest="autopilot", action="store_false", help="one advance per phase")
+    create.add_argument("--override-canary", metavar="REASON", help=OVERRIDE_HELP)
+    canary = actions.add_parser(
+        "canary",
+        help="try every risky step on the hosts in minutes, before the plan is committed (a draft's canary job)",
+        description="With --plan: create a draft of the plan and run its canary; with an experiment id: run the "
+        "draft's canary again. Prints each step as a host ends it, then the verdict; exit 1 unless it passed.",
+    )
+    which = canary.add_mutually_exclusive_group(required=True)
+    which.add_argument("--plan", type=Path, help="a plan to create a draft of")
+    which.add_argument("experiment_id", nargs="?", type=uuid.UUID, help="a draft whose canary runs again")
+    canary.add_argument("--no-autopilot", dest="autopilot", action="store_false", help="(the draft's, once committed)")
+    commit = actions.add_parser("commit", help="commit a draft's plan (its canary must have passed on a GPU plan)")
+    commit.add_argument("experiment_id", type=uuid.UUID)
+    commit.add_argument("--override-canary", metavar="REASON", help=OVERRIDE_HELP)
     actions.add_parser("advance", help="queue the next phase's jobs").add_argument("experiment_id", type=uuid.UUID)
     pilot = actions.add_parser("autopilot", help="switch autopilot on or off")
     pilot.add_argument("experiment_id", type=uuid.UUID)
@@ -169,6 +183,9 @@ def _experiment_parser(commands: Any) -> None:
     export.add_argument("--out", type=Path, required=True, help="the tar to write (never overwritten)")
 
 
+OVERRIDE_HELP = (
+    "commit a GPU plan whose canary did not pass: the reason, which the plan's commitment in the ledger records"
+)
 READS = {"list", "show", "export"}  # public reads unless the coordinator's reads are switched off
 
 
@@ -213,7 +230,19 @@ def _experiment(args: argparse.Namespace) -> int:
         size = client.export(args.experiment_id, args.out)
         print(json.dumps({"experiment": str(args.experiment_id), "out": str(args.out), "bytes": size}))
     elif args.action == "create":
-        print(msgspec.json.encode(client.create(args.plan, args.autopilot)).decode())
+        print(msgspec.json.encode(client.create(args.plan, args.autopilot, True, args.override_canary)).decode())
+    elif args.action == "commit":
+        print(msgspec.json.encode(client.commit(args.experiment_id, args.override_canary)).decode())
+    elif args.action == "canary":
+        experiment_id = args.experiment_id
+        if experiment_id is None:
+            experiment_id = client.create(args.plan, args.autopilot, commit=False).id
+        canary = operator.run_canary(client, experiment_id)
+        for line in operator.canary_lines(canary):
+            print(line)
+        if not canary.passed:
+            return 1
+        print(f"commit it with: coop-server experiment commit {experiment_id}")
     elif args.action == "advance":
         print(msgspec.json.encode(client.advance(args.experiment_id)).decode())
     elif args.action == "autopilot":

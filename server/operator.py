@@ -96,13 +96,37 @@ class Operator:
             written.unlink()
         return out.stat().st_size
 
-    def create(self, plan: Path, autopilot: bool) -> wire.Experiment:
+    def create(
+        self, plan: Path, autopilot: bool, commit: bool = True, canary_override: str | None = None
+    ) -> wire.Experiment:
         try:
             text = plan.read_text()
         except OSError as exc:
             raise CoopError(f"cannot read plan {plan}: {exc.strerror}") from exc
-        body = {"plan_toml": text, "autopilot": autopilot}
+        body: dict[str, Any] = {"plan_toml": text, "autopilot": autopilot, "commit": commit}
+        if canary_override is not None:
+            body["canary_override"] = canary_override
         return msgspec.convert(self._json("POST", "/api/experiments", body), type=wire.Experiment)
+
+    def commit(self, experiment_id: uuid.UUID, canary_override: str | None) -> wire.Experiment:
+        body = {} if canary_override is None else {"canary_override": canary_override}
+        reply = self._json("POST", f"/api/experiments/{experiment_id}/commit", body)
+        return msgspec.convert(reply, type=wire.Experiment)
+
+    def queue(self, experiment_id: uuid.UUID, kind: str) -> wire.Job:
+        reply = self._json("POST", f"/api/experiments/{experiment_id}/jobs", {"kind": kind})
+        return msgspec.convert(reply, type=wire.Job)
+
+    def canary(self, experiment_id: uuid.UUID) -> wire.Canary:
+        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/canary"), type=wire.Canary)
+
+    def step_events(self, job_id: uuid.UUID) -> list[tuple[int, JsonObject]]:
+        """The canary steps each rank's attempts reported so far, as (rank, step)."""
+        found = []
+        for attempt in self._json("GET", f"/api/jobs/{job_id}/attempts"):
+            events = self._json("GET", f"/api/attempts/{attempt['id']}/events?kind=canary-step")["items"]
+            found += [(int(attempt["rank"]), event["body"]) for event in events]
+        return found
 
     def advance(self, experiment_id: uuid.UUID) -> wire.Advanced:
         reply = self._json("POST", f"/api/experiments/{experiment_id}/advance")
@@ -203,6 +227,37 @@ def _watch_terminal(operator: Operator, experiment_id: uuid.UUID, poll: float) -
             if experiment.state in FINAL:
                 return experiment
             time.sleep(poll)
+
+
+def run_canary(operator: Operator, experiment_id: uuid.UUID, poll: float = 2.0) -> wire.Canary:
+    """Queue a canary on the draft and follow it: one JSON line per step as each host ends it, then the verdict."""
+    job = operator.queue(experiment_id, "canary")
+    print(json.dumps({"event": "canary-queued", "experiment": str(experiment_id), "job": str(job.id)}), flush=True)
+    seen: set[str] = set()
+    while True:
+        canary = operator.canary(experiment_id)
+        for rank, step in operator.step_events(job.id):
+            key = json.dumps([rank, step], sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                shown = {k: step.get(k) for k in ("name", "passed", "seconds", "failure")}
+                print(json.dumps({"event": "canary-step", "rank": rank, **shown}), flush=True)
+        if canary.state not in {JobState.QUEUED, JobState.LEASED, JobState.RUNNING}:
+            return canary
+        time.sleep(poll)
+
+
+def canary_lines(canary: wire.Canary) -> list[str]:
+    """The verdict, then each host's steps (a failed one with its reason and fix)."""
+    lines = [f"canary {'PASSED' if canary.passed else 'FAILED'} (job {canary.job_id}, {canary.state})"]
+    for host in canary.hosts:
+        lines.append(f"  rank {host.rank} on {host.agent}: {host.state}" + (f": {host.reason}" if host.reason else ""))
+        for step in host.steps:
+            lines.append(f"    {'ok  ' if step.passed else 'FAIL'} {step.name:<13} {step.seconds:8.1f} s")
+            if not step.passed:
+                lines.append(f"         {step.failure}")
+                lines.append(f"         fix: {step.fix}")
+    return lines
 
 
 def verdict_lines(recorded: JsonObject) -> list[str]:

@@ -236,6 +236,10 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             return self.training.pair_world_size
         return arm.ranks or 1
 
+    def largest_gang(self) -> str:
+        """The trained arm with the most ranks (the first of them): the gang a canary stands in for."""
+        return max(self.trained_arms(), key=self.world_size)
+
     def training_documents(self, name: str) -> Literal["train-clean", "train-damaged"]:
         """The prepared documents a trained arm learns from."""
         role = self.role_of(name)

@@ -57,7 +57,7 @@ def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
     return RetentionScore(id=probe.id, targets=probe.targets, mean_nats=float(total) / probe.targets)
 
 
-def _answers_of(
+def answers_of(
     items: list[TaskItem], generations: list[Generation], tokenizer: SeedTokenizer, seconds: float
 ) -> list[Answer]:
     answers = []
@@ -126,7 +126,7 @@ class _Answerer:
         began = time.monotonic()
         prompts = [i.prompt_ids for i in chunk]
         generations = generate(self.model, prompts, self.eos_id, self.pad_id, self.max_new_tokens, self.batch_size)
-        return _answers_of(chunk, generations, self.tokenizer, time.monotonic() - began)
+        return answers_of(chunk, generations, self.tokenizer, time.monotonic() - began)
 
 
 def _answerer(home: Path, model_dir: Path, plan: Plan, candidate: Candidate, batch_size: int) -> _Answerer:

@@ -78,3 +78,27 @@ class StopReplicaEvent(CommandEvent, tag="stop-replica", frozen=True):
 
     phase: str
     completed: int
+
+
+Figure = int | float | str | bool
+
+
+class CanaryStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One step of `coop canary` on one host: what it measured, and, where it failed, why and what fixes it."""
+
+    name: str
+    passed: bool
+    seconds: float
+    figures: dict[str, Figure] = {}
+    failure: str | None = None
+    fix: str | None = None
+
+
+class CanariedEvent(CommandEvent, tag="canaried", frozen=True):
+    """`coop canary` ran its steps on this host (rank ``rank`` of its gang): passed only if every step did. A step
+    that failed ends the canary there; the steps after it are not run."""
+
+    rank: int
+    world_size: int
+    passed: bool
+    steps: list[CanaryStep]

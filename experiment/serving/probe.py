@@ -189,15 +189,18 @@ class ProbeService:
             await asyncio.sleep(0.5)
 
     async def check_identity(self, reference: Reference, device: str) -> agreement.Agreement:
-        """The replica answers the reference's first dev tasks as the evaluation of its model did, or is refused:
-        on CPU with the same output ids, on GPU with the same strict-check outcomes; never degenerate."""
+        """The replica answers the reference's first dev tasks as the evaluation of its model did, or is refused
+        (agreement.refusal, naming each differing task); never degenerate."""
+        return await self.check_answers(reference.summary.candidate.model_identity, reference.answers, device)
+
+    async def check_answers(self, model_identity: str, answers: list[Answer], device: str) -> agreement.Agreement:
+        """``check_identity`` against evaluated ``answers`` of the model named ``model_identity``."""
         model = await self.wait_for_replica(REPLICA_WAIT_SECONDS)
-        if reference.summary.candidate.model_identity != model:
+        if model_identity != model:
             raise CoopError(
-                f"the replica serves model {model[:16]}, the reference evaluation is of "
-                f"{reference.summary.candidate.model_identity[:16]} ({reference.summary.arm})"
+                f"the replica serves model {model[:16]}, the reference evaluation is of {model_identity[:16]}"
             )
-        sample = reference.answers[: agreement.identity_tasks(device)]
+        sample = answers[: agreement.identity_tasks(device)]
         served = []
         for answer in sample:
             item = self.items.get(answer.id)

@@ -16,8 +16,8 @@ from experiment import wire
 from server import models
 from server.access.tokens import Principal
 from server.api import spec
-from server.httperrors import BadRequest
-from server.protocol import actions, recording
+from server.httperrors import BadRequest, NotFound
+from server.protocol import actions, canaries, recording
 from server.settings import Settings
 from server.store import commitments, views
 
@@ -59,12 +59,15 @@ class ExperimentController(Controller):
     async def commit(
         self,
         experiment_id: FromPath[uuid.UUID],
+        data: JSONBody[wire.PlanCommit],
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
         principal: NamedDependency[Principal],
     ) -> wire.Experiment:
+        """Commit a draft's plan: 409 ``canary-required`` for a GPU plan whose canary has not passed, unless the
+        body's ``canary_override`` gives the operator's reason, which the plan's commitment records."""
         experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.commit(db_session, settings, principal, experiment)
+        await actions.commit(db_session, settings, principal, experiment, data)
         return await _view(db_session, experiment)
 
     @get("/{experiment_id:uuid}/arms", operation_id="listArms", **spec.read())
@@ -192,6 +195,17 @@ class ExperimentController(Controller):
         await recording.load(db_session, experiment_id)
         path = await recording.report_file(db_session, settings, experiment_id)
         return File(path, media_type="application/json", content_disposition_type="inline")
+
+    @get("/{experiment_id:uuid}/canary", operation_id="getCanary", **spec.read())
+    async def canary(
+        self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
+    ) -> wire.Canary:
+        """The experiment's latest canary, host by host and step by step (404 while none was queued)."""
+        await recording.load(db_session, experiment_id)
+        verdict = await canaries.latest(db_session, experiment_id)
+        if verdict is None:
+            raise NotFound(f"experiment {experiment_id} has no canary: queue a canary job while it is a draft")
+        return canaries.view(verdict)
 
     @post("/{experiment_id:uuid}/halt", operation_id="haltExperiment", **spec.write("operator"))
     async def halt(

@@ -255,6 +255,14 @@ def guard_job(job: Proposal, *, needs_arm: bool) -> None:
         raise Refused("arm-not-in-plan", f"plan {job.plan.name} has no arm {job.arm}; its arms are {arms}")
 
 
+def guard_canary(job: Proposal) -> None:
+    """The canary tries the real hosts before the plan is committed: only a draft takes one."""
+    if job.state != E.DRAFT:
+        raise Refused(
+            "canary-requires-draft", f"a canary runs before the plan is committed; the experiment is {job.state}"
+        )
+
+
 def guard_prepare(job: Proposal) -> None:
     """Prepare is queued when the plan is committed (and again after one failed)."""
 

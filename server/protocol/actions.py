@@ -24,13 +24,17 @@ async def create(
     session: AsyncSession, settings: Settings, who: Principal, body: wire.ExperimentCreate
 ) -> models.Experiment:
     experiment = await phases.create(session, settings, body)
-    await audit.record(session, who, "experiment.create", _target(experiment), commit=body.commit)
+    override = {"canary_override": body.canary_override} if body.commit and body.canary_override else {}
+    await audit.record(session, who, "experiment.create", _target(experiment), commit=body.commit, **override)
     return experiment
 
 
-async def commit(session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment) -> None:
-    await phases.commit(session, settings, experiment)
-    await audit.record(session, who, "experiment.commit", _target(experiment))
+async def commit(
+    session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment, body: wire.PlanCommit
+) -> None:
+    await phases.commit(session, settings, experiment, body.canary_override)
+    override = {"canary_override": body.canary_override} if body.canary_override else {}
+    await audit.record(session, who, "experiment.commit", _target(experiment), **override)
 
 
 async def advance(session: AsyncSession, settings: Settings, who: Principal, experiment: models.Experiment) -> str:

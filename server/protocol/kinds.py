@@ -59,6 +59,16 @@ async def _as_gang(session: AsyncSession, experiment: models.Experiment, arm: st
     return Placement(spec, world_size=views.plan_of(experiment).world_size(str(arm)))
 
 
+async def _canary_gang(
+    session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: wire.CanarySpec
+) -> Placement[wire.CanarySpec]:
+    """A canary has one rank per host of the plan's largest gang, and carries the draft's plan (no ledger holds it
+    yet)."""
+    plan = views.plan_of(experiment)
+    filled = wire.CanarySpec(plan_toml=experiment.plan_toml)
+    return Placement(filled, world_size=plan.world_size(plan.largest_gang()))
+
+
 async def _on_holder(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
     """Evaluations and selection of a trained arm need its checkpoint: they run on the host holding it."""
     if arm is None or views.plan_of(experiment).role_of(arm) == "baseline":
@@ -130,6 +140,7 @@ class Kind(Generic[S, R]):
 TABLE: dict[str, Kind[Any, Any]] = {
     entry.name: entry
     for entry in (
+        Kind("canary", wire.CanarySpec, wire.CanaryResult, lifecycle.guard_canary, place=_canary_gang),
         Kind(
             "prepare",
             wire.PrepareSpec,

@@ -48,11 +48,12 @@ from server.dispatch.lifecycle import (
     JOB_ACTIVE,
     Ledger,
     Refused,
+    experiment_target,
     move_experiment,
     report_follows,
     report_state,
 )
-from server.protocol import kinds, recording
+from server.protocol import canaries, kinds, recording
 from server.protocol.kinds import Order
 from server.settings import Settings
 from server.store import commitments, views
@@ -270,13 +271,17 @@ async def create(session: AsyncSession, settings: Settings, body: wire.Experimen
     """A new experiment from its plan, committed (and its prepare job queued) unless the body says not yet."""
     experiment = await recording.create(session, body)
     if body.commit:
-        await commit(session, settings, experiment)
+        await commit(session, settings, experiment, body.canary_override)
     return experiment
 
 
-async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
-    """Commit a draft's plan and queue its first job."""
-    await recording.commit_plan(session, settings, experiment)
+async def commit(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, canary_override: str | None = None
+) -> None:
+    """Commit a draft's plan, past the canary gate (protocol.canaries), and queue its first job."""
+    experiment_target(experiment.state, E.COMMITTED)
+    canary = await canaries.gate(session, experiment, views.plan_of(experiment), canary_override)
+    await recording.commit_plan(session, settings, experiment, canary)
     standing = await _enter(session, settings, experiment)
     await _take(session, settings, experiment, standing, Queue([Order(wire.PrepareSpec())]))
 

@@ -131,9 +131,14 @@ async def commit(session: AsyncSession, settings: Settings, experiment: models.E
         experiment.selection_identity = committed
 
 
-async def commit_plan(session: AsyncSession, settings: Settings, experiment: models.Experiment) -> None:
-    """Commit the plan (phases.commit queues the prepare job with it)."""
+async def commit_plan(
+    session: AsyncSession, settings: Settings, experiment: models.Experiment, canary: JsonObject | None
+) -> None:
+    """Commit the plan (phases.commit queues the prepare job with it), with what its canary found, or the
+    operator's override (protocol.canaries)."""
     body: JsonObject = {"name": experiment.name, "plan": experiment.plan}
+    if canary is not None:
+        body["canary"] = canary
     await commit(session, settings, experiment, Document("plan", body, experiment.plan_identity))
 
 

@@ -18,7 +18,7 @@ from experiment import wire
 from experiment.core.states import ExperimentState
 from server.dispatch.lifecycle import EXPERIMENT_FINAL, Refused
 from server.httperrors import BadRequest
-from server.protocol import actions, recording
+from server.protocol import actions, canaries, recording
 from server.settings import Settings
 from server.store import commitments
 from server.web import gate, queries, render
@@ -53,7 +53,9 @@ IRREVERSIBLE = {
 async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     changes = await queries.timeline(db_session, experiment_id)
+    canary = await canaries.latest(db_session, experiment_id)
     return {
+        "canary": None if canary is None else canaries.view(canary),
         "experiment": experiment,
         "live": experiment.state not in EXPERIMENT_FINAL,
         "changes": changes,

@@ -24,6 +24,7 @@ from tests.support import ROOT
 RUN_BY_THE_AGENT_ITSELF = {"replica-stop"}
 # A spec each kind's handler reads (the kinds not named here take an empty one).
 SPECS: dict[str, dict[str, Any]] = {
+    "canary": {"plan_toml": (ROOT / "plans" / "local.toml").read_text()},
     "replica-start": {"rank": 0},
     "replica-stop": {"rank": 0},
     "benchmark": {"phase": "single", "endpoints": ["http://127.0.0.1:9001"]},

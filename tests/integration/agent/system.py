@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,10 +240,13 @@ def start(
     lease_seconds: float,
     base: Path = LOCAL_PLAN,
     reference_home: Path | None = None,
+    canary: list[str] | None = None,
 ) -> System:
     """The coordinator (leases of ``lease_seconds``, heartbeats every 0.5 s), an agent per host of the topology,
     and the experiment of ``base``'s plan with the test seed and ``counts``; with ``reference_home``, the plan reads
-    its replay and retention files from there (staged with their hashes), and every agent is given that folder."""
+    its replay and retention files from there (staged with their hashes), and every agent is given that folder.
+    Given a ``canary`` list, the operator's command line runs the draft's canary first (the runbook's way), puts
+    its output lines in the list, and then commits the draft."""
     home = tmp / "coordinator"
     home.mkdir(parents=True)
     tls = Authority("coop test CA").issue(tmp / "tls", addresses=(topology["coordinator_address"],))
@@ -278,4 +283,23 @@ def start(
         plan = write_plan(tmp / "plan.toml", seed[1], base, **counts)
     else:
         plan = write_reference_home_plan(tmp / "plan.toml", seed[1], reference_home, base, **counts)
-    return System(server, agents, server.create_experiment(plan), topology)
+    if canary is None:
+        return System(server, agents, server.create_experiment(plan), topology)
+    operator = [
+        sys.executable,
+        "-m",
+        "server",
+        "experiment",
+        "--coordinator",
+        server.url,
+        "--ca-file",
+        str(tls.ca_file),
+    ]
+    env = {**os.environ, "COOP_TOKEN": server.operator}
+    ran = subprocess.run([*operator, "canary", "--plan", str(plan)], capture_output=True, text=True, env=env, cwd=ROOT)
+    canary += ran.stdout.splitlines()
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    experiment_id = json.loads(canary[0])["experiment"]
+    committed = subprocess.run([*operator, "commit", experiment_id], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert committed.returncode == 0, committed.stderr
+    return System(server, agents, json.loads(committed.stdout), topology)

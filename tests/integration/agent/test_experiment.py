@@ -48,6 +48,7 @@ class Faults:
     pair_job: str
     killed_host: str
     cut_host: str  # the host whose replica's link was cut during the pair phase
+    canary: list[str]  # what `coop-server experiment canary --plan` printed before the plan was committed
 
 
 # Past the benchmark's health check timeout (2 s), so that the client sees the host go; short of the lease.
@@ -110,7 +111,8 @@ def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Fau
     # is given, their hashes recorded in the plan before it is committed.
     reference_home = stage_reference_home(tmp / "reference-home")
     seed = (TINY, seedmodel.snapshot_of(TINY))
-    run = system.start(tmp, seed, topology, COUNTS, lease_seconds=12, reference_home=reference_home)
+    canary: list[str] = []
+    run = system.start(tmp, seed, topology, COUNTS, lease_seconds=12, reference_home=reference_home, canary=canary)
     try:
         wait_for(lambda: len(run.rank_steps("clean-single", 0)) >= 3, 600, "the singles to train a few steps")
         run.server.stop()  # the agents keep training and spool their events
@@ -120,9 +122,45 @@ def _finished(tmp: Path, topology: dict[str, Any]) -> Iterator[tuple[System, Fau
         pair, killed = run.kill_rank("clean-pair", 1)
         cut = _cut_during_the_pair_phase(run)
         run.wait_state({"reported"}, 1200)
-        yield run, Faults(pair, killed, cut)
+        yield run, Faults(pair, killed, cut, canary)
     finally:
         run.stop()
+
+
+CANARY_STEPS = ["prepare", "all-reduce", "ddp-update", "checkpoint", "evaluate", "replica", "replica-stop"]
+
+
+def test_the_canary_tried_every_step_on_both_hosts_before_the_plan_was_committed(
+    finished: tuple[System, Faults],
+) -> None:
+    run, faults = finished
+    server, experiment_id = run.server, run.experiment["id"]
+    canary = server.get(f"/api/experiments/{experiment_id}/canary")
+    assert canary["passed"] and canary["state"] == "succeeded" and canary["failures"] == []
+    hosts = {host["agent"]: host for host in canary["hosts"]}
+    assert set(hosts) == {"host-a", "host-b"} and {h["rank"] for h in hosts.values()} == {0, 1}
+    for host in hosts.values():
+        assert [step["name"] for step in host["steps"]] == CANARY_STEPS and all(s["passed"] for s in host["steps"])
+        figures = {step["name"]: step["figures"] for step in host["steps"]}
+        # The gang met over the private link: a gradient-sized float32 all-reduce summed exactly on both ranks.
+        assert figures["all-reduce"]["world_size"] == 2 and figures["all-reduce"]["sum_exact"] is True
+        assert figures["all-reduce"]["bytes"] == 4 * seedmodel.snapshot_of(TINY).parameters
+        assert figures["all-reduce"]["bus_bytes_per_second"] > figures["all-reduce"]["needed_bytes_per_second"]
+        # The replica of the seed answered every probe task with the evaluation's ids (the CPU rule).
+        assert figures["replica"]["tasks"] == figures["replica"]["identical"] == figures["evaluate"]["tasks"] == 8
+    # DDP left both ranks with the same parameters, which both read back from their full-state checkpoints.
+    digests = {host["steps"][2]["figures"]["parameter_digest"] for host in hosts.values()}
+    assert len(digests) == 1
+    # The plan's commitment records the canary it was committed on, host by host.
+    ledger = server.get(f"/api/experiments/{experiment_id}/ledger")
+    recorded = ledger[0]["body"]["canary"]
+    assert recorded["job"] == canary["job_id"] and recorded["passed"] is True
+    assert {h["agent"]: h["steps"] for h in recorded["hosts"]} == {n: h["steps"] for n, h in hosts.items()}
+    # The operator's command printed each step of each host as it ended, then the verdict.
+    printed = [json.loads(line) for line in faults.canary if line.startswith("{")]
+    steps = {(line["rank"], line["name"]) for line in printed if line["event"] == "canary-step"}
+    assert steps == {(rank, name) for rank in (0, 1) for name in CANARY_STEPS}
+    assert any(line.startswith("canary PASSED") for line in faults.canary)
 
 
 def test_the_experiment_runs_to_a_recomputable_report_through_two_agents(finished: tuple[System, Faults]) -> None:
