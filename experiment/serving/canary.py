@@ -8,8 +8,8 @@ with the plan's seed and runtime and the production code of each step:
 3. ``ddp-update``: the preflight's memory check, then one update of the seed under the production DDP wrapper
    (training.Trainer) with the schedule's first batch; every rank holds the same parameters after it, and on a GPU
    the peak stays within what the preflight reserves;
-4. ``checkpoint``: a full-state save (weights and AdamW's moments) and its load, the weights read back bit for
-   bit, with the host's peak RSS against its memory;
+4. ``checkpoint``: a full-state save (weights and AdamW's moments), then the resume's load into a fresh model,
+   optimizer and DDP wrapper, the weights read back bit for bit, with the host's peak RSS against its memory;
 5. ``evaluate``: the seed's greedy answers to the first dev tasks in the plan's numerics, as ``coop evaluate``;
 6. ``replica``: a vLLM replica of the seed started with the production flags, whose answers to the same tasks
    must pass the probe's identity check against that evaluation (agreement.refusal, which names each task);
@@ -255,23 +255,32 @@ class _Steps:
 
     # 4 ------------------------------------------------------------------------------------------------------
     def checkpoint(self) -> dict[str, Figure]:
-        assert self.trainer is not None
+        """Save the full state, then resume from it as `coop train` does after a stop: the weights from the
+        checkpoint's model folder, a new optimizer (and DDP wrapper) on them, and AdamW's moments loaded into it."""
+        assert self.trainer is not None and self.prepared is not None
         run_dir = self.home / "canary-checkpoint"
         shutil.rmtree(run_dir, ignore_errors=True)  # a retried attempt's
-        model, optimizer = self.trainer.model, self.trainer.optimizer
-        digest = distributed.parameter_digest(model)
+        digest = distributed.parameter_digest(self.trainer.model)
         layout = seedfiles.tensor_layout(self.model_dir)
         rss_before = _host_peak_rss()
         began = time.monotonic()
-        pointer = save(run_dir, 1, model, optimizer, "canary", digest, [], self.model_dir, layout)
+        pointer = save(
+            run_dir, 1, self.trainer.model, self.trainer.optimizer, "canary", digest, [], self.model_dir, layout
+        )
         saved = time.monotonic() - began
         written = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
+        rss_saved = _host_peak_rss()
+        self._free_trainer()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         began = time.monotonic()
-        load_state(run_dir, pointer, optimizer, self.device)
-        loaded = seedmodel.load_model(checkpoint_model_dir(run_dir, pointer))
-        read_back = distributed.parameter_digest(loaded)
+        model = seedmodel.load_model(checkpoint_model_dir(run_dir, pointer))
+        read_back = distributed.parameter_digest(model)
+        model.to(self.device)
+        documents = training.documents_for(self.prepared, self.arm)
+        self.trainer = training.Trainer(self.plan, self.world, self.device, model, documents)
+        load_state(run_dir, pointer, self.trainer.optimizer, self.device)
         load_seconds = time.monotonic() - began
-        del loaded
         shutil.rmtree(run_dir)  # the checkpoint's bytes are the plan's to use
         memory = psutil.virtual_memory().total
         peak = _host_peak_rss()
@@ -280,12 +289,13 @@ class _Steps:
             "save_seconds": round(saved, 3),
             "load_seconds": round(load_seconds, 3),
             "host_peak_rss_before_bytes": rss_before,
+            "host_peak_rss_after_save_bytes": rss_saved,
             "host_peak_rss_bytes": peak,
             "host_memory_bytes": memory,
         }
         gpu = _gpu_peak(self.device)
         if gpu is not None:
-            figures["gpu_peak_bytes"] = gpu
+            figures["resume_gpu_peak_bytes"] = gpu
         if read_back != digest:
             raise StepFailed("the checkpoint's weights read back differ from the weights saved", figures)
         if peak > HOST_MEMORY_SHARE * memory:
@@ -294,14 +304,17 @@ class _Steps:
             )
         return figures
 
-    def end_training(self) -> None:
-        """Free the training's memory and the process group: the evaluation and the replica need the device."""
+    def _free_trainer(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
             self.trainer = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def end_training(self) -> None:
+        """Free the training's memory and the process group: the evaluation and the replica need the device."""
+        self._free_trainer()
         if self.grouped:
             distributed.stop(self.world)
             self.grouped = False
