@@ -142,6 +142,18 @@ def _canary(args: argparse.Namespace) -> None:
         canary.run(args.plan, args.home, args.model_dir, args.reference_home, events.emit)
 
 
+def _rerun(args: argparse.Namespace) -> None:
+    from experiment.learning import rerun
+
+    if args.out.exists():
+        raise CoopError(f"{args.out} exists; the rerun's result is a new file")
+    args.work.mkdir(parents=True, exist_ok=True)
+    with Events() as events:
+        found = rerun.rerun(args.bundle, args.model_dir, args.arm, args.updates, args.work, events.emit)
+        rerun.write(found, args.out)
+        events.emit({"event": "rerun", "verdict": found.verdict, "words": rerun.words(found), "out": str(args.out)})
+
+
 def _evaluate(args: argparse.Namespace) -> None:
     from experiment.learning import evaluation
 
@@ -306,6 +318,18 @@ def _learning_commands(commands: Commands) -> None:
     canary.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder on this host")
     canary.add_argument("--reference-home", type=Path)
     canary.set_defaults(handler=_canary)
+
+    again = commands.add_parser(
+        "rerun",
+        help="retrain one arm of an evidence bundle (or its first N updates) here and compare it, update by update",
+    )
+    again.add_argument("--bundle", type=Path, required=True, help="an evidence bundle (a folder; tar -xf the export)")
+    again.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder")
+    again.add_argument("--arm", required=True, help="a trained arm of the plan")
+    again.add_argument("--updates", type=int, help="rerun only the first N updates (default: all of them)")
+    again.add_argument("--work", type=Path, required=True, help="an empty folder for the rerun's home and logs")
+    again.add_argument("--out", type=Path, required=True, help="the verdict as JSON (a new file)")
+    again.set_defaults(handler=_rerun)
 
     evaluate = commands.add_parser("evaluate", help="greedy answers to every dev or test task, and retention")
     evaluate.add_argument("--home", type=Path, required=True)

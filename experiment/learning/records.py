@@ -17,7 +17,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Step = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
-# What a rank's arithmetic depends on (experiment.learning.training.numerical_profile): library versions, device,
+# What a rank's arithmetic depends on (experiment.learning.profile.numerical_profile): library versions, device,
 # threads and determinism flags, each a scalar.
 NumericalProfile = dict[str, str | int | bool | None]
 

@@ -18,11 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import msgspec
-import numpy
-import safetensors
-import tokenizers
 import torch
-import transformers
 from torch.nn.parallel import DistributedDataParallel
 
 from experiment.core import determinism, layout
@@ -35,6 +31,7 @@ from experiment.learning.corpus import Document, Prepared, load_prepared, seed_s
 from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
 from experiment.learning.events import CompletedEvent
+from experiment.learning.profile import check_shared, numerical_profile, shared
 from experiment.learning.records import Communication, NetworkCounters, NumericalProfile, Pointer, Result, StepRecord
 from experiment.learning.resources import Sampler, network_counters, written_bytes
 from experiment.learning.schedule import schedule
@@ -71,24 +68,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-
-
-def numerical_profile(plan: Plan, device: torch.device) -> NumericalProfile:
-    """Everything that must match exactly between ranks for their arithmetic to be comparable."""
-    return {
-        "torch": str(torch.__version__),
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "safetensors": safetensors.__version__,
-        "numpy": numpy.__version__,
-        "device": device.type,
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "cuda": torch.version.cuda if device.type == "cuda" else None,
-        "threads": torch.get_num_threads(),
-        "autocast": plan.runtime.autocast,
-        **determinism.profile(device.type),
-        "tf32": device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
-    }
 
 
 # The variable that pins each backend's sockets to one interface (the agent sets both for a host's private link).
@@ -401,7 +380,9 @@ def _bind_run(home: Path, model_dir: Path, arm: str) -> _Run:
     documents = documents_for(prepared, arm)
     batches = schedule(plan)
     profile = numerical_profile(plan, device)
-    binding = identity({"prepared": prepared.identity, "profile": profile, "arm": arm, "world_size": world.size})
+    binding = identity(
+        {"prepared": prepared.identity, "profile": shared(profile), "arm": arm, "world_size": world.size}
+    )
     return _Run(
         prepared=prepared,
         arm=arm,
@@ -419,6 +400,7 @@ def _bind_run(home: Path, model_dir: Path, arm: str) -> _Run:
 def _start(run: _Run) -> RunRecord:
     """Every rank agrees on the binding; the run's record is written on its first start, and a resume past the
     record's deadline is refused."""
+    check_shared(run.world, run.profile, run.device)  # names a differing field; the binding's digest then agrees
     distributed.agree(run.world, "binding (prepared inputs, numerical profile, arm, world)", run.binding, run.device)
     record = _run_record(run.directory, run.arm, run.world, run.binding, run.plan)
     if datetime.now(UTC) > datetime.fromisoformat(record.deadline_at):
@@ -718,6 +700,7 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
                 "rank": run.world.rank,
                 "world_size": run.world.size,
                 "binding": run.binding,
+                "numerical_profile": run.profile,
                 "resumed_from_step": progress.resumed_from_step,
                 "updates": run.plan.training.updates,
             }

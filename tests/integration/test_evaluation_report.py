@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -384,3 +385,66 @@ def test_bundle_holds_no_weights(evidence: Path) -> None:
     assert not list(evidence.rglob("*.safetensors")) and not list(evidence.rglob("*.pt"))
     manifest = msgspec.json.decode((evidence / "prepared" / "manifest.json").read_bytes())
     assert manifest["plan"] == "small"
+
+
+def _rerun(bundle_dir: Path, seed: Path, work: Path, updates: int = 2) -> dict[str, Any]:
+    """`coop rerun` of clean-single's first ``updates`` updates from ``bundle_dir``; its written verdict."""
+    argv = [sys.executable, "-m", "experiment.cli", "rerun", "--bundle", str(bundle_dir), "--model-dir", str(seed)]
+    argv += ["--arm", "clean-single", "--updates", str(updates), "--work", str(work), "--out", str(work / "rerun.json")]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, cwd=ROOT, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["done"] for e in printed if e["event"] == "rerun-step"] == list(range(1, updates + 1))  # progress
+    found: dict[str, Any] = json.loads((work / "rerun.json").read_text())
+    assert printed[-1]["verdict"] == found["verdict"]
+    return found
+
+
+def _journal_edit(bundle_dir: Path, tmp_path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle_dir, copy)
+    path = copy / "runs" / "clean-single" / "rank-0" / "result.json"
+    result = json.loads(path.read_text())
+    change(result)
+    path.write_text(json.dumps(result))
+    return copy
+
+
+def test_a_rerun_on_the_same_profile_reproduces_the_bundles_updates_bit_for_bit(
+    evidence: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    found = _rerun(evidence, small_seed[0], tmp_path / "rerun")
+    assert found["verdict"] == "identical" and found["profile_fields"] == []
+    assert found["first_difference"] is None and found["largest_relative_difference"] == 0.0
+    # The profile names the machine the digests hold for: this CPU, its instruction sets and math libraries.
+    assert found["rerun_profile"]["cpu_model"] and found["rerun_profile"]["cpu_capability"]
+    assert found["rerun_profile"]["blas"] == "mkl" and found["rerun_profile"]["onednn"].startswith("v")
+
+
+def test_a_journal_loss_one_ulp_off_is_a_divergence_at_its_update(
+    evidence: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    def nudge(result: dict[str, Any]) -> None:
+        result["journal"][1]["loss"] = math.nextafter(result["journal"][1]["loss"], math.inf)
+
+    found = _rerun(_journal_edit(evidence, tmp_path, nudge), small_seed[0], tmp_path / "rerun")
+    assert found["verdict"] == "diverged" and found["profile_fields"] == []
+    first = found["first_difference"]
+    assert (first["step"], first["rank"], first["field"]) == (2, 0, "loss")
+    assert first["bundle"] == math.nextafter(first["rerun"], math.inf)
+    assert 0 < found["largest_relative_difference"] < 1e-15
+
+
+def test_a_bundle_from_another_cpu_is_a_different_profile_naming_the_field(
+    evidence: Path, small_seed: Seed, tmp_path: Path
+) -> None:
+    def elsewhere(result: dict[str, Any]) -> None:
+        result["numerical_profile"]["cpu_model"] = "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"
+
+    found = _rerun(_journal_edit(evidence, tmp_path, elsewhere), small_seed[0], tmp_path / "rerun")
+    assert found["verdict"] == "different-profile" and found["profile_fields"] == ["cpu_model"]
+    assert (
+        found["largest_relative_difference"] == 0.0
+    )  # the numbers still agree here: the verdict says why not trust it
