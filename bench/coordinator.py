@@ -223,7 +223,7 @@ class RouteLoad:
         self.http.close()
 
     def _claim(self, i: int) -> None:
-        job = self.a.claim("prepare", key=f"bench-claim-{i:08d}")  # a key per claim, as agent.loop sends
+        job = self.a.claim("prepare", key=f"bench-claim-{i:08d}")  # a key per claim, as the agent sends
         assert job is not None, "the queue ran dry"
         self.jobs.append(job)
 

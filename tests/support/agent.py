@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from agent.client import Coordinator, Rejected, upload_key
-from agent.loop import to_event
+from agent.supervisor import to_event
 from experiment import wire
 
 
@@ -106,7 +106,8 @@ class FakeAgent:
 
     def printed(self, job: wire.Assignment, sequence: int, *lines: str | dict[str, Any]) -> wire.EventBatchReply:
         """One batch of the lines the job's command printed (a dict is printed as its JSON line), each made an event
-        as the agent makes it (agent.loop.to_event: a JSON object's kind is its ``event``, a line's ``output``)."""
+        as the agent makes it (agent.supervisor.to_event: a JSON object's kind is its ``event``, a line's
+        ``output``)."""
         printed = (line if isinstance(line, str) else json.dumps(line) for line in lines)
         return self.events(job, sequence, *(to_event(line)[0] for line in printed))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from agent.loop import to_event
+from agent.supervisor import to_event
 
 
 def test_a_raw_nul_in_an_output_line_becomes_a_replacement_character() -> None:

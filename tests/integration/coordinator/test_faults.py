@@ -23,8 +23,8 @@ from agent.client import Coordinator as AgentClient
 from agent.client import upload_key
 from agent.loop import Agent as AgentLoop
 from agent.loop import Settings as AgentSettings
-from agent.loop import to_event
 from agent.spool import OpenAttempt, Spool
+from agent.supervisor import to_event
 from experiment import wire
 from tests.support.agent import FakeAgent, answer, answers_file, rejection
 from tests.support.database import empty_database, end_pooled_connections, make_token
@@ -293,7 +293,7 @@ def test_a_refused_upload_leaves_the_spool_and_the_uploads_after_it_arrive(
         spool.open_attempt(held.attempt_id, held.job_id, held.lease_token)
         spool.add_events(held, [wire.Event(kind="output", body={"line": "a\x00b"})])  # a value Postgres cannot hold
         spool.add_events(held, [wire.Event(kind="output", body={"line": "after"})])
-        assert loop.send_pending()
+        assert loop.uploader.send_pending()
         assert spool.counts() == {"rejected": 1, "acknowledged": 1}
         assert _output(server, job) == ["after"]
     finally:
