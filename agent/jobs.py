@@ -1,8 +1,8 @@
 """One handler per job kind: what the job needs in this host's home before it runs (its staging), the ``coop``
 command it runs or what the agent does itself, the result it reports from the command's final event
-(experiment.learning.events) and the files it wrote, and the evidence files it contributes. The loop (loop.py) runs
-every kind the same way through ``HANDLERS``; the files a new kind touches are listed in docs/architecture.md, "Job
-kinds"."""
+(experiment.learning.events) and the files it wrote, and the evidence files it contributes. The supervisor
+(supervisor.py) runs every kind the same way through ``HANDLERS``; the files a new kind touches are listed in
+docs/architecture.md, "Job kinds"."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from experiment import wire
 from experiment.core import layout
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import EXIT_LINK, CoopError
-from experiment.core.plan import Plan, parse_plan
+from experiment.core.plan import Plan, confined_problem, parse_plan
 from experiment.learning.events import (
     BenchmarkedEvent,
     CanariedEvent,
@@ -120,7 +120,7 @@ def failure_outcome(exit_code: int, world_size: int) -> Literal["failed", "lost"
 
 
 class Host(Protocol):
-    """What a handler asks of the agent running it (agent.loop.Agent)."""
+    """What a handler asks of the agent running it (agent.supervisor.Supervisor)."""
 
     services: Services
     stopping: threading.Event
@@ -492,13 +492,23 @@ def _without_nulls(value: Any) -> Any:
 
 
 def link_replay_folder(plan: dict[str, Any], ws: Workspace) -> None:
-    """A plan's relative replay folder, linked beside its plan file in the workspace to the agent's plans folder."""
+    """A plan's replay folder, linked beside its plan file in the workspace to that folder of the agent's plans
+    folder: checked again here, before anything is linked, to be a relative name that leads to a folder inside the
+    plans folder (no absolute path, no '..', no link out of it), whatever the coordinator accepted."""
     ws.root.mkdir(parents=True, exist_ok=True)
     folder = plan.get("replay", {}).get("folder")
-    if folder is not None and not Path(folder).is_absolute():
-        link = ws.root / folder
-        if not link.exists():
-            link.symlink_to((ws.plans_dir / folder).resolve(), target_is_directory=True)
+    if folder is None:
+        return
+    found = confined_problem(str(folder))
+    if found is not None:
+        raise CoopError(f"the plan's replay.folder {folder!r} {found}; this host links only folders of {ws.plans_dir}")
+    plans = ws.plans_dir.resolve()
+    target = (plans / folder).resolve()
+    if not target.is_relative_to(plans):
+        raise CoopError(f"the plan's replay.folder {folder!r} leads to {target}, outside {plans}; nothing was linked")
+    link = ws.root / folder
+    if not link.exists():
+        link.symlink_to(target, target_is_directory=True)
 
 
 def write_plan(committed: wire.LedgerEntry, ws: Workspace) -> Path:

@@ -185,6 +185,21 @@ def _background(
 
 
 STOP_SECONDS = 10.0  # how long the app's stop waits for its background tasks
+HSTS_SECONDS = 365 * 24 * 3600
+
+
+def _headers(settings: Settings) -> list[ResponseHeader]:
+    """Headers on every answer: no browser guesses a type for what the coordinator serves (blobs are uploaded data),
+    frames it in another page, or tells another site which page linked to it; over TLS, a browser that has been here
+    comes back over TLS only. The web UI's pages add their Content-Security-Policy (server.web)."""
+    headers = [
+        ResponseHeader(name="X-Content-Type-Options", value="nosniff"),
+        ResponseHeader(name="X-Frame-Options", value="DENY"),
+        ResponseHeader(name="Referrer-Policy", value="same-origin"),
+    ]
+    if settings.tls:
+        headers.append(ResponseHeader(name="Strict-Transport-Security", value=f"max-age={HSTS_SECONDS}"))
+    return headers
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -238,8 +253,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         lifespan=[_background(settings, sessions, woken, metrics)],
         state=State({auth.STATE_KEY: context}),
         request_max_body_size=settings.max_body_bytes,
-        # No browser guesses a type for what the coordinator serves (blobs are uploaded data).
-        response_headers=[ResponseHeader(name="X-Content-Type-Options", value="nosniff")],
+        response_headers=_headers(settings),
         openapi_config=OpenAPIConfig(
             title="coop coordinator", version="0.1.0", path="/schema", components=spec.SECURITY_SCHEMES
         ),

@@ -28,10 +28,37 @@ if TYPE_CHECKING:
 
 
 def _prepare_home(settings: Settings) -> None:
+    """The home, made if the database lives in it, and kept private: it holds the home's secret and the blobs."""
     from server import db
 
     if db.is_sqlite(settings.database_url):
-        settings.home.mkdir(parents=True, exist_ok=True)
+        settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if settings.home.is_dir():
+        _private(settings.home, 0o700, "the coordinator's home")
+
+
+def _private(path: Path, mode: int, what: str) -> None:
+    """Give ``path`` this user's ``mode`` if it is open to anyone else, and say so on stderr."""
+    before = path.stat().st_mode & 0o777
+    if before & 0o077:
+        path.chmod(mode)
+        print(f"made {what} {path} private: mode {before:04o} -> {mode:04o}", file=sys.stderr)
+
+
+def _private_database(settings: Settings) -> None:
+    """A SQLite database's files (they hold the tokens' hashes, the audit log and every result) readable by this
+    user alone. SQLite makes the -wal and -shm files with the database file's mode; those already there are fixed
+    too."""
+    from sqlalchemy.engine import make_url
+
+    from server import db
+
+    if not db.is_sqlite(settings.database_url):
+        return
+    database = Path(make_url(settings.database_url).database or "")
+    for path in (database, database.with_name(f"{database.name}-wal"), database.with_name(f"{database.name}-shm")):
+        if path.is_file():
+            _private(path, 0o600, "the database file")
 
 
 async def _create_token(settings: Settings, role: str, name: str) -> str:
@@ -275,6 +302,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> None:
 
     if args.migrate:
         migrate.upgrade(settings.database_url)
+    _private_database(settings)
     uvicorn.run(
         create_app(dataclasses.replace(settings, tls=certificate is not None)),
         host=args.host,
@@ -323,6 +351,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         from server import db, migrate
 
         migrate.upgrade(settings.database_url)
+        _private_database(settings)
         print(json.dumps({"migrated": True, "database": db.describe(settings.database_url)}))
     elif args.command == "serve":
         _serve(args, settings)

@@ -260,6 +260,16 @@ class Token(UUIDv7AuditBase):
     revoked_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
 
 
+class WebSession(UUIDv7AuditBase):
+    """A browser signed in with a token: its cookie names this row, which ends at ``expires_at`` (an absolute
+    lifetime, never extended), at sign-out (``ended_at``), or with its token's revocation."""
+
+    __tablename__ = "web_sessions"
+    token_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tokens.id", ondelete="CASCADE"), index=True)
+    expires_at: Mapped[datetime.datetime] = mapped_column(DateTimeUTC(timezone=True))
+    ended_at: Mapped[datetime.datetime | None] = mapped_column(DateTimeUTC(timezone=True), default=None)
+
+
 class IdempotentRequest(UUIDv7AuditBase):
     """The stored response of an upload, so that a replay with the same key gets the same answer."""
 

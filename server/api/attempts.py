@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
+import msgspec
 from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
@@ -27,6 +28,8 @@ IdempotencyKey = Annotated[
 
 
 MAX_EVENTS = 10_000  # a page of events; a long run's are read in pages
+MAX_PAGE_BYTES = 1024 * 1024  # a page of events also ends once its JSON passes this size
+EVENT_CHUNK = 1000  # events read from the database at a time while a page is filled
 
 
 def _stored(stored: Stored) -> Response[bytes]:
@@ -56,7 +59,8 @@ class AttemptController(Controller):
         limit: Annotated[int, QueryParameter(ge=1, le=MAX_EVENTS)] = MAX_EVENTS,
     ) -> wire.EventPage:
         """The attempt's events (what its command printed, its state changes) in the order recorded; ``after``: the
-        next cursor of the page before, to follow a running attempt."""
+        next cursor of the page before, to follow a running attempt. A page ends at ``limit`` events or once its
+        events pass MAX_PAGE_BYTES of JSON, whichever comes first; ``next`` then names the rest."""
         if await db_session.get(models.Attempt, attempt_id) is None:
             raise NotFound(f"attempt {attempt_id} does not exist")
         listing = select(models.Event).where(
@@ -65,11 +69,26 @@ class AttemptController(Controller):
         if after is not None:
             previous = await cursors.row(db_session, listing, models.Event.id, after)
             listing = listing.where(models.Event.id > previous.id)
-        rows = list(await db_session.scalars(listing.order_by(models.Event.id).limit(limit + 1)))
-        return wire.EventPage(
-            items=[views.event(row) for row in rows[:limit]],
-            next=cursors.encode(rows[limit - 1].id) if len(rows) > limit else None,
-        )
+        items: list[wire.RecordedEvent] = []
+        size, last = 0, None
+        while len(items) < limit and size < MAX_PAGE_BYTES:
+            chunk = min(EVENT_CHUNK, limit - len(items))
+            bounded = listing if last is None else listing.where(models.Event.id > last)
+            rows = list(await db_session.scalars(bounded.order_by(models.Event.id).limit(chunk)))
+            for row in rows:
+                item = views.event(row)
+                items.append(item)
+                size += len(msgspec.json.encode(item))
+                last = row.id
+                if size >= MAX_PAGE_BYTES:
+                    break
+            if len(rows) < chunk:
+                break
+        if last is None:
+            return wire.EventPage(items=items, next=None)
+        rest = listing.with_only_columns(models.Event.id).where(models.Event.id > last).limit(1)
+        more = await db_session.scalar(rest) is not None
+        return wire.EventPage(items=items, next=cursors.encode(last) if more else None)
 
     @post("/{attempt_id:uuid}/start", operation_id="startAttempt", **spec.write("agent"))
     async def start(

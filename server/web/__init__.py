@@ -5,7 +5,7 @@ never sees them; ``server.access.auth.authorize`` leaves the router's handlers (
 from __future__ import annotations
 
 from litestar import Router
-from litestar.config.csrf import CSRFConfig
+from litestar.datastructures import ResponseHeader
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
 from litestar.middleware.csrf import CSRFMiddleware
@@ -16,7 +16,7 @@ from litestar.types import ASGIApp, ControllerRouterHandler
 
 from experiment.core.errors import CoopError
 from server.settings import Settings
-from server.web import errors, gate, keys, render
+from server.web import csrf, errors, gate, keys, render
 from server.web.agents import AgentPages
 from server.web.evaluations import EvaluationPages
 from server.web.jobs import JobPages
@@ -31,29 +31,41 @@ from server.web.training import TrainingPages
 __all__ = ["routes", "template_config"]
 
 OPT = {"web": True}
-SESSION_HOURS = 12
+# The pages load their one script (htmx) and stylesheet from this coordinator, run no inline script, and are framed
+# by no other page. Inline styles stay allowed: matplotlib's SVG figures, drawn into the pages, carry their own
+# <style> and style attributes, as htmx's indicator does; no script runs from them.
+CSP = "; ".join(
+    (
+        "default-src 'self'",
+        "script-src 'self'",
+        "style-src 'self' 'unsafe-inline'",
+        "img-src 'self' data:",
+        "object-src 'none'",
+        "base-uri 'none'",
+        "form-action 'self'",
+        "frame-ancestors 'none'",
+    )
+)
+HEADERS = [ResponseHeader(name="Content-Security-Policy", value=CSP)]
 
 
 def _sessions(app: ASGIApp, secret: bytes, secure: bool) -> ASGIApp:
-    """Litestar's encrypted cookie session, built when a route's middleware stack is: registering the router
-    deep-copies it, and the backend's AES-GCM key object cannot be copied."""
+    """Litestar's encrypted cookie session, which holds the id of a ``web_sessions`` row (server.web.gate), built
+    when a route's middleware stack is: registering the router deep-copies it, and the backend's AES-GCM key object
+    cannot be copied. Its Max-Age follows each answer; the session's end is the row's."""
     config = CookieBackendConfig(
-        secret=secret, key="coop_session", max_age=SESSION_HOURS * 3600, httponly=True, samesite="lax", secure=secure
+        secret=secret,
+        key="coop_session",
+        max_age=gate.SESSION_HOURS * 3600,
+        httponly=True,
+        samesite="lax",
+        secure=secure,
     )
     return SessionMiddleware(app=app, backend=ClientSideSessionBackend(config=config))
 
 
 def routes(settings: Settings) -> list[ControllerRouterHandler]:
     secrets = keys.load(settings.home)
-    # Both cookies are Secure when the coordinator speaks TLS (settings.tls); over plain HTTP a Secure cookie would
-    # never come back, and sign-in would fail.
-    csrf = CSRFConfig(
-        secret=secrets.csrf,
-        cookie_name="coop_csrf",
-        cookie_httponly=True,
-        cookie_samesite="strict",
-        cookie_secure=settings.tls,
-    )
     pages = Router(
         path="/",
         route_handlers=[
@@ -69,12 +81,13 @@ def routes(settings: Settings) -> list[ControllerRouterHandler]:
         ],
         middleware=[
             DefineMiddleware(_sessions, secret=secrets.session, secure=settings.tls),
-            DefineMiddleware(CSRFMiddleware, config=csrf),
+            DefineMiddleware(CSRFMiddleware, config=csrf.config(settings.home, settings.tls)),
         ],
         guards=[gate.guard],
         exception_handlers={CoopError: errors.page, HTTPException: errors.page},
         opt=OPT,
         include_in_schema=False,
+        response_headers=HEADERS,
     )
     assets = [
         create_static_files_router(path="/static", directories=[render.STATIC], opt=OPT, include_in_schema=False),

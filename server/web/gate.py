@@ -1,16 +1,21 @@
 """Who uses the web UI: anyone may read (as the REST reads, unless COOP_PUBLIC_READ is off); an operator or a
-reader signs in with a token of that role, whose id the encrypted session cookie keeps and every request checks
-again (a revoked token ends the session). Actions are HTML form posts behind an operator's session and a CSRF
-token; a signed-in reader reads and is refused every action."""
+reader signs in with a token of that role. The encrypted session cookie names a row of ``web_sessions``, which every
+request checks again: it ends at sign-out, SESSION_HOURS after sign-in, or when its token is revoked. Actions are
+HTML form posts from this coordinator's own origin, behind an operator's session and a CSRF token bound to that
+session; a signed-in reader reads and is refused every action."""
 
 from __future__ import annotations
 
+import datetime
 import uuid
 from typing import Any, TypeAlias
+from urllib.parse import urlsplit
 
 from litestar import Request
+from litestar.datastructures import Cookie
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Redirect
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
@@ -19,6 +24,7 @@ from server.access.auth import Connection
 from server.access.roles import Role
 from server.access.tokens import Principal
 from server.httperrors import Forbidden, Unauthenticated
+from server.web import csrf
 
 # Handler options: an action changes something and needs a signed-in operator; a public page (sign-in)
 # is open even where reads are not.
@@ -26,7 +32,7 @@ WebRequest: TypeAlias = Request[Any, Any, Any]
 
 ACTION = {"action": True}
 PUBLIC = {"public": True}
-TOKEN_ID = "token_id"
+SESSION_ID = "session"
 NOTICE = "notice"
 
 
@@ -35,26 +41,76 @@ class SignInRequired(Unauthenticated):
 
 
 SIGNS_IN: tuple[Role, ...] = ("operator", "reader")
+SESSION_HOURS = 12  # a session's absolute lifetime: it ends this long after sign-in, however busy
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+# A session and its token, read by one Core statement on every request of a signed-in browser.
+_sessions, _tokens = (models.WebSession.metadata.tables[name] for name in ("web_sessions", "tokens"))
+_SESSION = (
+    select(
+        _sessions.c.expires_at,
+        _sessions.c.ended_at,
+        _tokens.c.id.label("token_id"),
+        _tokens.c.name,
+        _tokens.c.role,
+        _tokens.c.revoked_at,
+    )
+    .select_from(_sessions.join(_tokens, _tokens.c.id == _sessions.c.token_id))
+    .where(_sessions.c.id == bindparam("session_id"))
+)
+
+
+def _session_id(connection: Connection) -> uuid.UUID | None:
+    raw = connection.session.get(SESSION_ID)
+    try:
+        return uuid.UUID(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return None
 
 
 async def _signed_in(connection: Connection) -> Principal | None:
-    raw = connection.session.get(TOKEN_ID)
-    if not isinstance(raw, str):
+    """Whoever the cookie's session row says, while that row has neither ended nor expired and its token stands;
+    any other cookie is cleared."""
+    session_id = _session_id(connection)
+    if session_id is None:
+        if connection.session:
+            connection.clear_session()
         return None
     ctx = auth.context(connection)
     # The request's own session (and transaction), as the API's guard does.
     session = ctx.database.provide_session(connection.app.state, connection.scope)
-    token = await session.get(models.Token, uuid.UUID(raw))
-    role = next((known for known in SIGNS_IN if known == token.role), None) if token is not None else None
-    if token is None or token.revoked_at is not None or role is None:
+    row = (await session.execute(_SESSION, {"session_id": session_id})).first()
+    role = next((known for known in SIGNS_IN if row is not None and known == row.role), None)
+    if row is None or row.ended_at is not None or row.expires_at <= _now() or row.revoked_at is not None or not role:
         connection.clear_session()
         return None
-    return Principal(token.id, token.name, role)
+    connection.state.web_session = session_id
+    return Principal(row.token_id, row.name, role)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _same_origin(connection: Connection) -> bool:
+    """A form posted from this coordinator's own pages: a browser names their origin in ``Origin`` on every
+    unsafe request (a client that sends none, such as curl, is not a browser another site can drive)."""
+    origin = connection.headers.get("origin")
+    if origin is None:
+        return True
+    host = connection.headers.get("host", "")
+    parts = urlsplit(origin)
+    return parts.scheme in {"http", "https"} and bool(host) and parts.netloc.lower() == host.lower()
 
 
 async def guard(connection: Connection, handler: BaseRouteHandler) -> None:
+    unsafe = connection.scope.get("method", "GET") not in SAFE_METHODS
+    if unsafe and not _same_origin(connection):
+        raise Forbidden(f"a form from another site ({connection.headers.get('origin')}) may not act here")
     principal = await _signed_in(connection)
     connection.state.signed_in = principal
+    if unsafe and principal is not None and not csrf.bound(connection, connection.state.web_session):
+        raise Forbidden("the form's CSRF token is not this session's: reload the page and send the form again")
     if handler.opt.get("action") and principal is not None and principal.role != "operator":
         raise Forbidden(f"{principal.name!r} is a {principal.role} token, which reads only: sign in as an operator")
     if principal is not None or handler.opt.get("public"):
@@ -65,8 +121,26 @@ async def guard(connection: Connection, handler: BaseRouteHandler) -> None:
         raise SignInRequired("this coordinator's pages are for signed-in operators")
 
 
-def sign_in(request: WebRequest, principal: Principal) -> None:
-    request.set_session({TOKEN_ID: str(principal.token_id)})
+async def sign_in(request: WebRequest, session: AsyncSession, principal: Principal) -> Cookie:
+    """Begin a session of ``principal``'s, named by the session cookie; the CSRF cookie to send with the answer,
+    whose token is bound to this session alone."""
+    row = models.WebSession(token_id=principal.token_id, expires_at=_now() + datetime.timedelta(hours=SESSION_HOURS))
+    session.add(row)
+    await session.flush()
+    request.set_session({SESSION_ID: str(row.id)})
+    return csrf.cookie(request, row.id)
+
+
+async def sign_out(request: WebRequest, session: AsyncSession) -> None:
+    """End the request's session on the server, so that its cookie, replayed, signs nobody in."""
+    found = request.state.get("web_session")
+    if isinstance(found, uuid.UUID):
+        await session.execute(
+            update(models.WebSession)
+            .where(models.WebSession.id == found, models.WebSession.ended_at.is_(None))
+            .values(ended_at=_now())
+        )
+    request.clear_session()
 
 
 def signed_in(request: WebRequest) -> Principal | None:

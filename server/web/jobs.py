@@ -8,15 +8,16 @@ import uuid
 from dataclasses import dataclass
 
 import anyio.to_thread
-from litestar import Controller, Response, get, post
+from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, URLEncodedBody
-from litestar.response import Redirect, Template
+from litestar.response import Redirect, Stream, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import JobState
 from server import models
+from server.access import auth
 from server.dispatch.lifecycle import JOB_FINAL, Refused
 from server.httperrors import NotFound
 from server.protocol import actions, recording
@@ -133,17 +134,20 @@ class JobPages(Controller):
 
     @get("/jobs/{job_id:uuid}/attempts/{attempt_id:uuid}/log")
     async def log(
-        self, job_id: FromPath[uuid.UUID], attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
-    ) -> Response[bytes]:
-        """The attempt's whole log as a text file, in the lines the page's tail shows."""
+        self,
+        request: WebRequest,
+        job_id: FromPath[uuid.UUID],
+        attempt_id: FromPath[uuid.UUID],
+        db_session: NamedDependency[AsyncSession],
+    ) -> Stream:
+        """The attempt's whole log as a text file, in the lines the page's tail shows, streamed a chunk at a time."""
         job = await queries.job(db_session, job_id)
         attempt = await queries.attempt(db_session, attempt_id)
         if attempt.job_id != job.id:
             raise NotFound(f"attempt {attempt_id} is not an attempt of job {job_id}")
-        lines = await queries.log(db_session, attempt.id)
         name = f"{job.kind}-{job.id}-attempt-{attempt.number}-rank-{attempt.rank}.log"
-        return Response(
-            content="".join(f"{line.printed}\n" for line in lines).encode(),
+        return Stream(
+            queries.log(auth.context(request).sessions, attempt.id),
             media_type="text/plain; charset=utf-8",
             headers={"Content-Disposition": f'attachment; filename="{name}"'},
         )

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from experiment.core.canonical import JsonObject
-from server import models
+from server import db, models
 from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
 from server.httperrors import NotFound
 from server.store import views
 from server.web import render
 
 LOG_LINES = 80
+LOG_CHUNK = 1000  # events of a downloaded log read at a time
 
 
 def _now() -> datetime.datetime:
@@ -211,12 +212,26 @@ async def log_tail(session: AsyncSession, attempt_id: uuid.UUID, lines: int = LO
     return [LogLine(row.at, row.kind, _line(row)) for row in reversed(list(rows))]
 
 
-async def log(session: AsyncSession, attempt_id: uuid.UUID) -> list[LogLine]:
-    """Every event of the attempt, oldest first, in the tail's order: the whole log the tail ends."""
-    rows = await session.scalars(
-        select(models.Event).where(models.Event.attempt_id == attempt_id).order_by(models.Event.at, models.Event.id)
-    )
-    return [LogLine(row.at, row.kind, _line(row)) for row in rows]
+async def log(sessions: async_sessionmaker[AsyncSession], attempt_id: uuid.UUID) -> AsyncIterator[bytes]:
+    """Every event of the attempt, oldest first, in the tail's order (the whole log the tail ends), as text read
+    ``LOG_CHUNK`` events at a time, each chunk in a read of its own: however long the log, the coordinator holds one
+    chunk of it, and no read transaction stays open while a slow client downloads."""
+    order = (models.Event.at, models.Event.id)
+    last: tuple[datetime.datetime, uuid.UUID] | None = None
+    while True:
+        listing = select(models.Event).where(models.Event.attempt_id == attempt_id)
+        if last is not None:
+            at, event_id = last
+            listing = listing.where(or_(models.Event.at > at, and_(models.Event.at == at, models.Event.id > event_id)))
+        async with sessions() as session:
+            db.reading(session)
+            rows = list(await session.scalars(listing.order_by(*order).limit(LOG_CHUNK)))
+        if not rows:
+            return
+        yield "".join(f"{LogLine(row.at, row.kind, _line(row)).printed}\n" for row in rows).encode()
+        if len(rows) < LOG_CHUNK:
+            return
+        last = rows[-1].at, rows[-1].id
 
 
 async def log_size(session: AsyncSession, attempt_id: uuid.UUID) -> int:

@@ -46,12 +46,13 @@ class SignInPages(Controller):
                 "Create one with coop-server token create."
             )
             return render.page(request, "login.html", 401, next=_local(data.next), problem=problem)
-        gate.sign_in(request, principal)
+        csrf_cookie = await gate.sign_in(request, db_session, principal)
         await audit.record(db_session, principal, "web.sign-in", f"token:{principal.name}")
         await db_session.commit()
-        return Redirect(_local(data.next), status_code=303)
+        return Redirect(_local(data.next), status_code=303, cookies=[csrf_cookie])
 
     @post("/logout")
-    async def sign_out(self, request: WebRequest) -> Redirect:
-        request.clear_session()
+    async def sign_out(self, request: WebRequest, db_session: NamedDependency[AsyncSession]) -> Redirect:
+        await gate.sign_out(request, db_session)
+        await db_session.commit()
         return Redirect("/", status_code=303)

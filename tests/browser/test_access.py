@@ -1,5 +1,6 @@
 """Who may do what on the web UI's routes: reads as public as the API's, actions only for a signed-in
-operator with the form's CSRF token, and a session that never stands in for the API's bearer token."""
+operator with the form's CSRF token (its session's own: the sign-in page's anonymous one no longer serves), and a
+session that never stands in for the API's bearer token."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def test_a_session_is_no_bearer_token_and_every_action_needs_it_and_the_csrf_tok
         csrf = _csrf(http)
         signed_in = http.post("/login", data={"token": coordinator.operator, "next": "/", "_csrf_token": csrf})
         assert signed_in.status_code == 303 and "coop_session" in http.cookies
+        assert (
+            http.post("/experiments", data={**plan, "_csrf_token": csrf}, files={"plan_file": ("", b"")}).status_code
+            == 403
+        )
+        csrf = _csrf(http)  # signing in gave the browser a token of its session's own
         assert http.post("/api/experiments", json={"plan_toml": plan["plan_toml"]}).status_code == 401
         forged = http.post("/experiments", data=plan, files={"plan_file": ("", b"")})
         assert forged.status_code == 403 and "CSRF" in forged.text
@@ -49,6 +55,7 @@ def test_a_session_is_no_bearer_token_and_every_action_needs_it_and_the_csrf_tok
             "/login", data={"token": coordinator.operator, "next": "//elsewhere.test", "_csrf_token": csrf}
         )
         assert offsite.headers["location"] == "/"
+        csrf = _csrf(http)  # that sign-in began a session of its own, with its own token
 
         async def revoke(session: AsyncSession) -> None:
             await tokens.revoke(session, "operator")
@@ -109,6 +116,7 @@ def test_a_reader_signs_in_to_read_the_pages_and_is_refused_every_action(tmp_pat
                 "/login", data={"token": reader, "next": "/agents", "_csrf_token": csrf}, follow_redirects=False
             )
             assert signed_in.status_code == 303 and signed_in.headers["location"] == "/agents"
+            csrf = _csrf(client)  # the signed-in session's own token
             assert client.get("/agents").status_code == 200
             overview = client.get(f"/experiments/{experiment}")
             assert overview.status_code == 200 and f'action="/experiments/{experiment}/advance"' not in overview.text
@@ -121,3 +129,26 @@ def test_a_reader_signs_in_to_read_the_pages_and_is_refused_every_action(tmp_pat
             assert client.get("/api/agents").status_code == 401  # the session is no bearer token
 
     off_thread(run)
+
+
+def test_the_pages_run_htmx_and_draw_their_figures_under_the_content_security_policy(
+    browser: Browser, coordinator: CoordinatorProcess
+) -> None:
+    experiment = create_experiment(coordinator)["id"]
+    context = browser.new_context(base_url=coordinator.url)
+    refused: list[str] = []
+    try:
+        page = context.new_page()
+        page.on(
+            "console",
+            lambda message: refused.append(message.text) if "Content Security Policy" in message.text else None,
+        )
+        for path in ("/", f"/experiments/{experiment}", f"/experiments/{experiment}/jobs", "/agents", "/login"):
+            response = page.goto(path)
+            assert response is not None and "frame-ancestors 'none'" in response.headers["content-security-policy"]
+            assert page.evaluate("typeof window.htmx") == "object"
+        with page.expect_response(lambda answer: answer.url.endswith("/jobs/live")):  # htmx polls under the policy
+            page.goto(f"/experiments/{experiment}/jobs")
+        assert refused == []
+    finally:
+        context.close()

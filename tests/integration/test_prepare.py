@@ -128,11 +128,10 @@ def test_changed_seed_file_is_refused_naming_it(tmp_path: Path, small_seed: Seed
 
 
 def test_reference_file_with_the_wrong_hash_is_refused(tmp_path: Path, small_seed: Seed) -> None:
-    folder = tmp_path / "reference"
-    shutil.copytree(REFERENCE_FOLDER, folder)
     plan_path = write_plan(tmp_path / "plan.toml", small_seed[1])
-    text = plan_path.read_text().replace(str(REFERENCE_FOLDER), str(folder))
-    plan_path.write_text(text)
+    folder = tmp_path / REFERENCE_FOLDER.name
+    folder.unlink()  # write_plan's link to the repository's folder, made a copy of it
+    shutil.copytree(REFERENCE_FOLDER, folder)
     with (folder / "replay.jsonl").open("a") as handle:
         handle.write("\n")
     with pytest.raises(CoopError, match=r"replay file .*replay\.jsonl has sha256"):

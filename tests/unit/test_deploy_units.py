@@ -74,3 +74,10 @@ def test_the_coordinator_unit_runs_its_doctor_then_migrates_then_serves_as_coop(
     assert [args.command for args in parsed] == ["doctor", "migrate", "serve"]
     doctor, serve = parsed[0], parsed[2]
     assert (doctor.certfile, doctor.keyfile) == (serve.certfile, serve.keyfile) != (None, None)
+
+
+def test_every_coop_service_writes_files_for_its_own_user_alone() -> None:
+    units = [unit.name for unit in sorted((ROOT / "deploy").glob("*.service")) if _unit(unit.name).get("User")]
+    assert units == ["coop-agent.service", "coop-coordinator.service"]
+    for name in units:
+        assert _unit(name).get("UMask") == ["0077"], f"{name} sets no UMask=0077"

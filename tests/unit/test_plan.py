@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from agent import jobs
 from experiment.core.canonical import identity
 from experiment.core.errors import CoopError
 from experiment.core.plan import load_plan, parse_plan, plan_identity
@@ -224,3 +228,40 @@ def test_the_reference_design_takes_no_local_sgd_fields() -> None:
         parse_plan(_edited(LOCAL, 'role = "clean"', 'role = "clean"\nranks = 2'), "edited")
     with pytest.raises(CoopError, match="noninferiority: is the local-SGD design's criterion"):
         parse_plan(LOCAL.read_bytes() + b"\n[noninferiority]\nmargin = 0.05\nmax_p_value = 0.05\n", "edited")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ('folder = "local-reference"', 'folder = "../../../../tmp/x"', "replay.folder"),
+        ('folder = "local-reference"', 'folder = "/tmp/x"', "replay.folder"),
+        ('path = "replay.jsonl"', 'path = "../../../etc/passwd"', "replay.replay.path"),
+        ('path = "retention.jsonl"', 'path = "/etc/passwd"', "replay.retention.path"),
+        ('"config.json" =', '"../../../../etc/passwd" =', "seed.files['../../../../etc/passwd']"),
+    ],
+)
+def test_a_plan_path_outside_its_folder_is_refused_naming_the_field(old: str, new: str, field: str) -> None:
+    with pytest.raises(CoopError, match=re.escape(field)):
+        parse_plan(_edited(LOCAL, old, new), "edited")
+
+
+def test_plan_show_refuses_a_plan_whose_replay_folder_leads_out_with_exit_2(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_bytes(_edited(LOCAL, 'folder = "local-reference"', 'folder = "../../../../tmp/x"'))
+    shown = subprocess.run(
+        [sys.executable, "-m", "experiment.cli", "plan", "show", str(plan)], capture_output=True, text=True, check=False
+    )
+    assert shown.returncode == 2 and "replay.folder" in shown.stderr and "'..'" in shown.stderr
+
+
+def test_an_agent_links_no_replay_folder_that_leads_out_of_its_plans_folder(tmp_path: Path) -> None:
+    plans, work = tmp_path / "plans", tmp_path / "work"
+    (plans / "local-reference").mkdir(parents=True)
+    (plans / "outward").symlink_to(tmp_path, target_is_directory=True)
+    ws = jobs.Workspace(root=work, model_dir=tmp_path / "seed", plans_dir=plans)
+    for folder in ("../../../../tmp/x", "/etc", "outward"):
+        with pytest.raises(CoopError, match=r"replay\.folder"):
+            jobs.link_replay_folder({"replay": {"folder": folder}}, ws)
+    assert not [path for path in work.iterdir()]
+    jobs.link_replay_folder({"replay": {"folder": "local-reference"}}, ws)
+    assert (work / "local-reference").resolve() == (plans / "local-reference").resolve()

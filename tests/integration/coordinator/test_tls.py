@@ -77,7 +77,8 @@ def test_a_tls_coordinator_serves_https_and_its_session_and_csrf_cookies_are_sec
     assert server.url.startswith("https://127.0.0.1:")
     assert server.get("/health") == {"status": "ok"}
     page, signed_in = _sign_in(server)
-    assert _secure(page["coop_csrf"]) and _secure(signed_in["coop_session"])
+    assert _secure(page["coop_csrf"]) and _secure(signed_in["coop_session"]) and _secure(signed_in["coop_csrf"])
+    assert server.http.get("/login").headers["strict-transport-security"] == "max-age=31536000"
     # Plain HTTP to the TLS port gets no answer from the app.
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5).raise_for_status()
@@ -104,6 +105,7 @@ def test_a_plain_coordinators_cookies_are_not_secure(
     page, signed_in = _sign_in(server)
     assert not _secure(page["coop_csrf"]) and not _secure(signed_in["coop_session"])
     assert "httponly" in signed_in["coop_session"].lower()
+    assert "strict-transport-security" not in server.http.get("/login").headers  # HSTS only over TLS
 
 
 def _serve(home: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
