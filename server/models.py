@@ -237,6 +237,16 @@ class Blob(UUIDv7AuditBase):
     media_type: Mapped[str] = mapped_column(String(100))
 
 
+class AttemptUpload(UUIDv7AuditBase):
+    """A blob an agent uploaded as evidence of one of its attempts, one row an upload: the attempt's evidence quota
+    (Plan.evidence_quota) is the sum of their sizes."""
+
+    __tablename__ = "attempt_uploads"
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"), index=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger)
+
+
 class EvidenceFile(UUIDv7AuditBase):
     """One file of an experiment's evidence bundle: its path in the bundle and the blob that holds it."""
 

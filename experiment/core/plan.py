@@ -265,6 +265,13 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
             return self.training.pair_world_size
         return arm.ranks or 1
 
+    def evidence_quota(self) -> int:
+        """Bytes of evidence one attempt may upload: its plan's prepared inputs at their largest (both training
+        copies of every document at the longest length, 16 B a token for its id and label as JSON), and 64 MiB
+        for the rest (answers, journals, serving records, the other roles' tasks)."""
+        documents = self.tasks.train + self.tasks.replay
+        return 64 * 2**20 + 2 * documents * self.corpus.max_document_tokens * 16
+
     def largest_gang(self) -> str:
         """The trained arm with the most ranks (the first of them): the gang a canary stands in for."""
         return max(self.trained_arms(), key=self.world_size)

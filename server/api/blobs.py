@@ -13,16 +13,18 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from litestar.params import FromPath, QueryParameter
 from litestar.response import File
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from server import models
 from server.access import audit, auth
 from server.access.tokens import Principal
 from server.api import spec
 from server.dispatch import queue
-from server.httperrors import BadRequest
+from server.httperrors import BadRequest, TooLarge
 from server.settings import Settings
-from server.store import blobstore
+from server.store import blobstore, views
 
 _SHA256 = re.compile("^[0-9a-f]{64}$")
 
@@ -35,12 +37,27 @@ def _digest(sha256: str) -> str:
 
 async def _require_active_attempt(
     session: AsyncSession, request: Request[Any, Any, Any], principal: Principal, attempt_id: uuid.UUID | None
-) -> None:
+) -> tuple[uuid.UUID, tuple[int, str]]:
+    """The agent's active attempt the upload names, and what its evidence quota leaves: (bytes, in words)."""
     if attempt_id is None:
         raise BadRequest("an agent's blob upload names its attempt: PUT /api/blobs/SHA256?attempt=ATTEMPT_ID")
     agent = auth.calling_agent(request, principal)  # the row the guard read
-    _, attempt = await queue.owned_attempt(session, agent, attempt_id, None)
+    job, attempt = await queue.owned_attempt(session, agent, attempt_id, None)
     queue.require_active(attempt)
+    quota = views.plan_of(await session.get_one(models.Experiment, job.experiment_id)).evidence_quota()
+    # Each blob once: the same content again (a spooled upload replayed after a lost reply) costs nothing more.
+    uploaded = (
+        select(models.AttemptUpload.sha256, models.AttemptUpload.size)
+        .where(models.AttemptUpload.attempt_id == attempt.id)
+        .distinct()
+        .subquery()
+    )
+    used = await session.scalar(select(func.coalesce(func.sum(uploaded.c.size), 0)))
+    left = quota - int(used or 0)
+    words = f"what attempt {attempt.id}'s evidence quota leaves: {left} of its plan's {quota} bytes"
+    if left <= 0:
+        raise TooLarge(f"attempt {attempt.id} has uploaded its plan's evidence quota of {quota} bytes")
+    return attempt.id, (left, words)
 
 
 @dataclass
@@ -87,14 +104,19 @@ class BlobController(Controller):
         ] = None,
     ) -> Response[wire.Blob]:
         """Store the body under its sha256; the server hashes it and refuses a body that is not that content.
-        An agent names the attempt the blob is evidence of: an attempt that has ended gets 409."""
+        An agent names the attempt the blob is evidence of: an attempt that has ended gets 409, and a body past what
+        the attempt's evidence quota leaves (sized from its plan: Plan.evidence_quota) gets 413 naming the quota."""
         digest = _digest(sha256)
+        quota: tuple[int, str] | None = None
+        owner: uuid.UUID | None = None
         if principal.role == "agent":
-            await _require_active_attempt(db_session, request, principal, attempt)
+            owner, quota = await _require_active_attempt(db_session, request, principal, attempt)
             await db_session.commit()  # the check's transaction ends before the body streams
         blob = await blobstore.store(
-            db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length
+            db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length, quota
         )
+        if owner is not None:
+            db_session.add(models.AttemptUpload(attempt_id=owner, sha256=digest, size=blob.size))
         if blob.created:
             await audit.record(db_session, principal, "blob.upload", f"blob:{sha256}", size=blob.size)
         return Response(blob, status_code=201 if blob.created else 200)

@@ -57,7 +57,7 @@ def free_bytes(settings: Settings) -> int:
     return canonical.free_bytes(settings.blob_dir)
 
 
-async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]) -> int:
+async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes], quota: tuple[int, str] | None) -> int:
     digest, size = hashlib.sha256(), 0
     temp: Path | None = None
     try:
@@ -70,6 +70,8 @@ async def _receive(settings: Settings, sha256: str, chunks: AsyncIterator[bytes]
                 size += len(chunk)
                 if size > settings.max_blob_bytes:
                     raise TooLarge(f"the blob is larger than the limit of {settings.max_blob_bytes} bytes")
+                if quota is not None and size > quota[0]:
+                    raise TooLarge(f"the blob is larger than {quota[1]}")
                 digest.update(chunk)
                 handle.write(chunk)
             handle.flush()
@@ -98,11 +100,15 @@ async def store(
     chunks: AsyncIterator[bytes],
     media_type: str,
     declared_size: int | None,
+    quota: tuple[int, str] | None = None,
 ) -> wire.Blob:
-    """Receive and verify a blob; storing the same content again changes nothing (``created`` is False)."""
+    """Receive and verify a blob; storing the same content again changes nothing (``created`` is False). With a
+    ``quota`` (bytes, and the sentence that names it), a body over it is refused as one over the blob limit is."""
     if declared_size is not None and declared_size > settings.max_blob_bytes:
         raise TooLarge(f"the blob ({declared_size} bytes) is larger than the limit of {settings.max_blob_bytes} bytes")
-    size = await _receive(settings, sha256, chunks)
+    if quota is not None and declared_size is not None and declared_size > quota[0]:
+        raise TooLarge(f"the blob ({declared_size} bytes) is larger than {quota[1]}")
+    size = await _receive(settings, sha256, chunks, quota)
     failpoints.reach("blob.installed")
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     added = await session.execute(

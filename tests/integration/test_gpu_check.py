@@ -29,6 +29,7 @@ def test_the_gpu_check_dry_run_passes_every_step_it_can_run_on_a_cpu() -> None:
         "skipped": "needs a CUDA device",
         "step_seconds": 0.0,
         "held_at_start_bytes": None,
+        "outside_allocator_after_bytes": None,
     }
     # Two updates of each profiled length, in order (the CPU has no allocator peaks to read).
     profiled = result["memory_profile"]["one_document"]

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import hashlib
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from litestar.testing import AsyncTestClient
 
 from experiment import wire
+from experiment.core.plan import load_plan
 from server.app import create_app
 from server.settings import Settings
 from tests.integration.coordinator.support import Api, running
 from tests.support.agent import FakeAgent, rejection
-from tests.support.scenarios import bearer
+from tests.support.scenarios import LOCAL_PLAN, bearer
 
 
 def _claimed(api: Api) -> tuple[FakeAgent, wire.Assignment]:
@@ -142,3 +145,40 @@ def test_simultaneous_first_uploads_of_one_key_store_once_and_answer_alike(
         stored = client.get(f"/api/attempts/{job.attempt_id}/events").json()["items"]
         assert [e["kind"] for e in stored if e["sequence"] == 0] == ["step"]
         assert client.get(f"/api/attempts/{job.attempt_id}").json()["state"] == "succeeded"
+
+
+def _blob(api: Api, agent: FakeAgent, job: wire.Assignment, data: bytes, sized: bool = True) -> Any:
+    """A blob upload as a stranger holding the agent's token might send it: streamed, its length declared or not."""
+    digest = hashlib.sha256(data).hexdigest()
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(data), 1 << 20):
+            yield data[start : start + (1 << 20)]
+
+    headers = bearer(agent.token) | {"Content-Type": "application/octet-stream"}
+    if sized:
+        headers["Content-Length"] = str(len(data))
+    return api.client.put(f"/api/blobs/{digest}?attempt={job.attempt_id}", content=chunks(), headers=headers)
+
+
+def test_an_attempts_evidence_past_its_plans_quota_is_refused_naming_the_quota(api: Api) -> None:
+    a, job = _claimed(api)
+    a.start(job)
+    quota = load_plan(LOCAL_PLAN).evidence_quota()
+    first = random.Random(1).randbytes(quota // 2)
+    assert _blob(api, a, job, first).status_code == 201
+    assert _blob(api, a, job, first).status_code == 200  # the same content again costs nothing more
+    # Declared past what the quota leaves: refused before the body is read.
+    declared = _blob(api, a, job, random.Random(2).randbytes(quota // 2 + 1024))
+    assert declared.status_code == 413, declared.text
+    assert (
+        f"what attempt {job.attempt_id}'s evidence quota leaves: {quota - len(first)} of its plan's {quota}"
+        in (declared.json()["detail"])
+    )
+    # Streamed with no length: refused once the bytes pass it, and nothing of it is kept.
+    streamed = _blob(api, a, job, random.Random(3).randbytes(quota // 2 + 1024), sized=False)
+    assert streamed.status_code == 413 and "evidence quota" in streamed.json()["detail"]
+    missing = api.client.get(f"/api/blobs/{hashlib.sha256(random.Random(3).randbytes(quota // 2 + 1024)).hexdigest()}")
+    assert missing.status_code == 404
+    # What the quota leaves still fits.
+    assert _blob(api, a, job, b"a small journal").status_code == 201
