@@ -3,8 +3,9 @@ committed (docs/operating.md, "The canary"). ``coop canary`` runs on each host o
 with the plan's seed and runtime and the production code of each step:
 
 1. ``prepare``: the plan's prepared inputs, built here as ``coop prepare`` builds them;
-2. ``all-reduce``: the gang meets over its link, agrees on the prepared identity, and all-reduces a float32 tensor
-   of the gradient's size; the bus bandwidth must let the plan's updates reduce within a quarter of its deadline;
+2. ``all-reduce``: the gang meets over its link, agrees on the prepared identity and on its numerical profile's
+   shared fields (the libraries' versions, the device, the numerics), and all-reduces a float32 tensor of the
+   gradient's size; the bus bandwidth must let the plan's updates reduce within a quarter of its deadline;
 3. ``ddp-update``: the preflight's memory check, then one update of the seed under the production DDP wrapper
    (training.Trainer) with the schedule's first batch; every rank holds the same parameters after it, and on a GPU
    the peak stays within what the preflight reserves;
@@ -50,6 +51,7 @@ from experiment.learning.corpus import Prepared, load_prepared
 from experiment.learning.decoding import generate
 from experiment.learning.evaluation import answering_model, answers_of, batch_size_for
 from experiment.learning.events import CanariedEvent, CanaryStep, Figure
+from experiment.learning.profile import check_shared, numerical_profile
 from experiment.learning.receipts import model_dir as checkpoint_model_dir
 from experiment.learning.records import Answer
 from experiment.learning.schedule import schedule
@@ -182,6 +184,9 @@ class _Steps:
         if not self.world.distributed:
             return figures | {"note": "a world of one reduces nothing"}
         distributed.agree(self.world, "prepared inputs", self.prepared.identity, self.device)
+        # The fields every rank of a training gang must share (libraries, device, numerics): a host installed
+        # otherwise is named now, not at the pair's first update.
+        check_shared(self.world, numerical_profile(self.plan, self.device), self.device)
         tensor = torch.ones(self.plan.seed.parameters, dtype=torch.float32, device=self.device)
         dist.all_reduce(tensor)  # warm-up: the communicator's connections
         seconds = []
