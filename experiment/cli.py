@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _seed_commands(commands)
     _learning_commands(commands)
+    _check_commands(commands)
     _serving_commands(commands)
     return parser
 
@@ -308,29 +309,6 @@ def _learning_commands(commands: Commands) -> None:
     train.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after an update
     train.set_defaults(handler=_train)
 
-    canary = commands.add_parser(
-        "canary",
-        help="try every step only the real hosts can fail, in minutes, before the plan is committed "
-        "(one rank of the gang: WORLD_SIZE/RANK from the environment)",
-    )
-    canary.add_argument("--plan", type=Path, required=True)
-    canary.add_argument("--home", type=Path, required=True, help="a folder of the canary's own (prepared inputs)")
-    canary.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder on this host")
-    canary.add_argument("--reference-home", type=Path)
-    canary.set_defaults(handler=_canary)
-
-    again = commands.add_parser(
-        "rerun",
-        help="retrain one arm of an evidence bundle (or its first N updates) here and compare it, update by update",
-    )
-    again.add_argument("--bundle", type=Path, required=True, help="an evidence bundle (a folder; tar -xf the export)")
-    again.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder")
-    again.add_argument("--arm", required=True, help="a trained arm of the plan")
-    again.add_argument("--updates", type=int, help="rerun only the first N updates (default: all of them)")
-    again.add_argument("--work", type=Path, required=True, help="an empty folder for the rerun's home and logs")
-    again.add_argument("--out", type=Path, required=True, help="the verdict as JSON (a new file)")
-    again.set_defaults(handler=_rerun)
-
     evaluate = commands.add_parser("evaluate", help="greedy answers to every dev or test task, and retention")
     evaluate.add_argument("--home", type=Path, required=True)
     evaluate.add_argument("--model-dir", type=Path, required=True, help="the seed folder (tokenizer, seed arm)")
@@ -364,6 +342,32 @@ def _learning_commands(commands: Commands) -> None:
     check.add_argument("--arm", required=True, help="a trained arm of the plan")
     check.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tensor layout)")
     check.set_defaults(handler=_checkpoint_verify)
+
+
+def _check_commands(commands: Commands) -> None:
+    """What checks a run from outside it: the canary before a plan is committed, the rerun of a published arm."""
+    canary = commands.add_parser(
+        "canary",
+        help="try every step only the real hosts can fail, in minutes, before the plan is committed "
+        "(one rank of the gang: WORLD_SIZE/RANK from the environment)",
+    )
+    canary.add_argument("--plan", type=Path, required=True)
+    canary.add_argument("--home", type=Path, required=True, help="a folder of the canary's own (prepared inputs)")
+    canary.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder on this host")
+    canary.add_argument("--reference-home", type=Path)
+    canary.set_defaults(handler=_canary)
+
+    again = commands.add_parser(
+        "rerun",
+        help="retrain one arm of an evidence bundle (or its first N updates) here and compare it, update by update",
+    )
+    again.add_argument("--bundle", type=Path, required=True, help="an evidence bundle (a folder; tar -xf the export)")
+    again.add_argument("--model-dir", type=Path, required=True, help="the plan's seed folder")
+    again.add_argument("--arm", required=True, help="a trained arm of the plan")
+    again.add_argument("--updates", type=int, help="rerun only the first N updates (default: all of them)")
+    again.add_argument("--work", type=Path, required=True, help="an empty folder for the rerun's home and logs")
+    again.add_argument("--out", type=Path, required=True, help="the verdict as JSON (a new file)")
+    again.set_defaults(handler=_rerun)
 
 
 def _serving_commands(commands: Commands) -> None:

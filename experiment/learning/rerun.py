@@ -19,7 +19,8 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
@@ -29,7 +30,7 @@ from experiment.core import layout
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import CoopError
 from experiment.core.progress import Emit
-from experiment.learning.records import NumericalProfile, Result
+from experiment.learning.records import NumericalProfile, Result, StepRecord
 
 Verdict = Literal["identical", "diverged", "different-profile"]
 
@@ -95,39 +96,52 @@ def _relative(bundle: float, rerun: float) -> float:
     return abs(rerun - bundle) / max(abs(bundle), 1e-300)
 
 
-def rerun(bundle: Path, model_dir: Path, arm: str, updates: int | None, work: Path, emit: Emit) -> Rerun:
-    """Retrain ``arm``'s first ``updates`` updates (all of them by default) in ``work`` and compare."""
-    results = _results(bundle, arm)
-    home = work / "home"
-    if home.exists():
-        raise CoopError(f"{home} exists; rerun into an empty folder")
-    shutil.copytree(bundle / layout.PREPARED, home / layout.PREPARED)
-    from experiment.learning.corpus import load_prepared  # after the copy: it reads the home
+@dataclass
+class _Compared:
+    """What the rerun's ranks printed, against the bundle's journals, as it is read."""
 
-    plan = load_prepared(home).plan
-    total = plan.training.updates
-    count = total if updates is None else updates
-    if not 1 <= count <= total:
-        raise CoopError(f"--updates must be between 1 and the plan's {total}")
-    journals = {result.rank: {entry.step: entry for entry in result.journal} for result in results}
-    world = results[0].world_size
-    argv = [sys.executable, "-m", "experiment.cli", "train", "--home", str(home), "--model-dir", str(model_dir)]
-    argv += ["--arm", arm, *(["--stop-after", str(count)] if count < total else [])]
+    journals: dict[int, dict[int, StepRecord]]
+    profile: NumericalProfile = field(default_factory=dict)
+    first: Difference | None = None
+    largest: float = 0.0
+    digest: str | None = None
+
+    def take(self, rank: int, event: dict[str, object]) -> int | None:
+        """One event of ``rank``'s; the update it compared, if it was a step."""
+        kind = event.get("event")
+        if kind == "started" and rank == 0:
+            self.profile = msgspec.convert(event.get("numerical_profile", {}), type=NumericalProfile)
+        if kind == "completed" and rank == 0:
+            self.digest = str(event["parameter_digest"])
+        if kind != "step":
+            return None
+        step = int(str(event["done"]))
+        recorded = self.journals[rank].get(step)
+        if recorded is None:
+            raise CoopError(f"the bundle's rank {rank} has no journal entry for update {step}")
+        for name, found in (("loss", recorded.loss), ("gradient_norm", recorded.gradient_norm)):
+            value = float(str(event[name]))
+            self.largest = max(self.largest, _relative(found, value))
+            if value != found and (self.first is None or (step, rank) < (self.first.step, self.first.rank)):
+                self.first = Difference(rank=rank, step=step, field=name, bundle=found, rerun=value)
+        return step
+
+
+def _train_ranks(
+    argv: list[str], world: int, work: Path, compared: _Compared, progress: Callable[[int, float], None]
+) -> None:
+    """Run ``argv`` as each rank of ``world`` here (gloo on loopback), comparing what each prints. Rank 0's events
+    are followed as they come (progress); the others' go to a file each, read once they ended."""
     port = _free_port()
     logs = [(work / f"rank-{rank}.log").open("w") for rank in range(world)]
-    # Rank 0's events are followed as they come (progress); the others' go to a file each, read once they ended.
     printed = [(work / f"rank-{rank}.events").open("w+") for rank in range(1, world)]
     processes = []
-    for rank in range(world):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "RANK": str(rank), "WORLD_SIZE": str(world)}
-        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-        out: int | IO[str] = subprocess.PIPE if rank == 0 else printed[rank - 1]
-        processes.append(subprocess.Popen(argv, env=env, stdout=out, stderr=logs[rank], text=True, cwd=work))
-    profile: NumericalProfile = {}
-    first: Difference | None = None
-    largest = 0.0
-    digest: str | None = None
     try:
+        for rank in range(world):
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "RANK": str(rank), "WORLD_SIZE": str(world)}
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+            out: int | IO[str] = subprocess.PIPE if rank == 0 else printed[rank - 1]
+            processes.append(subprocess.Popen(argv, env=env, stdout=out, stderr=logs[rank], text=True, cwd=work))
         for rank, process in enumerate(processes):
             if rank > 0:
                 process.wait()
@@ -135,24 +149,9 @@ def rerun(bundle: Path, model_dir: Path, arm: str, updates: int | None, work: Pa
             stream = processes[0].stdout if rank == 0 else printed[rank - 1]
             assert stream is not None
             for event in _events(stream):
-                if event.get("event") == "started" and rank == 0:
-                    profile = msgspec.convert(event.get("numerical_profile", {}), type=NumericalProfile)
-                if event.get("event") == "completed" and rank == 0:
-                    digest = str(event["parameter_digest"])
-                if event.get("event") != "step":
-                    continue
-                step = int(str(event["done"]))
-                recorded = journals[rank].get(step)
-                if recorded is None:
-                    raise CoopError(f"the bundle's rank {rank} of {arm} has no journal entry for update {step}")
-                for field, found in (("loss", recorded.loss), ("gradient_norm", recorded.gradient_norm)):
-                    value = float(str(event[field]))
-                    largest = max(largest, _relative(found, value))
-                    if value != found and (first is None or (step, rank) < (first.step, first.rank)):
-                        first = Difference(rank=rank, step=step, field=field, bundle=found, rerun=value)
-                if rank == 0:
-                    loss = float(str(event["loss"]))
-                    emit({"event": "rerun-step", "done": step, "total": count, "loss": loss, "equal": first is None})
+                step = compared.take(rank, event)
+                if step is not None and rank == 0:
+                    progress(step, float(str(event["loss"])))
             if process.wait() != 0:
                 tail = (work / f"rank-{rank}.log").read_text(errors="replace")[-2000:]
                 raise CoopError(f"rank {rank} of the rerun exited {process.returncode}: {tail}")
@@ -163,27 +162,52 @@ def rerun(bundle: Path, model_dir: Path, arm: str, updates: int | None, work: Pa
                 process.wait()
         for log in [*logs, *printed]:
             log.close()
+
+
+def rerun(bundle: Path, model_dir: Path, arm: str, updates: int | None, work: Path, emit: Emit) -> Rerun:
+    """Retrain ``arm``'s first ``updates`` updates (all of them by default) in ``work`` and compare."""
+    results = _results(bundle, arm)
+    home = work / "home"
+    if home.exists():
+        raise CoopError(f"{home} exists; rerun into an empty folder")
+    shutil.copytree(bundle / layout.PREPARED, home / layout.PREPARED)
+    from experiment.learning.corpus import load_prepared  # after the copy: it reads the home
+
+    total = load_prepared(home).plan.training.updates
+    count = total if updates is None else updates
+    if not 1 <= count <= total:
+        raise CoopError(f"--updates must be between 1 and the plan's {total}")
+    argv = [sys.executable, "-m", "experiment.cli", "train", "--home", str(home), "--model-dir", str(model_dir)]
+    argv += ["--arm", arm, *(["--stop-after", str(count)] if count < total else [])]
+    compared = _Compared({result.rank: {entry.step: entry for entry in result.journal} for result in results})
+
+    def progress(step: int, loss: float) -> None:
+        emit({"event": "rerun-step", "done": step, "total": count, "loss": loss, "equal": compared.first is None})
+
+    _train_ranks(argv, results[0].world_size, work, compared, progress)
     bundle_profile = results[0].numerical_profile
     fields = sorted(
-        name for name in bundle_profile.keys() | profile.keys() if bundle_profile.get(name) != profile.get(name)
+        name
+        for name in bundle_profile.keys() | compared.profile.keys()
+        if bundle_profile.get(name) != compared.profile.get(name)
     )
     bundle_digest = results[0].parameter_digest if count == total else None
-    if digest is not None and bundle_digest is not None and digest != bundle_digest and first is None:
-        first = Difference(rank=0, step=total, field="parameter_digest", bundle=0.0, rerun=1.0)
-    verdict: Verdict = "different-profile" if fields else ("identical" if first is None else "diverged")
+    rerun_digest = compared.digest if count == total else None
+    same = compared.first is None and bundle_digest == rerun_digest
+    verdict: Verdict = "different-profile" if fields else ("identical" if same else "diverged")
     return Rerun(
         verdict=verdict,
         arm=arm,
-        ranks=world,
+        ranks=results[0].world_size,
         updates=count,
         plan_updates=total,
         profile_fields=fields,
         bundle_profile=bundle_profile,
-        rerun_profile=profile,
-        first_difference=first,
-        largest_relative_difference=largest,
+        rerun_profile=compared.profile,
+        first_difference=compared.first,
+        largest_relative_difference=compared.largest,
         bundle_digest=bundle_digest,
-        rerun_digest=digest if count == total else None,
+        rerun_digest=rerun_digest,
     )
 
 
@@ -195,7 +219,11 @@ def words(found: Rerun) -> str:
     if found.verdict == "different-profile":
         return f"different profile ({', '.join(found.profile_fields)}); {moved}"
     first = found.first_difference
-    assert first is not None
+    if first is None:
+        return (
+            f"diverged at the final digest: {found.rerun_digest} against the bundle's {found.bundle_digest}, every "
+            f"update's numbers equal, on the same profile (a fault)"
+        )
     return (
         f"diverged at update {first.step}: rank {first.rank}'s {first.field} is {first.rerun!r}, the bundle's "
         f"{first.bundle!r}, on the same profile (a fault); {moved}"
