@@ -10,7 +10,6 @@ period, then KILL.
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -23,14 +22,8 @@ import msgspec
 from agent import processes
 from agent.spool import Group, Spool
 from experiment.core.errors import CoopError
+from experiment.core.ports import free_port
 from experiment.serving.agreement import Agreement
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ import msgspec
 from experiment.core import layout
 from experiment.core.canonical import write_new_bytes
 from experiment.core.errors import CoopError
+from experiment.core.ports import free_port
 from experiment.core.progress import Emit
 from experiment.learning.records import NumericalProfile, Result, StepRecord
 
@@ -72,12 +72,6 @@ def _results(bundle: Path, arm: str) -> list[Result]:
     if ranks != list(range(results[0].world_size)):
         raise CoopError(f"{bundle} holds ranks {ranks} of arm {arm}, which trained on {results[0].world_size}")
     return sorted(results, key=lambda result: result.rank)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _events(stream: IO[str]) -> Iterator[dict[str, object]]:
@@ -132,7 +126,7 @@ def _train_ranks(
 ) -> None:
     """Run ``argv`` as each rank of ``world`` here (gloo on loopback), comparing what each prints. Rank 0's events
     are followed as they come (progress); the others' go to a file each, read once they ended."""
-    port = _free_port()
+    port = free_port()
     logs = [(work / f"rank-{rank}.log").open("w") for rank in range(world)]
     printed = [(work / f"rank-{rank}.events").open("w+") for rank in range(1, world)]
     processes = []

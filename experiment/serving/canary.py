@@ -29,7 +29,6 @@ import contextlib
 import gc
 import resource
 import shutil
-import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from experiment.core.canonical import JsonLike
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, load_plan, seed_identity
+from experiment.core.ports import free_port
 from experiment.core.progress import Emit
 from experiment.learning import corpus, distributed, preflight, training
 from experiment.learning.checkpoint import load_state, save
@@ -139,12 +139,6 @@ def needed_bandwidth(plan: Plan, world_size: int) -> float:
     2(n-1)/n of its bytes, within ALLREDUCE_DEADLINE_SHARE of the plan's deadline."""
     moved = plan.training.updates * plan.seed.parameters * 4 * 2 * (world_size - 1) / world_size
     return moved / (ALLREDUCE_DEADLINE_SHARE * plan.training.deadline_hours * 3600)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _host_peak_rss() -> int:
@@ -360,7 +354,7 @@ class _Steps:
         spec = replica.ReplicaSpec(
             model_dir=self.model_dir,
             served_model_name=seed_identity(plan),
-            port=_free_port(host),
+            port=free_port(host),
             host=host,
             device=plan.runtime.device,
             python=replica.vllm_python(),
