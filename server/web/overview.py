@@ -53,9 +53,7 @@ IRREVERSIBLE = {
 async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     changes = await queries.timeline(db_session, experiment_id)
-    canary = await canaries.latest(db_session, experiment_id)
     return {
-        "canary": None if canary is None else canaries.view(canary),
         "experiment": experiment,
         "live": experiment.state not in EXPERIMENT_FINAL,
         "changes": changes,
@@ -102,7 +100,11 @@ class OverviewPages(Controller):
     async def overview(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        return render.page(request, "overview.html", tab="overview", **await _status(db_session, experiment_id))
+        # The canary shows on the page, not in the status fragment that the page polls.
+        canary = await canaries.latest(db_session, experiment_id)
+        shown = None if canary is None else canaries.view(canary)
+        status = await _status(db_session, experiment_id)
+        return render.page(request, "overview.html", tab="overview", canary=shown, **status)
 
     @get("/experiments/{experiment_id:uuid}/status")
     async def status(
