@@ -107,24 +107,11 @@ def section(
         record = _phase_record(path, phase, require)
         _check_phase(path, record, prepared, served_identity, workload, require)
         served = _served_answers(path, record, items, tokenizer, require)
-        found = agreement.compare(truth, served)
-        require(record.metrics.correct == found.correct, path, "metrics.correct", "is not the strict checker's count")
-        refused = agreement.refusal(truth, served, device)
-        where = f"{reference_folder}/answers.jsonl"
-        require(refused is None, path, "completions.output_ids", f"are not the answers of {where}: {refused}")
-        agreements[phase], records[phase] = found, record
-    outputs = {phase: {c.task_id: c.output_ids for c in r.completions} for phase, r in records.items()}
-    for phase in PHASES[1:]:
-        path = bundle / serving_phase(phase)
-        require(outputs[phase] == outputs[PHASES[0]], path, "completions.output_ids", "differ from the single phase")
+        agreements[phase] = _agreement(path, record, truth, served, device, reference_folder, require)
+        records[phase] = record
+    _check_same_outputs(bundle, records, require)
     failure = records["failure"]
-    after_stop = _served_without_one(failure)
-    require(
-        failure.metrics.first_attempt_failures >= 1 or after_stop >= 2 * failure.workload.concurrency,
-        bundle / serving_phase("failure"),
-        "attempts",
-        "the failure phase never saw the stopped replica (no failed attempt, no requests served without it)",
-    )
+    after_stop = _check_stop_seen(bundle, failure, require)
     single, pair = records["single"].metrics, records["pair"].metrics
     return Serving(
         phases={phase: records[phase].metrics for phase in PHASES},
@@ -149,6 +136,44 @@ def section(
             for phase, record in records.items()
         },
     )
+
+
+def _agreement(
+    path: Path,
+    record: PhaseResult,
+    truth: dict[str, Answer],
+    served: list[agreement.ServedAnswer],
+    device: str,
+    reference_folder: str,
+    require: Require,
+) -> agreement.Agreement:
+    """How a phase's completions agree with the reference evaluation; refused where they are not its answers."""
+    found = agreement.compare(truth, served)
+    require(record.metrics.correct == found.correct, path, "metrics.correct", "is not the strict checker's count")
+    refused = agreement.refusal(truth, served, device)
+    where = f"{reference_folder}/answers.jsonl"
+    require(refused is None, path, "completions.output_ids", f"are not the answers of {where}: {refused}")
+    return found
+
+
+def _check_same_outputs(bundle: Path, records: dict[str, PhaseResult], require: Require) -> None:
+    """Every task got the same output tokens in every phase as in the first (the single replica)."""
+    outputs = {phase: {c.task_id: c.output_ids for c in r.completions} for phase, r in records.items()}
+    for phase in PHASES[1:]:
+        path = bundle / serving_phase(phase)
+        require(outputs[phase] == outputs[PHASES[0]], path, "completions.output_ids", "differ from the single phase")
+
+
+def _check_stop_seen(bundle: Path, failure: PhaseResult, require: Require) -> int:
+    """The failure phase saw the stopped replica; the requests it started after that replica's last."""
+    after_stop = _served_without_one(failure)
+    require(
+        failure.metrics.first_attempt_failures >= 1 or after_stop >= 2 * failure.workload.concurrency,
+        bundle / serving_phase("failure"),
+        "attempts",
+        "the failure phase never saw the stopped replica (no failed attempt, no requests served without it)",
+    )
+    return after_stop
 
 
 def _served_without_one(record: PhaseResult) -> int:

@@ -18,7 +18,7 @@ from experiment.core.canonical import write_new_json
 from experiment.core.errors import CoopError
 from experiment.core.plan import ServingPlan, plan_identity
 from experiment.core.progress import Emit
-from experiment.learning.corpus import load_prepared
+from experiment.learning.corpus import Prepared, load_prepared
 from experiment.learning.events import BenchmarkedEvent, StopReplicaEvent
 from experiment.serving.probe import InferAnswer
 from experiment.serving.servingrecord import (
@@ -354,20 +354,10 @@ def run_phase(
     """``coop benchmark``: one phase; its JSON is a new file (an existing one is never overwritten)."""
     if output.exists():
         raise CoopError(f"{output} already exists; a benchmark phase is never overwritten")
-    endpoints = [e.rstrip("/") for e in endpoints]
-    if len(endpoints) != ENDPOINTS[phase] or len(set(endpoints)) != len(endpoints):
-        raise CoopError(f"the {phase} phase takes {ENDPOINTS[phase]} distinct endpoint(s), got {len(endpoints)}")
-    for endpoint in endpoints:
-        if not endpoint.startswith(("http://", "https://")):
-            raise CoopError(f"endpoint {endpoint} is not an http(s) URL")
+    endpoints = _checked_endpoints(endpoints, phase)
     prepared = load_prepared(home)
     serving = prepared.plan.serving
-    if phase == "failure":
-        stop_after = serving.workload_tasks // 4 if stop_after is None else stop_after
-        if not 1 <= stop_after < serving.workload_tasks:
-            raise CoopError(f"--stop-after must be between 1 and {serving.workload_tasks - 1}")
-    elif stop_after is not None:
-        raise CoopError("--stop-after is for the failure phase only")
+    stop_after = _checked_stop_after(phase, serving, stop_after)
     task_ids = [item.id for item in prepared.task_items("dev")[: serving.workload_tasks]]
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     runner = PhaseRun(endpoints, token, serving, task_ids, emit, phase)
@@ -377,10 +367,45 @@ def run_phase(
         | {"requests": len(task_ids), "concurrency": serving.concurrency, "stop_after": stop_after}
     )
     duration = asyncio.run(runner.run())
+    result = _phase_result(runner, prepared, endpoints, started_at, duration)
+    write_new_json(output, msgspec.to_builtins(result))
+    done = BenchmarkedEvent(phase=phase, output=str(output))
+    emit(msgspec.to_builtins(done) | msgspec.to_builtins(result.metrics))
+    return result
+
+
+def _checked_endpoints(endpoints: list[str], phase: Phase) -> list[str]:
+    """The phase's endpoints without a trailing slash: as many as it takes, distinct, each an http(s) URL."""
+    endpoints = [e.rstrip("/") for e in endpoints]
+    if len(endpoints) != ENDPOINTS[phase] or len(set(endpoints)) != len(endpoints):
+        raise CoopError(f"the {phase} phase takes {ENDPOINTS[phase]} distinct endpoint(s), got {len(endpoints)}")
+    for endpoint in endpoints:
+        if not endpoint.startswith(("http://", "https://")):
+            raise CoopError(f"endpoint {endpoint} is not an http(s) URL")
+    return endpoints
+
+
+def _checked_stop_after(phase: Phase, serving: ServingPlan, stop_after: int | None) -> int | None:
+    """After how many completions the failure phase stops a replica (a quarter of the workload unless given);
+    None for the other phases."""
+    if phase == "failure":
+        stop_after = serving.workload_tasks // 4 if stop_after is None else stop_after
+        if not 1 <= stop_after < serving.workload_tasks:
+            raise CoopError(f"--stop-after must be between 1 and {serving.workload_tasks - 1}")
+    elif stop_after is not None:
+        raise CoopError("--stop-after is for the failure phase only")
+    return stop_after
+
+
+def _phase_result(
+    runner: PhaseRun, prepared: Prepared, endpoints: list[str], started_at: str, duration: float
+) -> PhaseResult:
+    """The phase's record: its attempts in the order they started, its completions and failures by request."""
+    serving, task_ids = runner.serving, runner.task_ids
     attempts = sorted(runner.attempts, key=lambda a: (a.started, a.request_id, a.attempt))
     completions = sorted(runner.completions, key=lambda c: c.request_id)
-    result = PhaseResult(
-        phase=phase,
+    return PhaseResult(
+        phase=runner.phase,
         run_id=runner.run_id,
         started_at=started_at,
         endpoints=endpoints,
@@ -395,14 +420,10 @@ def run_phase(
             numerics=prepared.plan.evaluation.numerics,
             task_ids=task_ids,
         ),
-        stop_after=stop_after,
+        stop_after=runner.stop_after,
         stop_seen=runner.stop_seen,
         metrics=metrics(len(task_ids), attempts, completions, duration),
         attempts=attempts,
         completions=completions,
         failures=sorted(runner.failures, key=lambda f: f.request_id),
     )
-    write_new_json(output, msgspec.to_builtins(result))
-    done = BenchmarkedEvent(phase=phase, output=str(output))
-    emit(msgspec.to_builtins(done) | msgspec.to_builtins(result.metrics))
-    return result

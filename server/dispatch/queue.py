@@ -115,6 +115,27 @@ CLAIM_TURN = 0x636F6F70  # "coop"
 _TAKE_TURN = select(func.pg_advisory_xact_lock(CLAIM_TURN))
 
 
+# An agent's claim binds its id here; the coordinator's own worker has none (its attempts' agent is null).
+_AGENT_ID = bindparam("agent_id", type_=_attempts.c.agent_id.type)
+
+
+@dataclass(frozen=True)
+class _Claimant:
+    """Whose claim a statement makes: an agent's (``agent_id``) or the coordinator's own worker's."""
+
+    by_coordinator: bool
+
+    def this(self, column: ColumnElement[uuid.UUID | None]) -> ColumnElement[bool]:
+        return column.is_(None) if self.by_coordinator else column == _AGENT_ID
+
+    def another(self, column: ColumnElement[uuid.UUID | None]) -> ColumnElement[bool]:
+        return column.is_not(None) if self.by_coordinator else column != _AGENT_ID
+
+    def open_to(self, row: FromClause) -> ColumnElement[bool]:
+        """A queued job pinned to no host, or to this one."""
+        return or_(row.c.pinned_agent_id.is_(None), self.this(row.c.pinned_agent_id))
+
+
 def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
     """The claim: one UPDATE … RETURNING of the job it leases a rank of. Its subquery picks an open rank of a gang
     this agent is not already in, else a queued job it may claim (rank 0 of a gang), the oldest first within each.
@@ -124,96 +145,124 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
 
     Built on the tables, not the ORM's classes: the job comes back as a row, and the claim changes it with Core
     statements of its own, so no ORM statement is compiled or object loaded."""
-    job, attempts, experiments = _jobs, _attempts, _TABLES["experiments"]
-    candidate = job.alias("candidate")
-    agent_id = bindparam("agent_id", type_=attempts.c.agent_id.type)
+    claimant = _Claimant(by_coordinator)
+    was_queued = _jobs.c.state == J.QUEUED
+    return (
+        update(_jobs)
+        .where(*_claim_conditions(claimant, _chosen_job(claimant), was_queued))
+        .values(**_leased_values(was_queued))
+        .returning(*_CLAIMED)
+    )
 
-    def by_this(column: ColumnElement[uuid.UUID | None]) -> ColumnElement[bool]:
-        return column.is_(None) if by_coordinator else column == agent_id
 
-    def by_another(column: ColumnElement[uuid.UUID | None]) -> ColumnElement[bool]:
-        return column.is_not(None) if by_coordinator else column != agent_id
+def _chosen_job(claimant: _Claimant) -> ColumnElement[uuid.UUID]:
+    """The job's id the claim's subquery picks: an open rank of a forming gang, else a queued job."""
+    candidate = _jobs.alias("candidate")
+    live = _live(candidate)
+    # An open rank of a forming gang is waited for while another transaction holds its job's row (a rank starting,
+    # a heartbeat): skipping it would start another gang on this agent, and leave both a rank short until their
+    # formation wait ends. Claims never wait on each other's rows: on Postgres they take turns (CLAIM_TURN).
+    return func.coalesce(
+        _oldest(
+            candidate,
+            live,
+            candidate.c.state.in_(ACTIVE),
+            candidate.c.ranks_open > 0,
+            ~_in_its_gang(candidate, claimant),
+            ~_held_by_another(candidate, claimant),
+            skip_locked=False,
+        ),
+        _oldest(candidate, live, candidate.c.state == J.QUEUED, claimant.open_to(candidate), skip_locked=True),
+    )
 
-    def open_to_this(row: FromClause) -> ColumnElement[bool]:
-        """A queued job pinned to no host, or to this one."""
-        return or_(row.c.pinned_agent_id.is_(None), by_this(row.c.pinned_agent_id))
 
-    mine = (
-        select(attempts.c.id)
+def _in_its_gang(candidate: FromClause, claimant: _Claimant) -> ColumnElement[bool]:
+    """The claimant holds a rank of the candidate's current generation already."""
+    return (
+        select(_attempts.c.id)
         .where(
-            attempts.c.job_id == candidate.c.id,
-            attempts.c.number == candidate.c.attempts_made,
-            by_this(attempts.c.agent_id),
+            _attempts.c.job_id == candidate.c.id,
+            _attempts.c.number == candidate.c.attempts_made,
+            claimant.this(_attempts.c.agent_id),
         )
         .exists()
     )
-    # A retry's rank goes back to the host that held it in the generation before (each rank resumes from its own
-    # checkpoints: a DiLoCo worker's optimizer is its own); a rank nobody held there is open to any host.
-    previous = attempts.alias("previous")
-    held_by_another = (
+
+
+def _held_by_another(candidate: FromClause, claimant: _Claimant) -> ColumnElement[bool]:
+    """A retry's rank goes back to the host that held it in the generation before (each rank resumes from its own
+    checkpoints: a DiLoCo worker's optimizer is its own); a rank nobody held there is open to any host."""
+    previous = _attempts.alias("previous")
+    return (
         select(previous.c.id)
         .where(
             previous.c.job_id == candidate.c.id,
             previous.c.number == candidate.c.attempts_made - 1,
             previous.c.rank == candidate.c.world_size - candidate.c.ranks_open,
-            by_another(previous.c.agent_id),
+            claimant.another(previous.c.agent_id),
         )
         .exists()
     )
-    # A job of an experiment that has ended (reported, failed, halted) is never handed out.
-    live = (
+
+
+def _live(candidate: FromClause) -> ColumnElement[bool]:
+    """A job of an experiment that has ended (reported, failed, halted) is never handed out."""
+    experiments = _TABLES["experiments"]
+    return (
         select(experiments.c.id)
         .where(experiments.c.id == candidate.c.experiment_id, experiments.c.state.not_in(list(EXPERIMENT_FINAL)))
         .exists()
     )
 
-    def oldest(*where: ColumnElement[bool], skip_locked: bool) -> ScalarSelect[uuid.UUID]:
-        """The oldest job of the claim's kinds that meets ``where``: read in the order of the state's index
-        (ix_jobs_state_queued), which stops at the first that does."""
-        return (
-            select(candidate.c.id)
-            .where(*where, candidate.c.kind.in_(bindparam("kinds", expanding=True)), live)
-            .order_by(candidate.c.queued_at, candidate.c.id)
-            .limit(1)
-            .with_for_update(skip_locked=skip_locked)
-            .scalar_subquery()
-        )
 
-    # An open rank of a forming gang is waited for while another transaction holds its job's row (a rank starting,
-    # a heartbeat): skipping it would start another gang on this agent, and leave both a rank short until their
-    # formation wait ends. Claims never wait on each other's rows: on Postgres they take turns (CLAIM_TURN).
-    chosen = func.coalesce(
-        oldest(candidate.c.state.in_(ACTIVE), candidate.c.ranks_open > 0, ~mine, ~held_by_another, skip_locked=False),
-        oldest(candidate.c.state == J.QUEUED, open_to_this(candidate), skip_locked=True),
+def _oldest(
+    candidate: FromClause, live: ColumnElement[bool], *where: ColumnElement[bool], skip_locked: bool
+) -> ScalarSelect[uuid.UUID]:
+    """The oldest live job of the claim's kinds that meets ``where``: read in the order of the state's index
+    (ix_jobs_state_queued), which stops at the first that does."""
+    return (
+        select(candidate.c.id)
+        .where(*where, candidate.c.kind.in_(bindparam("kinds", expanding=True)), live)
+        .order_by(candidate.c.queued_at, candidate.c.id)
+        .limit(1)
+        .with_for_update(skip_locked=skip_locked)
+        .scalar_subquery()
     )
-    was_queued = job.c.state == J.QUEUED
+
+
+def _claim_conditions(
+    claimant: _Claimant, chosen: ColumnElement[uuid.UUID], was_queued: ColumnElement[bool]
+) -> list[ColumnElement[bool]]:
+    """The chosen row, still claimable; for an agent, a claim key it has not given before."""
     # The row's state is checked again: on Postgres a row the reaper changed since the subquery read it is read
     # anew here, and a rank of a generation that ended is never joined.
     conditions = [
-        job.c.id == chosen,
+        _jobs.c.id == chosen,
         or_(
-            and_(job.c.state.in_(ACTIVE), job.c.ranks_open > 0),
-            and_(was_queued, open_to_this(job)),
+            and_(_jobs.c.state.in_(ACTIVE), _jobs.c.ranks_open > 0),
+            and_(was_queued, claimant.open_to(_jobs)),
         ),
     ]
-    if not by_coordinator:
-        given = select(attempts.c.id).where(
-            attempts.c.agent_id == agent_id, attempts.c.claim_key == bindparam("claim_key")
+    if not claimant.by_coordinator:
+        given = select(_attempts.c.id).where(
+            _attempts.c.agent_id == _AGENT_ID, _attempts.c.claim_key == bindparam("claim_key")
         )
         conditions.append(~given.exists())
-    return (
-        update(job)
-        .where(*conditions)
-        .values(
-            state=case((was_queued, literal(lifecycle.leased_state(), job.c.state.type)), else_=job.c.state),
-            attempts_made=case((was_queued, job.c.attempts_made + 1), else_=job.c.attempts_made),
-            ranks_open=case((was_queued, job.c.world_size - 1), else_=job.c.ranks_open - 1),
-            master_addr=case((was_queued, null()), else_=job.c.master_addr),
-            master_port=case((was_queued, null()), else_=job.c.master_port),
-            updated_at=bindparam("now", type_=job.c.updated_at.type),
-        )
-        .returning(*_CLAIMED)
-    )
+    return conditions
+
+
+def _leased_values(was_queued: ColumnElement[bool]) -> dict[str, ColumnElement[Any]]:
+    """A queued job becomes leased, its next generation's other ranks open and its rendezvous cleared; a forming
+    gang's job has one rank fewer open."""
+    job = _jobs
+    return {
+        "state": case((was_queued, literal(lifecycle.leased_state(), job.c.state.type)), else_=job.c.state),
+        "attempts_made": case((was_queued, job.c.attempts_made + 1), else_=job.c.attempts_made),
+        "ranks_open": case((was_queued, job.c.world_size - 1), else_=job.c.ranks_open - 1),
+        "master_addr": case((was_queued, null()), else_=job.c.master_addr),
+        "master_port": case((was_queued, null()), else_=job.c.master_port),
+        "updated_at": bindparam("now", type_=job.c.updated_at.type),
+    }
 
 
 # What a claim reads of the job it leased.
@@ -325,19 +374,7 @@ async def claim(
         return None if earlier is False else earlier
     rank = job.world_size - job.ranks_open - 1
     now = _now()
-    master_addr, master_port = job.master_addr, job.master_port
-    gang: dict[str, object] = {}
-    if rank == 0 and job.world_size > 1 and agent is not None:
-        master_addr = agent.private_address or agent.address  # the gang meets on the private link
-        master_port = rendezvous_port(settings, job.id, job.attempts_made)
-        deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
-        gang = {"master_addr": master_addr, "master_port": master_port, "formation_deadline": deadline}
-    if job.ranks_open > 0:
-        waiters.claimable(session)  # the gang's other ranks are open to other agents
-    elif job.formation_deadline is not None:
-        gang = {"formation_deadline": None}
-    if gang:
-        await session.execute(_GANG, {"job_id": job.id, "updated_at": now, **gang})
+    master_addr, master_port = await _meet(session, settings, agent, job, rank, now)
     token = secrets.token_urlsafe(32)  # a new lease token: only its hash is kept
     assignment = wire.Assignment(
         job_id=job.id,
@@ -355,28 +392,57 @@ async def claim(
         lease_token=token,
         lease_expires_at=now + datetime.timedelta(seconds=settings.lease_seconds),
     )
-    # The attempt and its state event as Core INSERTs: the claim makes no ORM object of its own.
+    await _record_attempt(session, agent, claim_key, assignment)
+    return assignment
+
+
+async def _meet(
+    session: AsyncSession, settings: Settings, agent: Caller | None, job: Row[Any], rank: int, now: datetime.datetime
+) -> tuple[str | None, int | None]:
+    """Where the claimed rank's gang meets: a gang's rank 0 sets it and the deadline to form by; its last rank
+    clears that deadline."""
+    master_addr, master_port = job.master_addr, job.master_port
+    gang: dict[str, object] = {}
+    if rank == 0 and job.world_size > 1 and agent is not None:
+        master_addr = agent.private_address or agent.address  # the gang meets on the private link
+        master_port = rendezvous_port(settings, job.id, job.attempts_made)
+        deadline = now + datetime.timedelta(seconds=settings.gang_form_seconds)
+        gang = {"master_addr": master_addr, "master_port": master_port, "formation_deadline": deadline}
+    if job.ranks_open > 0:
+        waiters.claimable(session)  # the gang's other ranks are open to other agents
+    elif job.formation_deadline is not None:
+        gang = {"formation_deadline": None}
+    if gang:
+        await session.execute(_GANG, {"job_id": job.id, "updated_at": now, **gang})
+    return master_addr, master_port
+
+
+async def _record_attempt(
+    session: AsyncSession, agent: Caller | None, claim_key: str | None, assignment: wire.Assignment
+) -> None:
+    """The claim's attempt and its state event, as Core INSERTs: the claim makes no ORM object of its own."""
     await session.execute(
         _NEW_ATTEMPT,
         {
             "id": assignment.attempt_id,
-            "job_id": job.id,
+            "job_id": assignment.job_id,
             "number": assignment.number,
-            "rank": rank,
+            "rank": assignment.rank,
             "agent_id": None if agent is None else agent.id,
             "state": J.LEASED,
             "claim_key": claim_key,
-            "master_addr": master_addr,
-            "master_port": master_port,
-            "lease_token_hash": hash_secret(token),
+            "master_addr": assignment.master_addr,
+            "master_port": assignment.master_port,
+            "lease_token_hash": hash_secret(assignment.lease_token),
             "lease_expires_at": assignment.lease_expires_at,
         },
     )
     await session.execute(
         lifecycle.NEW_EVENT,
-        lifecycle.claim_event(job.experiment_id, job.id, assignment.attempt_id, rank, assignment.number),
+        lifecycle.claim_event(
+            assignment.experiment_id, assignment.job_id, assignment.attempt_id, assignment.rank, assignment.number
+        ),
     )
-    return assignment
 
 
 async def _settle(session: AsyncSession, job: models.Job, ended: models.Attempt) -> Ended:

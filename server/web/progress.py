@@ -109,48 +109,16 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
     plan = views.plan_of(experiment)
     updates = plan.training.updates
     arms = await recording.arms_of(session, experiment.id)
-    jobs = {
-        job.arm: job
-        for job in await session.scalars(
-            select(models.Job)
-            .filter_by(experiment_id=experiment.id, kind="train")
-            .order_by(models.Job.queued_at, models.Job.id)
-        )
-    }
-    job_ids = [job.id for job in jobs.values()]
-    attempts = list(
-        await session.scalars(
-            select(models.Attempt)
-            .where(models.Attempt.job_id.in_(job_ids))
-            .order_by(models.Attempt.number, models.Attempt.rank)
-        )
-    )
+    jobs = await _train_jobs(session, experiment.id)
+    attempts = await _attempts_of(session, [job.id for job in jobs.values()])
     steps = await _steps(session, [attempt.id for attempt in attempts])
     progress = []
     for name in plan.trained_arms():
         arm, job = arms[name], jobs.get(name)
         mine = [attempt for attempt in attempts if job is not None and attempt.job_id == job.id]
-        losses: dict[int, float] = {}
-        for attempt in mine:
-            if attempt.rank == 0:
-                losses.update((s.step, s.loss) for s in steps[attempt.id].values())
+        losses = _rank0_losses(mine, steps)
         current = [attempt for attempt in mine if job is not None and attempt.number == job.attempts_made]
-        ranks = []
-        for attempt in current:
-            done = steps[attempt.id]
-            written = [s.written_bytes for s in done.values() if s.written_bytes is not None]
-            ranks.append(
-                RankProgress(
-                    rank=attempt.rank,
-                    attempt=attempt.number,
-                    state=attempt.state,
-                    done=max(done, default=0),
-                    total=updates,
-                    updated_at=max((s.at for s in done.values()), default=None),
-                    median_seconds=statistics.median(s.seconds for s in done.values()) if done else None,
-                    written_per_update=statistics.fmean(written) if written else None,
-                )
-            )
+        ranks = [_rank_progress(attempt, steps[attempt.id], updates) for attempt in current]
         described = plan.arm_plan(name)
         every = described.sync_every if described.role == "diloco" else None
         progress.append(
@@ -168,6 +136,52 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
             )
         )
     return progress
+
+
+async def _train_jobs(session: AsyncSession, experiment_id: uuid.UUID) -> dict[str | None, models.Job]:
+    """The experiment's train job per arm (the last queued, should an arm have had more than one)."""
+    return {
+        job.arm: job
+        for job in await session.scalars(
+            select(models.Job)
+            .filter_by(experiment_id=experiment_id, kind="train")
+            .order_by(models.Job.queued_at, models.Job.id)
+        )
+    }
+
+
+async def _attempts_of(session: AsyncSession, job_ids: Sequence[uuid.UUID]) -> list[models.Attempt]:
+    """The jobs' attempts, by generation and then rank."""
+    return list(
+        await session.scalars(
+            select(models.Attempt)
+            .where(models.Attempt.job_id.in_(job_ids))
+            .order_by(models.Attempt.number, models.Attempt.rank)
+        )
+    )
+
+
+def _rank0_losses(attempts: Sequence[models.Attempt], steps: dict[uuid.UUID, dict[int, Step]]) -> dict[int, float]:
+    """Rank 0's loss per update, a later generation's steps replacing an earlier one's."""
+    losses: dict[int, float] = {}
+    for attempt in attempts:
+        if attempt.rank == 0:
+            losses.update((s.step, s.loss) for s in steps[attempt.id].values())
+    return losses
+
+
+def _rank_progress(attempt: models.Attempt, done: dict[int, Step], updates: int) -> RankProgress:
+    written = [s.written_bytes for s in done.values() if s.written_bytes is not None]
+    return RankProgress(
+        rank=attempt.rank,
+        attempt=attempt.number,
+        state=attempt.state,
+        done=max(done, default=0),
+        total=updates,
+        updated_at=max((s.at for s in done.values()), default=None),
+        median_seconds=statistics.median(s.seconds for s in done.values()) if done else None,
+        written_per_update=statistics.fmean(written) if written else None,
+    )
 
 
 def _synchronization(world_size: int, every: int | None, arm: ArmPlan) -> str:
