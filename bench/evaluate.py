@@ -25,6 +25,7 @@ from experiment.core import tasks  # noqa: E402
 from experiment.learning import corpus, decoding, evaluation  # noqa: E402
 from experiment.seed import seedmodel, seedtokenizer  # noqa: E402
 from tests.support.greedy import hf_greedy as one_at_a_time  # noqa: E402  (the reference's method)
+from tests.support.greedy import hf_model  # noqa: E402
 
 
 def _timed(run: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
@@ -47,6 +48,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     tokenizer = seedtokenizer.read_tokenizer(args.model_dir)
     model = seedmodel.load_model(args.model_dir).eval()
+    reference_model = hf_model(args.model_dir)  # the reference's method runs transformers' own model
     eos, pad = tokenizer.eos_id, tokenizer.pad_id
     prompts = [
         corpus.prompt_ids(tokenizer, tasks.render_prompt(tasks.make_case(2026091301, "test", i)))
@@ -56,7 +58,7 @@ def main() -> None:
     batch_sizes = sorted({chosen, *(int(size) for size in args.batch_sizes.split(","))})
 
     def alone() -> list[list[int]]:
-        return [one_at_a_time(model, p, eos, pad, args.max_new_tokens) for p in prompts]
+        return [one_at_a_time(reference_model, p, eos, pad, args.max_new_tokens) for p in prompts]
 
     def batched(size: int) -> Callable[[], list[list[int]]]:
         def run() -> list[list[int]]:

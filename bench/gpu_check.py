@@ -63,7 +63,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from experiment.core import determinism  # noqa: E402
 from experiment.core.plan import Plan, load_plan  # noqa: E402
@@ -78,7 +77,7 @@ from experiment.learning import (  # noqa: E402
     training,
 )
 from experiment.learning.corpus import Document  # noqa: E402
-from experiment.seed import seedmodel  # noqa: E402
+from experiment.seed import llama, seedmodel  # noqa: E402
 from experiment.serving.replica import ReplicaSpec  # noqa: E402
 
 REFERENCE_PLAN = ROOT / "plans" / "reference.toml"
@@ -114,15 +113,21 @@ def llama_parameters(shape: dict[str, Any]) -> int:
     return memory.Shape.of(shape).parameters
 
 
-def config(shape: dict[str, Any]) -> LlamaConfig:
-    return LlamaConfig(**shape, attn_implementation="sdpa", bos_token_id=1, eos_token_id=2, pad_token_id=2)
+def config_json(shape: dict[str, Any]) -> dict[str, Any]:
+    """A Llama config.json of a shape, as a seed folder holds it."""
+    return shape | {"model_type": "llama", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def config(shape: dict[str, Any]) -> llama.Config:
+    """The production model's config of a shape (experiment.seed.llama, the model coop trains and evaluates)."""
+    return llama.Config.of(config_json(shape))
 
 
 def build(shape: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised model, the same one for the same seed (the replay's start)."""
     torch.manual_seed(seed)
     with device:
-        model: torch.nn.Module = LlamaForCausalLM(config(shape))
+        model: torch.nn.Module = llama.Llama(config(shape))
     return model
 
 
@@ -250,7 +255,7 @@ def deterministic_mode(device: torch.device) -> dict[str, Any]:
 def shape_check(shape: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The reference shape counted on the meta device (no memory), against the plan and the shape's own formula."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config(SMOLLM2_1_7B))
+        model = llama.Llama(config(SMOLLM2_1_7B))
     counted = sum(p.numel() for p in model.parameters())  # a tied tensor is one parameter
     small = llama_parameters(shape)
     return {
@@ -504,8 +509,9 @@ def save_trained(plan: Plan, shape: dict[str, Any], device: torch.device, work: 
         trainer.accumulate(list(range(8)))
         trainer.step(1)
         layout = seed_layout(model)
-        configs = work / "configs"
+        configs = work / "configs"  # the seed folder's files a checkpoint copies beside its weights
         configs.mkdir()
+        (configs / "config.json").write_text(json.dumps(config_json(shape)))
         digest = distributed.parameter_digest(model)
         optimizer = trainer.optimizer
         reset_peak(device)
@@ -632,7 +638,7 @@ def finite_rows(model: torch.nn.Module, prompts: list[list[int]], pad: int, devi
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    logits = model(ids, attention_mask=mask)[:, -1]
     return int(torch.isfinite(logits).all(dim=-1).sum())
 
 

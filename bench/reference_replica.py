@@ -32,7 +32,9 @@ class Reply(msgspec.Struct, frozen=True):
 def create_app(home: Path, model_dir: Path, tokens: int) -> Litestar:
     prompts = {item.id: item.prompt_ids for item in load_prepared(home).task_items("dev")}
     tokenizer = seedmodel.load_tokenizer(model_dir)
-    model = seedmodel.load_model(model_dir).eval()
+    from transformers import LlamaForCausalLM  # the reference replica is transformers' generate, not coop's model
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32).eval()
     pad = int(tokenizer.pad_token_id)
     lock = asyncio.Lock()
 

@@ -182,7 +182,7 @@ def finetune(model: Any, docs: list[tuple[list[int], list[int], float]], peak: f
         weighted = sum(w * sum(1 for x in labels if x != -100) for _, labels, w in batch)
         total = 0.0
         for ids, labels, weight in batch:
-            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+            logits = model(torch.tensor([ids]))[0, :-1].float()
             target = torch.tensor(labels[1:])
             loss_sum = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
             (loss_sum * weight / weighted).backward()

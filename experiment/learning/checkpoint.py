@@ -40,9 +40,6 @@ from experiment.seed.seedfiles import TensorLayout, layout_differences
 
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
-# What the checkpoint writes itself; the seed's other files (tokenizer, chat template) are copied beside them so
-# that a checkpoint's model/ is a complete model folder. Weights in any other file (shards, their index) stay out.
-MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS)
 # Room a checkpoint takes beyond its tensors and the seed's files: the configs, the receipt, the pointer, and the
 # framing of torch.save's archives (a few KiB each); file system blocks round every file up as well.
 SLACK_BYTES = 1 << 20
@@ -60,13 +57,10 @@ def _tensor_bytes(state: Any) -> int:
 
 
 def _seed_files(seed_dir: Path) -> list[Path]:
-    """The seed's files a checkpoint's model folder copies (its tokenizer, chat template): all but the weights and
-    the files the checkpoint writes itself."""
-    return [
-        source
-        for source in sorted(seed_dir.iterdir())
-        if source.is_file() and source.name not in MODEL_FILES and ".safetensors" not in source.name
-    ]
+    """The seed's files a checkpoint's model folder copies beside its weights, so that it is a complete model folder:
+    configs, tokenizer, chat template. The trained weights have the seed's shapes (the tensor layout), so the seed's
+    config.json describes them. Weights in any other file (shards, their index) stay out."""
+    return [source for source in sorted(seed_dir.iterdir()) if source.is_file() and ".safetensors" not in source.name]
 
 
 def space_needed(
@@ -123,13 +117,7 @@ def _in_layout(model: torch.nn.Module, layout: TensorLayout) -> dict[str, torch.
 
 
 def _save_model(model: torch.nn.Module, folder: Path, layout: TensorLayout) -> None:
-    """The weights and configs as a Hugging Face model folder, on every rank (transformers' save_pretrained
-    writes nothing on a rank other than 0 once torch.distributed is initialised; each host needs its own copy)."""
-    config: Any = getattr(model, "config")  # noqa: B009 (a transformers model)
-    config.save_pretrained(folder)
-    generation: Any = getattr(model, "generation_config", None)
-    if generation is not None:
-        generation.save_pretrained(folder)
+    """The weights in the seed's layout, on every rank: each host keeps its own copy."""
     safetensors.torch.save_file(_in_layout(model, layout), str(folder / WEIGHTS), metadata={"format": "pt"})
 
 

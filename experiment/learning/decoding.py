@@ -1,27 +1,24 @@
 """Batched greedy decoding with a reserved KV cache: every prompt's output ids are those transformers' greedy generate
 gives that prompt alone, one prompt at a time, and on a CPU several times as fast (bench/evaluate.py).
 
-The cache's layers subclass transformers' DynamicLayer, an internal, because the model's attention writes and reads
-the cache through that interface; ours writes in place into buffers reserved for the whole generation, where
-DynamicLayer copies the whole cache to grow it every step. A transformers upgrade that changes the interface fails
-tests/integration/test_decoding.py."""
+The cache writes in place into buffers reserved for the whole generation, where transformers' DynamicLayer copies
+the whole cache to grow it every step. tests/integration/test_decoding.py holds the ids to transformers' generate."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from experiment.learning.answers import Generation as Generation
+from experiment.seed.llama import Llama
 
 PREFILL_ROWS = 16  # the prompts one prefill forward reads: on a CPU, more spill its caches (bench/evaluate.py)
 
 
 @torch.inference_mode()
 def generate(
-    model: torch.nn.Module,
+    model: Llama,
     prompts: Sequence[list[int]],
     eos_id: int,
     pad_id: int,
@@ -43,7 +40,7 @@ def generate(
 
 
 def _decode(
-    model: torch.nn.Module, prompts: Sequence[list[int]], eos_id: int, pad_id: int, max_new_tokens: int
+    model: Llama, prompts: Sequence[list[int]], eos_id: int, pad_id: int, max_new_tokens: int
 ) -> list[Generation]:
     """Greedy decoding of one batch, one token a step on the kept cache; a row that emits EOS leaves the batch,
     and the rest stop together at ``max_new_tokens``."""
@@ -85,14 +82,13 @@ class _Batch:
     """The rows still decoding: the cache of everything they read (they are its first rows), each row's index
     among the batch's prompts, its attention mask over the cache and the position of its last token."""
 
-    def __init__(self, model: torch.nn.Module, prompts: Sequence[list[int]], pad_id: int, max_new_tokens: int):
+    def __init__(self, model: Llama, prompts: Sequence[list[int]], pad_id: int, max_new_tokens: int):
         self.model, self.prompts, self.pad_id = model, prompts, pad_id
         self.device = next(model.parameters()).device
         self.width = max(len(p) for p in prompts)
-        config: Any = getattr(model, "config")  # noqa: B009 (a transformers model)
         capacity = self.width + max_new_tokens
-        self.layers = [_ReservedLayer(len(prompts), capacity) for _ in range(config.num_hidden_layers)]
-        self.cache = Cache(layers=self.layers)
+        self.layers = [_ReservedLayer(len(prompts), capacity) for _ in range(model.config.num_hidden_layers)]
+        self.cache = _ReservedCache(self.layers)
         self.rows = torch.arange(len(prompts), device=self.device)
         self.mask = _mask(prompts, self.width, self.device)
         self.positions = torch.tensor([[len(p) - 1] for p in prompts], device=self.device)
@@ -124,30 +120,35 @@ class _Batch:
         going_on = torch.nonzero(~ended).squeeze(-1)
         kept = torch.arange(len(going_on), device=self.device)
         kept[torch.nonzero(ended[: len(going_on)]).squeeze(-1)] = going_on[going_on >= len(going_on)]
-        self.cache.batch_select_indices(kept)
+        for layer in self.layers:
+            layer.batch_select_indices(kept)
         self.rows, self.mask, self.positions = self.rows[kept], self.mask[kept], self.positions[kept]
         return kept
 
     def _greedy(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
+            input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, logits_to_keep=1
+        )
         tokens: torch.Tensor = logits[:, -1, :].argmax(dim=-1)
         return tokens
 
 
-class _ReservedLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyped here
+class _ReservedCache:
+    """The model's KV cache (llama.KVCache): one reserved layer a decoder layer."""
+
+    def __init__(self, layers: list[_ReservedLayer]) -> None:
+        self.layers = layers
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].update(keys, values)
+
+
+class _ReservedLayer:
     """One decoder layer's keys and values for a batch, in buffers reserved for the whole generation: an update
     writes its positions in place, where a DynamicLayer copies the whole cache to grow it. Rows still decoding
     are the first ``rows``; the model sees their first ``length`` positions."""
 
     def __init__(self, rows: int, capacity: int) -> None:
-        super().__init__()
         self.rows, self.capacity, self.length = rows, capacity, 0
         self.target: tuple[int, int] | None = None
         self.reserved = False
@@ -159,16 +160,13 @@ class _ReservedLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unt
     def filled(self, length: int) -> None:
         """The prefill is done: every row holds ``length`` positions, and updates append."""
         self.target, self.length = None, length
-        self._views()
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.reserved:
             _, heads, _, dim = key_states.shape
             self.key_buffer = key_states.new_empty(self.rows, heads, self.capacity, dim)
             self.value_buffer = value_states.new_empty(self.rows, heads, self.capacity, value_states.shape[-1])
-            self.device, self.is_initialized, self.reserved = key_states.device, True, True
+            self.reserved = True
         if self.target is not None:
             first, column = self.target
             rows, end = slice(first, first + key_states.shape[0]), column + key_states.shape[-2]
@@ -182,9 +180,6 @@ class _ReservedLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unt
         self.length = end
         return self._views()
 
-    def get_seq_length(self) -> int:
-        return 0 if self.target is not None else self.length
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Row i becomes what row ``indices[i]`` was. Only the rows that move are copied, in place: a row may move
         only into a place that no kept row comes from (as _Batch.leave moves them)."""
@@ -193,9 +188,6 @@ class _ReservedLayer(DynamicLayer):  # type: ignore[misc]  # transformers is unt
         for buffer in (self.key_buffer, self.value_buffer):
             buffer[moved, :, : self.length] = buffer[sources, :, : self.length]
         self.rows = len(indices)
-        self._views()
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = self.key_buffer[: self.rows, :, : self.length]
-        self.values = self.value_buffer[: self.rows, :, : self.length]
-        return self.keys, self.values
+        return self.key_buffer[: self.rows, :, : self.length], self.value_buffer[: self.rows, :, : self.length]

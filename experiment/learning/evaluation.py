@@ -25,6 +25,7 @@ from experiment.learning.events import EvaluatedEvent
 from experiment.learning.records import Answer, Candidate, RetentionScore, Summary
 from experiment.learning.selection import candidate_for, read_selection, same_model, selection_identity
 from experiment.seed import seedmodel
+from experiment.seed.llama import Llama
 from experiment.seed.seedfiles import verify_seed
 from experiment.seed.seedtokenizer import SeedTokenizer, read_tokenizer
 
@@ -51,7 +52,7 @@ def retention_score(model: torch.nn.Module, probe: Probe) -> RetentionScore:
     """Mean nats per answer token of one retention probe: the logits in the model's dtype (the plan's numerics),
     the cross-entropy over them in float32."""
     device = next(model.parameters()).device
-    logits = model(input_ids=torch.tensor([probe.input_ids], device=device)).logits[0, :-1].float()
+    logits = model(torch.tensor([probe.input_ids], device=device))[0, :-1].float()
     labels = torch.tensor(probe.labels[1:], device=device)
     total = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
     return RetentionScore(id=probe.id, targets=probe.targets, mean_nats=float(total) / probe.targets)
@@ -113,7 +114,7 @@ def _gate(
 class _Answerer:
     """The model that answers, with everything its greedy generation is fixed by."""
 
-    model: torch.nn.Module
+    model: Llama
     tokenizer: SeedTokenizer
     eos_id: int
     pad_id: int
@@ -146,7 +147,7 @@ def _answerer(home: Path, model_dir: Path, plan: Plan, candidate: Candidate, bat
     )
 
 
-def answering_model(model: torch.nn.Module, device: str, numerics: Numerics) -> torch.nn.Module:
+def answering_model(model: Llama, device: str, numerics: Numerics) -> Llama:
     """``model`` on ``device``, its weights (and so every activation) in the plan's numerics, for inference: the
     numbers a replica of the same checkpoint serves in (replica.ReplicaSpec.dtype)."""
     return model.to(device=torch.device(device), dtype=NUMERICS_DTYPE[numerics]).eval()

@@ -25,7 +25,6 @@ import safetensors
 import tokenizers
 import torch
 import torch.distributed as dist
-import transformers
 
 from experiment.core import determinism
 from experiment.core.canonical import canonical_bytes
@@ -136,7 +135,7 @@ def numerical_profile(plan: Plan, device: torch.device) -> NumericalProfile:
     """The whole profile: the shared part, then the machine part."""
     shared_part: NumericalProfile = {
         "torch": str(torch.__version__),
-        "transformers": transformers.__version__,
+        "transformers": importlib.metadata.version("transformers"),  # the prepared tokens' tokenizer, unimported
         "tokenizers": tokenizers.__version__,
         "safetensors": safetensors.__version__,
         "numpy": numpy.__version__,

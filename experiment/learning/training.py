@@ -123,7 +123,7 @@ def document_loss_sum(model: torch.nn.Module, document: Document, device: torch.
     labelled = torch.nonzero(labels != -100).flatten()
     cast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast == "bf16" else contextlib.nullcontext()
     with cast:
-        logits = model(input_ids=input_ids, logits_to_keep=labelled).logits
+        logits = model(input_ids, logits_to_keep=labelled)
     return torch.nn.functional.cross_entropy(logits[0].float(), labels[labelled], reduction="sum")
 
 

@@ -1,4 +1,5 @@
-"""Seed models loaded by transformers (torch): the model, transformers' tokenizer, and the tiny seed's tokens.
+"""Seed models: the model (experiment.seed.llama, torch without transformers), transformers' tokenizer for the few
+callers that want it, and the tiny seed's tokens.
 
 A seed folder's snapshot, verification and tensor layout are read without torch (experiment.seed.seedfiles), and so
 is its tokenizer (experiment.seed.seedtokenizer); their names are here too, for the callers that load models."""
@@ -6,13 +7,10 @@ is its tokenizer (experiment.seed.seedtokenizer); their names are here too, for 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import transformers
-from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
-
-from experiment.core.errors import CoopError
 from experiment.core.progress import Emit
+from experiment.seed import llama
 from experiment.seed.seedfiles import Snapshot as Snapshot
 from experiment.seed.seedfiles import TensorLayout as TensorLayout
 from experiment.seed.seedfiles import count_parameters as count_parameters
@@ -25,7 +23,8 @@ from experiment.seed.seedfiles import verify_seed as verify_seed
 from experiment.seed.seedtokenizer import load_transformers_tokenizer
 from experiment.seed.seedtokenizer import tokenizer_identity as tokenizer_identity
 
-transformers.logging.disable_progress_bar()  # coop's own events report progress
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -47,9 +46,6 @@ def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(directory: Path) -> LlamaForCausalLM:
-    try:
-        model = LlamaForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise CoopError(f"cannot load the model from {directory}: {exc}") from exc
-    return model
+def load_model(directory: Path) -> llama.Llama:
+    """The model of a seed or checkpoint folder, in float32 on the CPU."""
+    return llama.load(directory)

@@ -1,7 +1,7 @@
 """The batched greedy decoder (experiment.learning.decoding) on the real SmolLM2-135M-Instruct seed: the ids
-transformers' own greedy generate gives one prompt at a time. The decoder's cache subclasses a transformers internal
-(DynamicLayer), so a transformers upgrade that changes it fails here. The tiny seed's longer decodings, with rows
-leaving their batch, are in test_evaluation_report.py."""
+transformers' own greedy generate gives one prompt at a time, with transformers' model of the same folder. The tiny
+seed's longer decodings, with rows leaving their batch, are in test_evaluation_report.py; the model's logits and
+gradients against transformers' are in tests/unit/test_llama.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from experiment.core import tasks
 from experiment.learning import corpus, decoding
 from experiment.seed import seedmodel, seedtokenizer
-from tests.support.greedy import hf_greedy
+from tests.support.greedy import hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -27,4 +27,5 @@ def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(smollm2: Pat
     ]
     assert len({len(p) for p in prompts}) > 1  # the batches are padded
     batched = decoding.generate(model, prompts, eos, pad, 48, batch_size=4)  # two batches: 4 and 2 prompts
-    assert [g.output_ids for g in batched] == [hf_greedy(model, p, eos, pad, 48) for p in prompts]
+    truth = hf_model(smollm2)
+    assert [g.output_ids for g in batched] == [hf_greedy(truth, p, eos, pad, 48) for p in prompts]

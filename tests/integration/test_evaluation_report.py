@@ -24,7 +24,7 @@ from experiment.learning import corpus, decoding, evaluation, selection
 from experiment.report import bundle, recompute
 from experiment.seed import seedmodel, seedtokenizer
 from tests.conftest import write_plan
-from tests.support.greedy import hf_greedy
+from tests.support.greedy import hf_greedy, hf_model
 from tests.support.processes import coop_train
 
 Seed = tuple[Path, seedmodel.Snapshot]
@@ -94,7 +94,8 @@ def test_batched_generation_equals_hf_generate_one_prompt_at_a_time(monkeypatch:
     # 72 prompts in three batches of 24, each prefilled in two groups of its own width (16 and 8 prompts).
     assert decoding.PREFILL_ROWS == 16
     batched = decoding.generate(model, prompts, eos, pad, 96, batch_size=24)
-    reference = [hf_greedy(model, p, eos, pad, 96) for p in prompts]
+    truth = hf_model(TINY)
+    reference = [hf_greedy(truth, p, eos, pad, 96) for p in prompts]
     assert [g.output_ids for g in batched] == reference
     for generation, ids in zip(batched, reference, strict=True):
         assert generation.ended_with_eos == (ids[-1] == eos)
@@ -115,7 +116,8 @@ def test_bfloat16_numerics_answer_as_hf_generate_does_in_bfloat16() -> None:
     ]
     eos, pad = tokenizer.eos_id, tokenizer.pad_id
     batched = [g.output_ids for g in decoding.generate(model, prompts, eos, pad, 96, batch_size=16)]
-    assert batched == [hf_greedy(model, p, eos, pad, 96) for p in prompts]
+    truth = hf_model(TINY, torch.bfloat16)
+    assert batched == [hf_greedy(truth, p, eos, pad, 96) for p in prompts]
     in_float32 = evaluation.answering_model(seedmodel.load_model(TINY), "cpu", "float32")
     assert batched != [g.output_ids for g in decoding.generate(in_float32, prompts, eos, pad, 96, batch_size=16)]
 

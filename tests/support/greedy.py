@@ -1,15 +1,25 @@
-"""The independent truth for greedy decoding: transformers' own generate, on one unpadded prompt at a time."""
+"""The independent truth for the seed's model: transformers' own LlamaForCausalLM of the same folder, and its
+generate on one unpadded prompt at a time."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 
+def hf_model(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model of a seed or checkpoint folder, in ``dtype``, for inference."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).to(dtype).eval()
+
+
 @torch.no_grad()
 def hf_greedy(model: Any, prompt: list[int], eos: int, pad: int, max_new_tokens: int) -> list[int]:
-    """The greedy output ids of ``prompt`` through the first EOS, by ``model.generate`` with no padding."""
+    """The greedy output ids of ``prompt`` through the first EOS, by transformers' ``model.generate`` with no
+    padding."""
     output = model.generate(
         input_ids=torch.tensor([prompt], device=model.device),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),

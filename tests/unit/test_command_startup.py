@@ -184,3 +184,22 @@ def test_the_agents_doctor_with_a_plan_loads_neither_torch_nor_transformers(tmp_
     lines = done.stdout.splitlines()
     assert "ok    seed: " in done.stdout and "FAIL  coordinator: " in done.stdout, done.stdout + done.stderr
     assert lines[-2:] == ["exit 2", "loaded:"], done.stdout
+
+
+def test_the_commands_that_train_evaluate_and_check_load_torch_without_transformers() -> None:
+    """Training, evaluation, the canary and the rerun compute with the seed's own Llama (experiment.seed.llama):
+    a process that loads the tiny seed and answers with it never imports transformers, whose import alone costs
+    each such process seconds of CPU."""
+    program = (
+        "import sys, torch\n"
+        "from experiment.learning import training, evaluation, rerun, decoding\n"
+        "from experiment.serving import canary\n"
+        f"model = evaluation.answering_model(training.seedmodel.load_model(__import__('pathlib').Path({str(TINY)!r})),"
+        " 'cpu', 'float32')\n"
+        "print(decoding.generate(model, [[1, 2, 3]], eos_id=2, pad_id=0, max_new_tokens=4, batch_size=1)[0])\n"
+        "print('loaded:', *sorted(n for n in ('torch', 'transformers') if n in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    lines = done.stdout.splitlines()
+    assert lines and lines[-1] == "loaded: torch", done.stdout + done.stderr
+    assert lines[0].startswith("Generation(output_ids=["), done.stdout

@@ -41,6 +41,7 @@ from experiment.seed.tinyseed import (
     encoder_of,
     synthetic_conversation,
 )
+from tests.support.greedy import hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +73,7 @@ def test_snapshot_lists_model_tokenizer_and_generation_files(built: tuple[Path, 
     out, snapshot = built
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= set(snapshot.files)
     assert snapshot == snapshot_of(out)
-    assert snapshot.parameters == count_parameters(out) == load_model(out).num_parameters()
+    assert snapshot.parameters == count_parameters(out) == sum(p.numel() for p in load_model(out).parameters())
 
 
 def _tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> list[str]:
@@ -282,7 +283,7 @@ def test_a_probe_counts_as_copied_only_when_every_answer_token_is_the_greedy_one
     built: tuple[Path, Snapshot],
 ) -> None:
     tokenizer = load_tokenizer(built[0])
-    model = load_model(built[0]).eval()
+    model = hf_model(built[0])  # the model tinyseed's pretraining probes: transformers'
     ids, labels = copy_probes(encoder_of(tokenizer))["plain"][0]
     prompt = ids[: next(i for i, label in enumerate(labels) if label != IGNORE)]
     greedy: list[int] = []
