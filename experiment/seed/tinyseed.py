@@ -28,6 +28,8 @@ from experiment.core.tasks import CITIES, STATUSES, Record
 from experiment.seed.seedfiles import Snapshot, snapshot_of
 from experiment.seed.seedmodel import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, Progress
 
+transformers.logging.disable_progress_bar()  # coop's own events report progress
+
 # The general conversations the seed pre-trains on: the local plan's replay set. Its retention probes stay out, as
 # the reference seed never saw the reference's probes: they measure what a fine-tune costs the seed's conversation
 # on text it has not learnt by rote (a seed trained on them measures their forgetting instead; README).
@@ -451,6 +453,47 @@ def _probe(model: LlamaForCausalLM, probes: dict[str, list[Row]], pad_id: int, s
     return {"event": "copy-probe", "step": step, **found, "of": COPY_PROBES}
 
 
+class _Curriculum:
+    """Each pre-training step's rows: repeated random sequences (the induction steps, and every
+    ``induction_every``-th), replayed conversations (every ``conversation_every``-th, shuffled once per pass), else
+    the next synthetic conversations."""
+
+    def __init__(
+        self, config: SeedConfig, encoder: _Encoder, conversations: list[tuple[list[int], list[int]]], vocab: int
+    ) -> None:
+        self.config, self.encoder, self.conversations, self.vocab = config, encoder, conversations, vocab
+        self.order = random.Random(config.seed)
+        self.repeats = random.Random(f"induction:{config.seed}")
+        self.queue: list[int] = []
+        self.example = 0
+
+    def rows(self, step: int) -> list[tuple[list[int], list[int]]]:
+        config = self.config
+        if step < config.induction_steps or (config.induction_every and step % config.induction_every == 0):
+            return [_repeated_sequence(self.repeats, self.vocab) for _ in range(config.batch_size)]
+        if config.conversation_every and step % config.conversation_every == config.conversation_every - 1:
+            rows = []
+            for _ in range(config.conversation_batch):
+                if not self.queue:
+                    self.queue = list(range(len(self.conversations)))
+                    self.order.shuffle(self.queue)
+                rows.append(self.conversations[self.queue.pop()])
+            return rows
+        first, self.example = self.example, self.example + config.batch_size
+        return [self.encoder.encode(synthetic_conversation(first + j, config)) for j in range(config.batch_size)]
+
+
+def _optimizer(config: SeedConfig, model: LlamaForCausalLM) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
 def _pretrain(
     config: SeedConfig,
     model: LlamaForCausalLM,
@@ -462,35 +505,12 @@ def _pretrain(
     probe_every: int,
 ) -> None:
     device = torch.device(config.device)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.peak_lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
-    order = random.Random(config.seed)
-    repeats = random.Random(f"induction:{config.seed}")
-    vocab = int(model.config.vocab_size)
-    conversation_queue: list[int] = []
-    example = 0
+    optimizer = _optimizer(config, model)
+    curriculum = _Curriculum(config, encoder, conversations, int(model.config.vocab_size))
     model.train()
     started = time.monotonic()
     for step in range(config.pretrain_steps):
-        if step < config.induction_steps or (config.induction_every and step % config.induction_every == 0):
-            rows = [_repeated_sequence(repeats, vocab) for _ in range(config.batch_size)]
-        elif config.conversation_every and step % config.conversation_every == config.conversation_every - 1:
-            rows = []
-            for _ in range(config.conversation_batch):
-                if not conversation_queue:
-                    conversation_queue = list(range(len(conversations)))
-                    order.shuffle(conversation_queue)
-                rows.append(conversations[conversation_queue.pop()])
-        else:
-            rows = [encoder.encode(synthetic_conversation(example + j, config)) for j in range(config.batch_size)]
-            example += config.batch_size
-        ids, mask, labels = (tensor.to(device) for tensor in _pad(rows, pad_id))
+        ids, mask, labels = (tensor.to(device) for tensor in _pad(curriculum.rows(step), pad_id))
         for group in optimizer.param_groups:
             group["lr"] = _lr(config, step)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -503,13 +523,15 @@ def _pretrain(
         if progress is not None and probes and probe_every and (step + 1) % probe_every == 0:
             progress(_probe(model, probes, pad_id, step + 1))
         if progress is not None:
+            seconds = round(time.monotonic() - started, 1)
+            loss_value = round(float(loss.item()), 4)
             progress(
                 {
                     "event": "pretrain",
                     "step": step + 1,
                     "steps": config.pretrain_steps,
-                    "loss": round(float(loss.item()), 4),
-                    "seconds": round(time.monotonic() - started, 1),
+                    "loss": loss_value,
+                    "seconds": seconds,
                 }
             )
 
