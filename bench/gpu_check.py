@@ -126,9 +126,11 @@ def config(shape: dict[str, Any]) -> llama.Config:
 def build(shape: dict[str, Any], device: torch.device, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised model, the same one for the same seed (the replay's start)."""
     torch.manual_seed(seed)
-    with device:
-        model: torch.nn.Module = llama.Llama(config(shape))
-    return model
+    model = llama.Llama(config(shape), device)
+    with torch.no_grad():  # transformers' initialisation: normal(0, 0.02), the norms' weights 1
+        for name, parameter in model.named_parameters():
+            parameter.fill_(1.0) if name.endswith("norm.weight") else parameter.normal_(0.0, 0.02)
+    return model.to(device)  # the rotary embedding's frequencies too
 
 
 def clock(device: torch.device) -> float:

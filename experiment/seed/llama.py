@@ -95,13 +95,15 @@ class KVCache(Protocol):
 
 class Llama(nn.Module):
     """LlamaForCausalLM's modules under its names: ``model`` (embeddings, decoder layers, final norm, rotary
-    embedding) and ``lm_head``, tied to the embeddings when the config says so."""
+    embedding) and ``lm_head``, tied to the embeddings when the config says so. The parameters are allocated on
+    ``device`` and left uninitialised: ``load`` fills them from a folder. (No initialiser runs: on the meta device
+    the first one would import torch's compiler, a second of CPU a process.)"""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, device: torch.device | str = "meta") -> None:
         super().__init__()
         self.config = config
-        self.model = _Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = _Body(config, torch.device(device))
+        self.lm_head = _Linear(config.hidden_size, config.vocab_size, torch.device(device))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -131,8 +133,7 @@ def load(model_dir: Path) -> Llama:
         raise CoopError(f"cannot load the model from {model_dir}: {exc}") from exc
     if config.tie_word_embeddings and "model.embed_tokens.weight" not in tensors and "lm_head.weight" in tensors:
         tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")  # the tied pair under its other name
-    with torch.device("meta"):
-        model = Llama(config)
+    model = Llama(config)
     expected = {name for name, _ in model.named_parameters()}  # a tied weight under its first name
     problems = [f"missing {name}" for name in sorted(expected - tensors.keys())]
     problems += [f"extra {name}" for name in sorted(tensors.keys() - expected)]
@@ -147,12 +148,36 @@ def load(model_dir: Path) -> Llama:
     return model
 
 
-class _Body(nn.Module):
-    def __init__(self, config: Config) -> None:
+class _Linear(nn.Module):
+    """nn.Linear without a bias or an initialiser: the same ``F.linear``."""
+
+    def __init__(self, inputs: int, outputs: int, device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList([_DecoderLayer(config, index) for index in range(config.num_hidden_layers)])
-        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.weight = nn.Parameter(torch.empty(outputs, inputs, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class _Embedding(nn.Module):
+    """nn.Embedding without an initialiser: the same ``F.embedding``, the padding id's row getting no gradient."""
+
+    def __init__(self, vocabulary: int, size: int, padding_idx: int | None, device: torch.device) -> None:
+        super().__init__()
+        self.padding_idx = padding_idx
+        self.weight = nn.Parameter(torch.empty(vocabulary, size, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight, self.padding_idx)
+
+
+class _Body(nn.Module):
+    def __init__(self, config: Config, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, config.pad_token_id, device)
+        layers = [_DecoderLayer(config, index, device) for index in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.rotary_emb = _Rotary(config)
 
     def forward(
@@ -188,9 +213,9 @@ def _causal_mask(attention_mask: torch.Tensor | None, reading: int) -> torch.Ten
 
 
 class _RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.empty(size, device=device))
         self.variance_epsilon = eps
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -227,16 +252,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: Config, layer: int) -> None:
+    def __init__(self, config: Config, layer: int, device: torch.device) -> None:
         super().__init__()
         self.layer, self.head_dim = layer, config.head_dim
         self.groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
-        self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.q_proj = _Linear(config.hidden_size, width, device)
+        self.k_proj = _Linear(config.hidden_size, kv_width, device)
+        self.v_proj = _Linear(config.hidden_size, kv_width, device)
+        self.o_proj = _Linear(width, config.hidden_size, device)
 
     def forward(
         self,
@@ -294,23 +319,23 @@ def _repeat(states: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class _MLP(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, device: torch.device) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = _Linear(config.hidden_size, config.intermediate_size, device)
+        self.up_proj = _Linear(config.hidden_size, config.intermediate_size, device)
+        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, config: Config, layer: int) -> None:
+    def __init__(self, config: Config, layer: int, device: torch.device) -> None:
         super().__init__()
-        self.self_attn = _Attention(config, layer)
-        self.mlp = _MLP(config)
-        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = _Attention(config, layer, device)
+        self.mlp = _MLP(config, device)
+        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device)
 
     def forward(
         self,
