@@ -1,5 +1,5 @@
 """The job kinds, one entry each: what a kind's job is given and returns (its wire spec and result types), what
-the protocol asks before it is queued (its lifecycle guard), where it runs, what part of the evidence bundle it
+the protocol asks before it is queued (its guard), where it runs, what part of the evidence bundle it
 writes, what its result may carry and what its success records. Everything that differs between kinds is read
 from here; a new kind is an entry in this table, its wire types (experiment/wire.py) and the agent's handler
 (agent/jobs.py)."""
@@ -22,12 +22,13 @@ from experiment.core.plan import Plan
 from experiment.core.states import JobState
 from server import models
 from server.access import secret
-from server.dispatch import lifecycle, waiters
+from server.dispatch import waiters
 from server.dispatch.lifecycle import Refused
 from server.httperrors import BadRequest
-from server.protocol import recording, replicas
+from server.protocol import guards, recording, replicas
 from server.settings import Settings
 from server.store import listings, views
+from server.store.commitments import Ledger
 
 S = TypeVar("S", bound=wire.Tagged)  # a kind's spec
 R = TypeVar("R", bound=wire.Tagged)  # a kind's result
@@ -124,7 +125,7 @@ class Kind(Generic[S, R]):
     name: wire.JobKind
     spec: type[S]
     result: type[R]
-    guard: Callable[[lifecycle.Proposal], None]  # lifecycle's rule for queueing one
+    guard: Callable[[guards.Proposal], None]  # the protocol's rule for queueing one (guards.py)
     needs_arm: bool = False
     place: Place[S] = _anywhere
     writes: Writes = _writes_nothing  # the bundle folders one writes (docs/evidence.md)
@@ -140,12 +141,12 @@ class Kind(Generic[S, R]):
 TABLE: dict[str, Kind[Any, Any]] = {
     entry.name: entry
     for entry in (
-        Kind("canary", wire.CanarySpec, wire.CanaryResult, lifecycle.guard_canary, place=_canary_gang),
+        Kind("canary", wire.CanarySpec, wire.CanaryResult, guards.guard_canary, place=_canary_gang),
         Kind(
             "prepare",
             wire.PrepareSpec,
             wire.PrepareResult,
-            lifecycle.guard_prepare,
+            guards.guard_prepare,
             writes=_writes_prepared,
             settle=recording.record_prepared,
         ),
@@ -153,7 +154,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             "train",
             wire.TrainSpec,
             wire.TrainResult,
-            lifecycle.guard_train,
+            guards.guard_train,
             needs_arm=True,
             place=_as_gang,
             writes=_writes_run,
@@ -163,18 +164,18 @@ TABLE: dict[str, Kind[Any, Any]] = {
             "evaluate",
             wire.EvaluateSpec,
             wire.EvaluateResult,
-            lifecycle.guard_evaluate,
+            guards.guard_evaluate,
             needs_arm=True,
             place=_on_holder,
             writes=_writes_evaluation,
             answers=_answers,
         ),
-        Kind("select", wire.SelectSpec, wire.SelectResult, lifecycle.guard_select, place=_on_holder),
+        Kind("select", wire.SelectSpec, wire.SelectResult, guards.guard_select, place=_on_holder),
         Kind(
             "replica-start",
             wire.ReplicaStartSpec,
             wire.ReplicaStartResult,
-            lifecycle.guard_replica_job,
+            guards.guard_replica_job,
             needs_arm=True,
             place=_on_pair_host(replicas.place_replica_start),
             serving_token=True,
@@ -184,7 +185,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             "replica-stop",
             wire.ReplicaStopSpec,
             wire.ReplicaStopResult,
-            lifecycle.guard_replica_job,
+            guards.guard_replica_job,
             needs_arm=True,
             place=_on_pair_host(replicas.place_replica_stop),
             serving_token=True,
@@ -194,7 +195,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             "benchmark",
             wire.BenchmarkSpec,
             wire.BenchmarkResult,
-            lifecycle.guard_benchmark,
+            guards.guard_benchmark,
             place=_on_pair_host(replicas.place_benchmark),
             writes=_writes_serving,
             serving=True,
@@ -206,7 +207,7 @@ TABLE: dict[str, Kind[Any, Any]] = {
             "report",
             wire.ReportSpec,
             wire.ReportResult,
-            lifecycle.guard_report,
+            guards.guard_report,
             settle=recording.record_report,
             by_agents=False,
         ),
@@ -271,12 +272,12 @@ async def enqueue(
     experiment: models.Experiment,
     order: Order,
     plan: Plan,
-    ledger: lifecycle.Ledger,
+    ledger: Ledger,
 ) -> models.Job:
     """Queue a job the protocol allows now (the experiment's plan and ledger say), where it must run."""
     kind = of(order.kind)
-    proposal = lifecycle.Proposal(order.kind, experiment.state, ledger, plan, order.arm, order.role)
-    lifecycle.guard_job(proposal, needs_arm=kind.needs_arm)
+    proposal = guards.Proposal(order.kind, experiment.state, ledger, plan, order.arm, order.role)
+    guards.guard_job(proposal, needs_arm=kind.needs_arm)
     kind.guard(proposal)
     placed = await kind.place(session, experiment, order.arm, order.spec)
     job = models.Job(

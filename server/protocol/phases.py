@@ -46,17 +46,16 @@ from server.dispatch.lifecycle import (
     EXPERIMENT_FINAL,
     EXPERIMENT_TRANSITIONS,
     JOB_ACTIVE,
-    Ledger,
     Refused,
     experiment_target,
     move_experiment,
-    report_follows,
-    report_state,
 )
 from server.protocol import canaries, kinds, recording
+from server.protocol.guards import report_follows, report_state
 from server.protocol.kinds import Order
 from server.settings import Settings
 from server.store import commitments, views
+from server.store.commitments import Ledger
 
 E = ExperimentState
 J = JobState

@@ -26,14 +26,9 @@ from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged
 from experiment.core.states import ExperimentState
 from server import models
 from server.dispatch import queue
-from server.dispatch.lifecycle import (
-    Refused,
-    TrainedArm,
-    experiment_target,
-    guard_selection,
-    guard_serving,
-)
+from server.dispatch.lifecycle import Refused, experiment_target
 from server.httperrors import NotFound
+from server.protocol.guards import TrainedArm, guard_selection, guard_serving
 from server.settings import Settings
 from server.store import blobstore, commitments, evidencefiles, views
 

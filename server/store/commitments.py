@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -10,7 +12,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment.core import ledger
 from experiment.core.canonical import JsonObject
 from server import failpoints, models
-from server.dispatch.lifecycle import Ledger
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the experiment's ledger commits so far (kind -> identity)."""
+
+    committed: Mapping[str, str]
+
+    def has(self, entry: str) -> bool:
+        return entry in self.committed
 
 
 def _entry(row: models.Commitment) -> ledger.Entry:
