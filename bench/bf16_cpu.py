@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from experiment.learning import corpus, decoding, training
+from experiment.learning import corpus, decoding, updates
 from experiment.seed import seedmodel
 
 
@@ -25,7 +25,7 @@ def _train_seconds(seed_dir: Path, documents: list[Any], autocast: str) -> tuple
     model = seedmodel.load_model(seed_dir).train()
     start, total = time.perf_counter(), 0.0
     for document in documents:
-        loss = training.document_loss_sum(model, document, torch.device("cpu"), autocast)
+        loss = updates.document_loss_sum(model, document, torch.device("cpu"), autocast)
         loss.backward()
         total += float(loss.detach())
     return time.perf_counter() - start, total

@@ -26,7 +26,7 @@ import torch
 from gpu_check import documents_of, rss_during  # also puts the repository on sys.path
 
 from experiment.core.plan import load_plan
-from experiment.learning import checkpoint, distributed, memory, receipts, training
+from experiment.learning import checkpoint, distributed, memory, receipts, updates
 from experiment.seed import seedimport, seedmodel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +38,9 @@ BINDING = "b" * 64
 Model = TypeVar("Model", bound=torch.nn.Module)
 
 
-def _trainer(model: torch.nn.Module, vocab_size: int) -> training.Trainer:
+def _trainer(model: torch.nn.Module, vocab_size: int) -> updates.Trainer:
     docs = documents_of({"vocab_size": vocab_size}, [64] * 8)
-    return training.Trainer(load_plan(PLAN), WORLD, torch.device("cpu"), model, docs)
+    return updates.Trainer(load_plan(PLAN), WORLD, torch.device("cpu"), model, docs)
 
 
 def save(seed: Path, run: Path) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def load(seed: Path, run: Path) -> dict[str, Any]:
     Trainer's optimizer and RNG state (``checkpoint.load_state``)."""
     pointer = receipts.held(run).pointed[1]
     began = time.monotonic()
-    # transformers maps the weights from the file; reading each (as moving them to a GPU does) makes them resident
+    # safetensors maps the weights from the file; reading each (as moving them to a GPU does) makes them resident
     model, weights = rss_during(lambda: _touched(seedmodel.load_model(receipts.model_dir(run, pointer))))
     with _trainer(model, model.config.vocab_size) as trainer:
         _, state = rss_during(lambda: checkpoint.load_state(run, pointer, trainer.optimizer, torch.device("cpu")))

@@ -49,6 +49,7 @@ def one(seed: Path, home: Path, updates: int) -> dict[str, object]:
     from experiment.learning.corpus import load_prepared
     from experiment.learning.profile import numerical_profile
     from experiment.learning.schedule import schedule
+    from experiment.learning.updates import Trainer
     from experiment.seed import seedmodel
 
     prepared = load_prepared(home)
@@ -58,7 +59,7 @@ def one(seed: Path, home: Path, updates: int) -> dict[str, object]:
     model = seedmodel.load_model(seed)
     model.train()
     world = distributed.World(0, 1, "127.0.0.1", 29500)
-    trainer = training.Trainer(plan, world, device, model, training.documents_for(prepared, "clean-single"))
+    trainer = Trainer(plan, world, device, model, training.documents_for(prepared, "clean-single"))
     losses, norms, seconds = [], [], []
     for step, batch in enumerate(schedule(plan)[:updates], start=1):
         began = time.perf_counter()

@@ -15,7 +15,7 @@ H200 with torch 2.11) or estimated (e), about 6 minutes in all after the machine
 5. the same step under DDP with a process group of one, so that ``no_sync`` and the buckets run: peak memory
    against the rule for a rank of a pair (a torch older than the project's pin, which lacks DDP's
    ``forward_sync_buffers``, wraps with ``broadcast_buffers=False``, the same forward pass) (m 18 s);
-6. the production wrapper itself (``training.wrap_ddp``, no fallback) in a group of one, on documents of varying
+6. the production wrapper itself (``updates.wrap_ddp``, no fallback) in a group of one, on documents of varying
    lengths up to the longest, as the plan's 128 updates are: its peak against the model, what the allocator reserves
    beyond it, and its parameters against the plain Trainer's on the same documents (a group of one reduces nothing)
    (e 40 s);
@@ -74,7 +74,7 @@ from experiment.learning import (  # noqa: E402
     memory,
     preflight,
     receipts,
-    training,
+    updates,
 )
 from experiment.learning.corpus import Document  # noqa: E402
 from experiment.seed import llama, seedmodel  # noqa: E402
@@ -172,7 +172,7 @@ def _status_bytes(status: str, field: str) -> int:
 
 def rss_during(action: Callable[[], Value]) -> tuple[Value, dict[str, int]]:
     """``action``'s value, and this process's resident set before it and at its peak during it; and, after it, its
-    anonymous and file-backed parts (pages mapped from a file, as transformers maps a safetensors file's weights, are
+    anonymous and file-backed parts (pages mapped from a file, as the loader maps a safetensors file's weights, are
     the kernel's to drop under pressure). The peak is the kernel's high-water mark (VmHWM), reset to the resident set
     before ``action`` (Linux's /proc/self/clear_refs): a sampling thread would miss a copy made while the GIL is held,
     and ru_maxrss keeps the peak of the process a subprocess was forked from."""
@@ -295,7 +295,7 @@ def train(
     """``UPDATES`` updates of the real Trainer on a world of one; ``wrap``: under DDP, as a rank of a gang is."""
     world = distributed.World(rank=0, size=1, master_addr="127.0.0.1", master_port=0)
     seconds = []
-    with training.Trainer(plan, world, device, model, docs) as trainer:
+    with updates.Trainer(plan, world, device, model, docs) as trainer:
         if wrap:
             trainer.network = wrap_ddp(model, device)
         batches = [list(range(u * 8, (u + 1) * 8)) for u in range(UPDATES)]
@@ -308,16 +308,16 @@ def train(
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
-    """``training.wrap_ddp``; on a torch older than the project's pin (no ``forward_sync_buffers``), the same wrapper
+    """``updates.wrap_ddp``; on a torch older than the project's pin (no ``forward_sync_buffers``), the same wrapper
     with ``broadcast_buffers=False``, which skips the same per-forward buffer broadcast."""
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return training.wrap_ddp(model, device)
+        return updates.wrap_ddp(model, device)
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         broadcast_buffers=False,
         gradient_as_bucket_view=True,
-        bucket_cap_mb=training.BUCKET_CAP_MB,
+        bucket_cap_mb=updates.BUCKET_CAP_MB,
     )
 
 
@@ -376,7 +376,7 @@ def ddp_step(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: in
 
 
 def production_ddp(plan: Plan, shape: dict[str, Any], device: torch.device, tokens: int) -> dict[str, Any]:
-    """``training.wrap_ddp`` itself in a group of one, on documents of varying lengths (the longest ``tokens``);
+    """``updates.wrap_ddp`` itself in a group of one, on documents of varying lengths (the longest ``tokens``);
     its parameters after ``UPDATES`` updates against the plain Trainer's on the same documents."""
     rng = random.Random(20261204)
     lengths = [tokens] + [rng.randrange(tokens // 16, tokens + 1) for _ in range(8 * UPDATES - 1)]
@@ -388,8 +388,8 @@ def production_ddp(plan: Plan, shape: dict[str, Any], device: torch.device, toke
         reset_peak(device)
         model = build(shape, device)
         seconds = []
-        with training.Trainer(plan, world, device, model, docs) as trainer:
-            trainer.network = training.wrap_ddp(model, device)  # no fallback: the wrapper the ranks run
+        with updates.Trainer(plan, world, device, model, docs) as trainer:
+            trainer.network = updates.wrap_ddp(model, device)  # no fallback: the wrapper the ranks run
             for step, batch in enumerate(batches, start=1):
                 began = clock(device)
                 trainer.accumulate(batch)
@@ -400,7 +400,7 @@ def production_ddp(plan: Plan, shape: dict[str, Any], device: torch.device, toke
         del trainer, model
     gc.collect()
     plain_model = build(shape, device)
-    with training.Trainer(plan, world, device, plain_model, docs) as trainer:
+    with updates.Trainer(plan, world, device, plain_model, docs) as trainer:
         for step, batch in enumerate(batches, start=1):
             trainer.accumulate(batch)
             trainer.step(step)
@@ -458,8 +458,8 @@ def profile_updates(
     world = distributed.World(rank=0, size=1, master_addr="127.0.0.1", master_port=0)
     model = build(shape, device)
     parameters = llama_parameters(shape)
-    updates = []
-    with training.Trainer(plan, world, device, model, docs) as trainer:
+    measured = []
+    with updates.Trainer(plan, world, device, model, docs) as trainer:
         if wrap:
             trainer.network = wrap_ddp(model, device)
         for step, batch in enumerate(batches, start=1):
@@ -472,7 +472,7 @@ def profile_updates(
             trainer.step(step)
             lengths = [len(docs[p].input_ids) for p in batch]
             predicted = memory.update(parameters, lengths, ddp=wrap, first=step == 1)
-            updates.append(
+            measured.append(
                 {
                     "update": step,
                     "document_tokens": lengths,
@@ -485,7 +485,7 @@ def profile_updates(
             )
     del trainer, model
     gc.collect()
-    return updates
+    return measured
 
 
 # 8 ------------------------------------------------------------------------------------------------------------
@@ -507,7 +507,7 @@ def save_trained(plan: Plan, shape: dict[str, Any], device: torch.device, work: 
     """One update (AdamW's moments exist: the checkpoint is full size), then its save and verification."""
     world = distributed.World(rank=0, size=1, master_addr="127.0.0.1", master_port=0)
     model = build(shape, device)
-    with training.Trainer(plan, world, device, model, documents(shape, 8, 64)) as trainer:
+    with updates.Trainer(plan, world, device, model, documents(shape, 8, 64)) as trainer:
         trainer.accumulate(list(range(8)))
         trainer.step(1)
         layout = seed_layout(model)
@@ -548,7 +548,7 @@ def checkpoint_step(plan: Plan, shape: dict[str, Any], device: torch.device, wor
 
     def resume() -> str:
         loaded = seedmodel.load_model(receipts.model_dir(work / "run", pointer)).to(device)
-        with training.Trainer(plan, world, device, loaded, docs) as fresh:
+        with updates.Trainer(plan, world, device, loaded, docs) as fresh:
             checkpoint.load_state(work / "run", pointer, fresh.optimizer, device)
         return distributed.parameter_digest(loaded)
 

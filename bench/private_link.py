@@ -49,6 +49,7 @@ def rank_main(home: Path, model_dir: Path, updates: int, bucket_cap_mb: int, int
     from experiment.core import determinism
     from experiment.learning import distributed, training
     from experiment.learning.corpus import load_prepared
+    from experiment.learning.updates import Trainer, wrap_ddp
     from experiment.seed import seedmodel
 
     prepared = load_prepared(home)
@@ -61,8 +62,8 @@ def rank_main(home: Path, model_dir: Path, updates: int, bucket_cap_mb: int, int
     documents = training.documents_for(prepared, "clean-pair")
     batches = training.schedule(plan)
     result: dict[str, Any] = {"rank": world.rank, "bucket_cap_mb": bucket_cap_mb}
-    with training.Trainer(plan, world, device, model, documents) as trainer:
-        trainer.network = training.wrap_ddp(model, device, bucket_cap_mb)
+    with Trainer(plan, world, device, model, documents) as trainer:
+        trainer.network = wrap_ddp(model, device, bucket_cap_mb)
         for phase in ("compute", "pair"):
             seconds = []
             sent_before = psutil.net_io_counters(pernic=True)[interface].bytes_sent
@@ -87,13 +88,13 @@ def rank_main(home: Path, model_dir: Path, updates: int, bucket_cap_mb: int, int
 
 def _local_backward(trainer: Any, batch: list[int]) -> None:
     """Every local document's forward and backward, as ``accumulate`` does them, with no collective at all."""
-    from experiment.learning import training
+    from experiment.learning import updates
 
     docs = trainer.documents
     weighted = sum(docs[p].targets * docs[p].weight for p in batch)
-    for position in training.local_positions(batch, trainer.world):
+    for position in updates.local_positions(batch, trainer.world):
         document = docs[position]
-        loss = training.document_loss_sum(trainer.network, document, trainer.device, "none")
+        loss = updates.document_loss_sum(trainer.network, document, trainer.device, "none")
         (loss * trainer.scale(trainer.world.size, document.weight, weighted)).backward()
 
 

@@ -196,7 +196,7 @@ def update(parameters: int, document_tokens: Sequence[int], ddp: bool, first: bo
 
 
 def local_documents(plan: Plan, world_size: int) -> int:
-    """The documents rank 0 of ``world_size`` runs each update (experiment.learning.training.local_positions)."""
+    """The documents rank 0 of ``world_size`` runs each update (experiment.learning.updates.local_positions)."""
     return -(-plan.training.documents_per_update // world_size)
 
 

@@ -165,7 +165,7 @@ class NetworkCounters(msgspec.Struct, frozen=True):
 
 
 class Communication(TypedDict, total=False):
-    """How a rank's collectives ran (training.communication_profile): the interface they were pinned to (None: the
+    """How a rank's collectives ran (updates.communication_profile): the interface they were pinned to (None: the
     backend chose), NCCL's version on CUDA, the NCCL_*, TORCH_NCCL_* and GLOO_* variables; a DiLoCo arm's outer
     synchronization besides (training._synchronization)."""
 

@@ -7,7 +7,7 @@ with the plan's seed and runtime and the production code of each step:
    shared fields (the libraries' versions, the device, the numerics), and all-reduces a float32 tensor of the
    gradient's size; the bus bandwidth must let the plan's updates reduce within a quarter of its deadline;
 3. ``ddp-update``: the preflight's memory check, then one update of the seed under the production DDP wrapper
-   (training.Trainer) with the schedule's first batch; every rank holds the same parameters after it, and on a GPU
+   (updates.Trainer) with the schedule's first batch; every rank holds the same parameters after it, and on a GPU
    the peak stays within what the preflight reserves;
 4. ``checkpoint``: a full-state save (weights and AdamW's moments), then the resume's load into a fresh model,
    optimizer and DDP wrapper, the weights read back bit for bit, with the host's peak RSS against its memory;
@@ -45,7 +45,7 @@ from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, load_plan, seed_identity
 from experiment.core.ports import free_port
 from experiment.core.progress import Emit
-from experiment.learning import corpus, distributed, preflight, training
+from experiment.learning import corpus, distributed, preflight, training, updates
 from experiment.learning.checkpoint import load_state, save
 from experiment.learning.corpus import Prepared, load_prepared
 from experiment.learning.decoding import generate
@@ -159,7 +159,7 @@ class _Steps:
         self.arm = plan.largest_gang()
         self.device = torch.device("cpu")
         self.prepared: Prepared | None = None
-        self.trainer: training.Trainer | None = None
+        self.trainer: updates.Trainer | None = None
         self.answers: list[Answer] = []
         self.replica: replica.Replica | None = None
         self.log: IO[Any] | None = None
@@ -226,7 +226,7 @@ class _Steps:
         model.to(self.device)
         model.train()
         documents = training.documents_for(self.prepared, self.arm)
-        self.trainer = training.Trainer(self.plan, self.world, self.device, model, documents)
+        self.trainer = updates.Trainer(self.plan, self.world, self.device, model, documents)
         batch = schedule(self.plan)[0]
         update = self.trainer.accumulate(batch)
         rate, norm = self.trainer.step(1)
@@ -279,7 +279,7 @@ class _Steps:
         read_back = distributed.parameter_digest(model)
         model.to(self.device)
         documents = training.documents_for(self.prepared, self.arm)
-        self.trainer = training.Trainer(self.plan, self.world, self.device, model, documents)
+        self.trainer = updates.Trainer(self.plan, self.world, self.device, model, documents)
         load_state(run_dir, pointer, self.trainer.optimizer, self.device)
         load_seconds = time.monotonic() - began
         shutil.rmtree(run_dir)  # the checkpoint's bytes are the plan's to use
@@ -436,7 +436,7 @@ class _Steps:
         if not canary.run("prepare", self.prepare) and not self.world.distributed:
             return
         try:
-            self.device = training.configure_runtime(self.plan, self.world)
+            self.device = updates.configure_runtime(self.plan, self.world)
             distributed.start(
                 self.world,
                 self.plan.runtime.backend,

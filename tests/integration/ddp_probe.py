@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from experiment.learning import distributed, training
+from experiment.learning import distributed, training, updates
 from experiment.learning.corpus import load_prepared
 from experiment.seed import seedmodel
 
@@ -32,12 +32,12 @@ def main() -> None:
     prepared = load_prepared(args.home)
     plan = prepared.plan
     world = distributed.world_from_env()
-    device = training.configure_runtime(plan, world)
+    device = updates.configure_runtime(plan, world)
     distributed.start(world, plan.runtime.backend, timeout_seconds=120)
     model = seedmodel.load_model(args.model_dir).to(device)
-    scale = wrong_scale if args.wrong_scale else training.protocol_scale
+    scale = wrong_scale if args.wrong_scale else updates.protocol_scale
     batches = training.schedule(plan)
-    with training.Trainer(plan, world, device, model, prepared.documents("train-clean"), scale=scale) as trainer:
+    with updates.Trainer(plan, world, device, model, prepared.documents("train-clean"), scale=scale) as trainer:
         wrapper = weakref.ref(trainer.network)  # DDP on two ranks, the model itself on one
         for step in range(1, args.updates + 1):
             trainer.accumulate(batches[step - 1])

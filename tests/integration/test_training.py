@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from experiment.core.canonical import canonical_bytes, sha256_file
 from experiment.core.errors import EXIT_LINK
 from experiment.core.plan import load_plan
-from experiment.learning import corpus, distributed, training
+from experiment.learning import corpus, distributed, training, updates
 from experiment.seed import seedmodel
 from tests.conftest import write_plan
 from tests.support.processes import coop_train, free_port, launch, rank_env
@@ -61,7 +61,7 @@ def test_schedule_batches_mix_weights_and_unequal_target_counts(home: Path) -> N
     assert sorted(p for batch in batches for p in batch) == list(range(len(documents)))
     for batch in batches[:3]:
         for rank in (0, 1):
-            mine = training.local_positions(batch, training.World(rank, 2, "127.0.0.1", 0))
+            mine = updates.local_positions(batch, distributed.World(rank, 2, "127.0.0.1", 0))
             assert {documents[p].weight for p in mine} == {1, 8}
         assert len({documents[p].targets for p in batch}) > 2
 
