@@ -127,6 +127,31 @@ class System:
         self.agents[host].start()
         return job["id"], host
 
+    def kill_rank_past(self, arm: str, rank: int, step: int) -> tuple[str, str]:
+        """Kill the host of ``arm``'s training rank once the rank has its checkpoint of ``step`` (kill_rank), with no
+        race against the run's end: the rank is frozen (SIGSTOP) as that checkpoint appears on its host's disk, so
+        its peers wait at their next collective and none can finish before the kill. A run's reported steps arrive
+        too late for that: a small model's updates take milliseconds."""
+        job = wait_for(lambda: self._train_job(arm), 900, f"{arm}'s train job")
+
+        def ranked() -> list[dict[str, Any]]:
+            return [x for x in self.server.get(f"/api/jobs/{job['id']}/attempts") if x["rank"] == rank]
+
+        (attempt,) = wait_for(ranked, 900, f"{arm}'s rank {rank} to start")
+        agent = self.agents[self.host_of(attempt)]
+        home = agent.work_dir / "experiments" / self.experiment["id"] / "home"
+        saved = home / layout.run(arm, rank) / "checkpoints" / f"step-{step:06d}"
+        wait_for(saved.exists, 900, f"{saved} to be saved", pause=0.005)
+        assert agent.process is not None
+        for child in psutil.Process(agent.process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.suspend()
+        assert not any(x["state"] == "succeeded" for x in self.server.get(f"/api/jobs/{job['id']}/attempts"))
+        return self.kill_rank(arm, rank)
+
+    def _train_job(self, arm: str) -> dict[str, Any] | None:
+        return next((j for j in self.jobs() if j["kind"] == "train" and j["arm"] == arm), None)
+
     def model_identity(self, arm: str) -> str:
         """The arm's final parameter digest, as the coordinator recorded it."""
         arms = {a["name"]: a for a in self.server.get(f"/api/experiments/{self.experiment['id']}/arms")}

@@ -17,7 +17,6 @@ from tests.integration.agent import system
 from tests.integration.agent.system import System
 from tests.support import ROOT
 from tests.support.hosts import hosts
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 PLAN = ROOT / "plans" / "local-diloco.toml"
@@ -45,8 +44,7 @@ def reported(
     with hosts("local-sgd", rate="200mbit", count=RANKS) as topology:
         run = system.start(tmp, small_seed, topology, COUNTS, lease_seconds=10, base=PLAN)
         try:
-            wait_for(lambda: len(run.rank_steps("diloco-4", 3)) >= 6, 900, "DiLoCo past its first checkpoint")
-            job, killed = run.kill_rank("diloco-4", 3)
+            job, killed = run.kill_rank_past("diloco-4", 3, COUNTS["checkpoint_steps"][0])
             run.wait_state({"reported"}, 900)
             yield run, job, killed
         finally:
