@@ -96,3 +96,19 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CoopError, match=r"do not fit its config.json: missing model\.layers\.2\.input_layernorm"):
         llama.load(folder)
+
+
+def test_a_tied_weight_stored_under_the_heads_name_loads_as_transformers_loads_it(tmp_path: Path) -> None:
+    """transformers ties the pair whichever name stores it; vLLM does not (serving/test_probe.py), which is why the
+    checkpoints store it under the embedding's name, as the seed does."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _folder(tmp_path, 2)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ours, truth = llama.load(folder), hf_model(folder)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    ids = torch.randint(3, 96, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(ours(ids), truth(input_ids=ids).logits)
