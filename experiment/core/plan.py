@@ -184,6 +184,23 @@ class ArmPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defa
     outer_learning_rate: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] | None = None
     outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] | None = None
 
+    # What each role means, in one place: the modules that treat arms differently read these, never role names.
+    @property
+    def trained(self) -> bool:
+        """Every arm but the untouched seed (the baseline) is trained."""
+        return self.role != "baseline"
+
+    @property
+    def damaged(self) -> bool:
+        """The arm that learns from the damaged targets: never served."""
+        return self.role == "damaged"
+
+    @property
+    def diloco(self) -> bool:
+        """DiLoCo's workers: each steps on its own gradients, and they meet only at an outer step every
+        ``sync_every`` updates."""
+        return self.role == "diloco"
+
 
 class NonInferiorityPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The local-SGD design's quality criterion: DiLoCo's test accuracy is no worse than its control's by more
@@ -230,7 +247,7 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
         return tuple(arm.name for arm in self.arm_table())
 
     def trained_arms(self) -> tuple[str, ...]:
-        return tuple(arm.name for arm in self.arm_table() if arm.role != "baseline")
+        return tuple(arm.name for arm in self.arm_table() if arm.trained)
 
     def arm(self, role: ArmRole) -> str:
         """The name of the arm with ``role`` (each role is held by exactly one arm)."""
@@ -247,7 +264,7 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
         return next(arm for arm in self.arm_table() if arm.name == name)
 
     def design(self) -> Literal["reference", "local-sgd"]:
-        return "local-sgd" if any(arm.role == "diloco" for arm in self.arm_table()) else "reference"
+        return "local-sgd" if any(arm.diloco for arm in self.arm_table()) else "reference"
 
     def serves(self) -> bool:
         """Whether the plan has a serving phase (the reference design's; a local-SGD plan serves no arm)."""
@@ -278,10 +295,10 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_default
 
     def training_documents(self, name: str) -> Literal["train-clean", "train-damaged"]:
         """The prepared documents a trained arm learns from."""
-        role = self.role_of(name)
-        if role == "baseline":
+        arm = self.arm_plan(name)
+        if not arm.trained:
             raise CoopError(f"arm {name} is the untouched seed; it is not trained")
-        return "train-damaged" if role == "damaged" else "train-clean"
+        return "train-damaged" if arm.damaged else "train-clean"
 
     def checkpoint_bytes(self) -> int:
         """The size of one checkpoint of this seed (float32 weights and AdamW's two moments)."""
@@ -352,7 +369,7 @@ def _check_reference_arms(arms: tuple[ArmPlan, ...]) -> None:
             if getattr(arm, field) is not None:
                 raise ValueError(f"arms[{index}].{field}: belongs to the local-SGD design's arms only")
     served = [arm for arm in arms if arm.served]
-    if len(served) != 1 or served[0].role in {"baseline", "damaged"}:
+    if len(served) != 1 or not served[0].trained or served[0].damaged:
         raise ValueError("arms: exactly one trained, undamaged arm is served; the damaged arm is never served")
 
 

@@ -43,7 +43,7 @@ def candidate_for(prepared: Prepared, arm: str, seed_dir: Path) -> Candidate:
     """The arm's final checkpoint as this host holds it, verified on every rank folder present here: its files,
     and its weights in the tensor layout of the seed in ``seed_dir``."""
     plan = prepared.plan
-    if plan.role_of(arm) == "baseline":
+    if not plan.arm_plan(arm).trained:
         return Candidate(arm=arm, model_identity=seed_identity(plan))
     final = plan.training.updates
     tensors = tensor_layout(seed_dir)

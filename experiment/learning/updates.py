@@ -160,7 +160,7 @@ class Trainer:
         self.outer: OuterState | None = None
         self.sync_every = 1
         self.handed_bytes = 0  # to the outer step's all-reduce
-        if arm is not None and arm.role == "diloco":
+        if arm is not None and arm.diloco:
             assert arm.sync_every and arm.outer_learning_rate and arm.outer_momentum is not None  # the plan's rule
             self.outer = OuterState(list(model.parameters()), arm.outer_learning_rate, arm.outer_momentum)
             self.sync_every = arm.sync_every

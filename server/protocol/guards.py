@@ -153,7 +153,7 @@ def guard_selection(
 
 def guard_serving_arm(plan: Plan, arm: str | None) -> None:
     """Only the plan's served arm is served; the damaged arm never is (the rule names keep the reference's arms)."""
-    if arm is not None and arm in plan.arm_names() and plan.role_of(arm) == "damaged":
+    if arm is not None and arm in plan.arm_names() and plan.arm_plan(arm).damaged:
         raise Refused("damaged-arm-never-served", "the damaged arm is never eligible for serving")
     if not plan.serves():
         raise Refused("plan-serves-no-arm", f"plan {plan.name} ({plan.design()} design) serves no arm")

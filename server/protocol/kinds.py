@@ -72,7 +72,7 @@ async def _canary_gang(
 
 async def _on_holder(session: AsyncSession, experiment: models.Experiment, arm: str | None, spec: S) -> Placement[S]:
     """Evaluations and selection of a trained arm need its checkpoint: they run on the host holding it."""
-    if arm is None or views.plan_of(experiment).role_of(arm) == "baseline":
+    if arm is None or not views.plan_of(experiment).arm_plan(arm).trained:
         return Placement(spec)
     return Placement(spec, pinned=(await recording.arms_of(session, experiment.id))[arm].holder_agent_id)
 

@@ -120,7 +120,7 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
         current = [attempt for attempt in mine if job is not None and attempt.number == job.attempts_made]
         ranks = [_rank_progress(attempt, steps[attempt.id], updates) for attempt in current]
         described = plan.arm_plan(name)
-        every = described.sync_every if described.role == "diloco" else None
+        every = described.sync_every if described.diloco else None
         progress.append(
             ArmProgress(
                 name=name,
