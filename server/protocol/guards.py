@@ -47,8 +47,8 @@ def guard_canary(job: Proposal) -> None:
         )
 
 
-def guard_prepare(job: Proposal) -> None:
-    """Prepare is queued when the plan is committed (and again after one failed)."""
+def unguarded(job: Proposal) -> None:
+    """A kind with no rule of its own (guard_job's alone)."""
 
 
 def guard_train(job: Proposal) -> None:

@@ -125,7 +125,8 @@ class Kind(Generic[S, R]):
     name: wire.JobKind
     spec: type[S]
     result: type[R]
-    guard: Callable[[guards.Proposal], None]  # the protocol's rule for queueing one (guards.py)
+    # The protocol's rule for queueing one (guards.py); every kind also meets guards.guard_job.
+    guard: Callable[[guards.Proposal], None] = guards.unguarded
     needs_arm: bool = False
     place: Place[S] = _anywhere
     writes: Writes = _writes_nothing  # the bundle folders one writes (docs/evidence.md)
@@ -142,13 +143,9 @@ TABLE: dict[str, Kind[Any, Any]] = {
     entry.name: entry
     for entry in (
         Kind("canary", wire.CanarySpec, wire.CanaryResult, guards.guard_canary, place=_canary_gang),
+        # Prepare is queued when the plan is committed, and again after one failed: no rule of its own.
         Kind(
-            "prepare",
-            wire.PrepareSpec,
-            wire.PrepareResult,
-            guards.guard_prepare,
-            writes=_writes_prepared,
-            settle=recording.record_prepared,
+            "prepare", wire.PrepareSpec, wire.PrepareResult, writes=_writes_prepared, settle=recording.record_prepared
         ),
         Kind(
             "train",
