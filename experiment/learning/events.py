@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from experiment.learning.records import Candidate
+from experiment.learning.records import Candidate, NumericalProfile, ResourceSample, StepRecord
 
 
 class CommandEvent(msgspec.Struct, frozen=True, tag_field="event"):
@@ -44,6 +44,62 @@ class CompletedEvent(CommandEvent, tag="completed", frozen=True):
     parameter_digest: str
     loop_seconds: float
     result: str
+
+
+# A training rank's progress, as `coop train` prints it while it runs: the coordinator keeps each as an event of the
+# attempt, and its pages draw them (server/store/measurements.py, server/web/progress.py).
+
+
+class StartedEvent(CommandEvent, tag="started", frozen=True):
+    """`coop train` bound a rank's run and resumed it: from the seed (``resumed_from_step`` 0) or a checkpoint."""
+
+    arm: str
+    rank: int
+    world_size: int
+    binding: str
+    numerical_profile: NumericalProfile
+    resumed_from_step: int
+    updates: int
+
+
+class StepEvent(StepRecord, frozen=True, kw_only=True, tag_field="event", tag="step"):
+    """An update of a rank's run ended: its journal entry, with how far the run is (``done`` of ``total``) and, for
+    a DiLoCo worker, the outer steps so far (null for an arm that synchronizes every update)."""
+
+    arm: str
+    rank: int
+    done: int
+    total: int
+    outer_steps: int | None = None
+
+
+class ResourcesEvent(ResourceSample, frozen=True, kw_only=True, tag_field="event", tag="resources"):
+    """A resource sample of a rank's process, the ``index``-th of its run, taken during update ``step``."""
+
+    arm: str
+    rank: int
+    step: int
+    index: int
+
+
+class CheckpointEvent(CommandEvent, tag="checkpoint", frozen=True):
+    """A rank saved its checkpoint of ``step`` (``written`` "checkpoint"), or confirmed the one an earlier attempt
+    left (``written`` names how)."""
+
+    arm: str
+    rank: int
+    step: int
+    checkpoint: str
+    parameter_digest: str
+    written: str
+
+
+class StoppedEvent(CommandEvent, tag="stopped", frozen=True):
+    """A run told to stop after update ``step`` (``--stop-after``) stopped there, unfinished."""
+
+    arm: str
+    rank: int
+    step: int
 
 
 class EvaluatedEvent(CommandEvent, tag="evaluated", frozen=True):

@@ -24,7 +24,14 @@ from experiment.learning import checkpoint, distributed, preflight, receipts
 from experiment.learning.corpus import Document, Prepared, load_prepared, seed_snapshot
 from experiment.learning.diloco import OuterState
 from experiment.learning.distributed import World
-from experiment.learning.events import CompletedEvent
+from experiment.learning.events import (
+    CheckpointEvent,
+    CompletedEvent,
+    ResourcesEvent,
+    StartedEvent,
+    StepEvent,
+    StoppedEvent,
+)
 from experiment.learning.profile import check_shared, numerical_profile, shared
 from experiment.learning.records import Communication, NetworkCounters, NumericalProfile, Pointer, Result, StepRecord
 from experiment.learning.resources import Sampler, network_counters, written_bytes
@@ -64,18 +71,16 @@ def _train(run: _Run, arm: str, emit: Emit, stop_after: int | None) -> Result | 
             checkpoint.load_state(run.directory, progress.pointer, trainer.optimizer, run.device)
             if trainer.outer is not None:
                 _load_outer(run, progress.pointer, trainer.outer)
-        emit(
-            {
-                "event": "started",
-                "arm": arm,
-                "rank": run.world.rank,
-                "world_size": run.world.size,
-                "binding": run.binding,
-                "numerical_profile": run.profile,
-                "resumed_from_step": progress.resumed_from_step,
-                "updates": run.plan.training.updates,
-            }
+        started = StartedEvent(
+            arm=arm,
+            rank=run.world.rank,
+            world_size=run.world.size,
+            binding=run.binding,
+            numerical_profile=run.profile,
+            resumed_from_step=progress.resumed_from_step,
+            updates=run.plan.training.updates,
         )
+        emit(msgspec.to_builtins(started))
         network_start = network_counters()
         with _sampler(run) as sampler:
             loop_start = _clock(run.device)
@@ -119,22 +124,20 @@ class _Loop:
             entry = _update(run, trainer, step)
             self.progress.journal.append(entry)
             shown = reported.get(step, entry)
-            self.emit(
-                {
-                    "event": "step",
-                    "arm": run.arm,
-                    "rank": run.world.rank,
-                    "done": step,
-                    "total": run.plan.training.updates,
-                    **msgspec.to_builtins(shown),
-                    **({"outer_steps": trainer.outer_steps(step)} if trainer.outer is not None else {}),
-                }
+            reported_step = StepEvent(
+                **msgspec.structs.asdict(shown),
+                arm=run.arm,
+                rank=run.world.rank,
+                done=step,
+                total=run.plan.training.updates,
+                outer_steps=trainer.outer_steps(step) if trainer.outer is not None else None,
             )
+            self.emit(msgspec.to_builtins(reported_step))
             self.samples.report(step)
             if step in run.plan.training.checkpoint_steps:
                 self.checkpoint(step)
             if stop_after is not None and step >= stop_after:
-                self.emit({"event": "stopped", "arm": run.arm, "rank": run.world.rank, "step": step})
+                self.emit(msgspec.to_builtins(StoppedEvent(arm=run.arm, rank=run.world.rank, step=step)))
                 return False
         return True
 
@@ -173,17 +176,15 @@ class _Loop:
         else:
             pointer, written = kept
         progress.pointer = pointer
-        self.emit(
-            {
-                "event": "checkpoint",
-                "arm": run.arm,
-                "rank": run.world.rank,
-                "step": step,
-                "checkpoint": pointer.checkpoint,
-                "parameter_digest": digest,
-                "written": written,
-            }
+        saved = CheckpointEvent(
+            arm=run.arm,
+            rank=run.world.rank,
+            step=step,
+            checkpoint=pointer.checkpoint,
+            parameter_digest=digest,
+            written=written,
         )
+        self.emit(msgspec.to_builtins(saved))
 
 
 def _update(run: _Run, trainer: Trainer, step: int) -> StepRecord:
@@ -222,9 +223,11 @@ class _LiveSamples:
         if self._silent:
             return
         taken = self._sampler.samples[self._reported :]
+        run = self._run
         for index, sample in enumerate(taken, start=self._reported):
-            where = {"event": "resources", "arm": self._run.arm, "rank": self._run.world.rank, "step": step}
-            self._emit(where | {"index": index} | msgspec.to_builtins(sample))
+            fields = msgspec.structs.asdict(sample)
+            event = ResourcesEvent(**fields, arm=run.arm, rank=run.world.rank, step=step, index=index)
+            self._emit(msgspec.to_builtins(event))
         self._reported += len(taken)
 
 
