@@ -156,14 +156,9 @@ def _claim_statement(by_coordinator: bool) -> ExecutableReturnsRows:
 
 
 def _chosen_job(claimant: _Claimant) -> ColumnElement[uuid.UUID]:
-    """The job's id the claim's subquery picks: an open rank of a forming gang, else a queued job pinned to this
-    agent, else one open to any agent. A host takes what only it can run (an evaluation of the checkpoint it holds)
-    before what any host can, so that no pinned job waits behind a job another host could have taken."""
+    """The job's id the claim's subquery picks: an open rank of a forming gang, else a queued job."""
     candidate = _jobs.alias("candidate")
     live = _live(candidate)
-    queued = candidate.c.state == J.QUEUED
-    pinned_here = candidate.c.pinned_agent_id == _AGENT_ID
-    mine = () if claimant.by_coordinator else (_oldest(candidate, live, queued, pinned_here, skip_locked=True),)
     # An open rank of a forming gang is waited for while another transaction holds its job's row (a rank starting,
     # a heartbeat): skipping it would start another gang on this agent, and leave both a rank short until their
     # formation wait ends. Claims never wait on each other's rows: on Postgres they take turns (CLAIM_TURN).
@@ -177,8 +172,7 @@ def _chosen_job(claimant: _Claimant) -> ColumnElement[uuid.UUID]:
             ~_held_by_another(candidate, claimant),
             skip_locked=False,
         ),
-        *mine,
-        _oldest(candidate, live, queued, claimant.open_to(candidate), skip_locked=True),
+        _oldest(candidate, live, candidate.c.state == J.QUEUED, claimant.open_to(candidate), skip_locked=True),
     )
 
 
