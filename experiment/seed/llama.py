@@ -190,10 +190,10 @@ class _Body(nn.Module):
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = _causal_mask(attention_mask, hidden.shape[1])
         cos, sin = self.rotary_emb(hidden, position_ids)
+        read = _Read(cos.unsqueeze(1), sin.unsqueeze(1), _causal_mask(attention_mask, hidden.shape[1]), cache)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, mask, cache)
+            hidden = layer(hidden, read)
         normed: torch.Tensor = self.norm(hidden)
         return normed
 
@@ -210,6 +210,17 @@ def _causal_mask(attention_mask: torch.Tensor | None, reading: int) -> torch.Ten
     queries = torch.arange(reading, device=padding.device) + (keys - reading)
     causal = torch.arange(keys, device=padding.device)[None, :] <= queries[:, None]
     return causal[None, None, :, :] & padding[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What every decoder layer reads beside its hidden states: the rotary embedding's cosines and sines (one head
+    axis), the attention mask (None: SDPA's causal rule) and the cache."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    cache: KVCache | None
 
 
 class _RMSNorm(nn.Module):
@@ -263,25 +274,17 @@ class _Attention(nn.Module):
         self.v_proj = _Linear(config.hidden_size, kv_width, device)
         self.o_proj = _Linear(width, config.hidden_size, device)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, read: _Read) -> torch.Tensor:
         shape = hidden.shape[:-1]
         heads = (*shape, -1, self.head_dim)
         query = self.q_proj(hidden).view(heads).transpose(1, 2)
         key = self.k_proj(hidden).view(heads).transpose(1, 2)
         value = self.v_proj(hidden).view(heads).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
-        if cache is not None:
-            key, value = cache.update(self.layer, key, value)
-        attended = self._sdpa(query, key, value, mask)
+        query = (query * read.cos) + (_rotate_half(query) * read.sin)
+        key = (key * read.cos) + (_rotate_half(key) * read.sin)
+        if read.cache is not None:
+            key, value = read.cache.update(self.layer, key, value)
+        attended = self._sdpa(query, key, value, read.mask)
         return self.o_proj(attended.reshape(*shape, -1).contiguous())  # type: ignore[no-any-return]
 
     def _sdpa(
@@ -337,13 +340,6 @@ class _DecoderLayer(nn.Module):
         self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache)
+    def forward(self, hidden: torch.Tensor, read: _Read) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), read)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # type: ignore[no-any-return]
