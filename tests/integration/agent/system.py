@@ -128,10 +128,11 @@ class System:
         return job["id"], host
 
     def kill_rank_past(self, arm: str, rank: int, step: int) -> tuple[str, str]:
-        """Kill the host of ``arm``'s training rank once the rank has its checkpoint of ``step`` (kill_rank), with no
-        race against the run's end: the rank is frozen (SIGSTOP) as that checkpoint appears on its host's disk, so
-        its peers wait at their next collective and none can finish before the kill. A run's reported steps arrive
-        too late for that: a small model's updates take milliseconds."""
+        """Kill the host of ``arm``'s training rank once the rank holds its checkpoint of ``step`` (kill_rank), with
+        no race against the run's end: the rank is frozen (SIGSTOP) as that checkpoint's pointer appears on its host's
+        disk (the pointer, written after the checkpoint, is what a resume reads), so its peers wait at their next
+        collective and none can finish before the kill. A run's reported steps arrive too late for that: a small
+        model's updates take milliseconds."""
         job = wait_for(lambda: self._train_job(arm), 900, f"{arm}'s train job")
 
         def ranked() -> list[dict[str, Any]]:
@@ -140,7 +141,7 @@ class System:
         (attempt,) = wait_for(ranked, 900, f"{arm}'s rank {rank} to start")
         agent = self.agents[self.host_of(attempt)]
         home = agent.work_dir / "experiments" / self.experiment["id"] / "home"
-        saved = home / layout.run(arm, rank) / "checkpoints" / f"step-{step:06d}"
+        saved = home / layout.run(arm, rank) / "pointers" / f"step-{step:06d}.json"
         wait_for(saved.exists, 900, f"{saved} to be saved", pause=0.005)
         assert agent.process is not None
         for child in psutil.Process(agent.process.pid).children(recursive=True):
