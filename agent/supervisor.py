@@ -65,6 +65,9 @@ def to_event(line: str) -> tuple[wire.Event, dict[str, object] | None]:
     return wire.Event(kind="output", body={"line": line[:4000]}, at=_now()), None
 
 
+SHUTDOWN_REASON = "the agent is shutting down (its unit stopped or its host powering off)"
+
+
 @dataclass
 class _Stop:
     reason: str
@@ -155,6 +158,8 @@ class Supervisor:
             result = wire.AttemptResult(
                 lease_token=job.lease_token, outcome=ended.outcome, exit_code=ended.exit_code, reason=ended.reason
             )
+        except Stopping:  # the shutdown came while the job was staged, before its command started
+            result = wire.AttemptResult(lease_token=job.lease_token, outcome="lost", reason=SHUTDOWN_REASON)
         except (CoopError, OSError, msgspec.ValidationError) as exc:
             result = wire.AttemptResult(lease_token=job.lease_token, outcome="failed", reason=str(exc)[:4000])
         finally:
@@ -272,9 +277,7 @@ class Supervisor:
         with self._lock:
             if self.stopping.is_set() and self._stop is None:
                 deadline = time.monotonic() + self.settings.grace_seconds
-                self._stop = _Stop(
-                    "the agent is shutting down (its unit stopped or its host powering off)", deadline, "lost"
-                )
+                self._stop = _Stop(SHUTDOWN_REASON, deadline, "lost")
             return self._stop
 
 

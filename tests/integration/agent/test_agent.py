@@ -283,6 +283,7 @@ def test_an_agent_stopped_on_its_host_reports_its_attempt_lost_and_the_job_runs_
     experiment = coordinator.create_experiment(small_plan)
     agent = start_agent("host-a")
     job = _running_train(coordinator, experiment["id"])
+    wait_for(lambda: _command(agent, "train"), 30, "the agent to start `coop train`")
     agent.stop(signal.SIGTERM)
     attempt = _attempt(coordinator, job["id"])
     assert attempt is not None and attempt["state"] == "lost", agent.log()
