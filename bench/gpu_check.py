@@ -78,6 +78,7 @@ from experiment.learning import (  # noqa: E402
 )
 from experiment.learning.corpus import Document  # noqa: E402
 from experiment.seed import llama, seedmodel  # noqa: E402
+from experiment.seed.shape import Shape  # noqa: E402
 from experiment.serving.replica import ReplicaSpec  # noqa: E402
 
 REFERENCE_PLAN = ROOT / "plans" / "reference.toml"
@@ -110,7 +111,7 @@ def emit(event: dict[str, Any]) -> None:
 
 def llama_parameters(shape: dict[str, Any]) -> int:
     """The parameter count of a Llama, from its shape alone (no model is built)."""
-    return memory.Shape.of(shape).parameters
+    return Shape.of(shape).parameters
 
 
 def config_json(shape: dict[str, Any]) -> dict[str, Any]:
@@ -604,7 +605,7 @@ def evaluation_step(plan: Plan, shape: dict[str, Any], device: torch.device, max
         msgspec.structs.replace(
             plan, evaluation=msgspec.structs.replace(plan.evaluation, max_new_tokens=max_new_tokens)
         ),
-        memory.Shape.of(shape),
+        Shape.of(shape),
         batch_size,
         decoding.PREFILL_ROWS,
         prompt_tokens=longest,

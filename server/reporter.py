@@ -89,12 +89,10 @@ async def run_once(sessions: async_sessionmaker[AsyncSession], settings: Setting
             failpoints.reach("report.stored")
             result = wire.untagged(wire.ReportResult(report_identity=identity))
             reason = f"report written to {folder / 'report.json'}"
-            await reactions.finish(
-                session, settings, job, attempt, "succeeded", exit_code=0, reason=reason, result=result
-            )
+            await reactions.finish(session, settings, job, attempt, queue.Ending("succeeded", 0, reason, result))
         else:
             log.error("report of experiment %s failed: %s", assignment.experiment_id, failure)
-            await reactions.finish(session, settings, job, attempt, "failed", reason=failure[:4000])
+            await reactions.finish(session, settings, job, attempt, queue.Ending("failed", reason=failure[:4000]))
     return True
 
 

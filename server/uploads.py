@@ -72,9 +72,8 @@ async def result(
         result = await kinds.record_result(session, settings, job, attempt, body)
         if body.evidence:
             await evidencefiles.record(session, job, attempt, body.evidence, kinds.of(job.kind).writes(job, attempt))
-        await reactions.finish(
-            session, settings, job, attempt, body.outcome, exit_code=body.exit_code, reason=body.reason, result=result
-        )
+        ending = queue.Ending(body.outcome, body.exit_code, body.reason, result)
+        await reactions.finish(session, settings, job, attempt, ending)
         await session.flush()
         failpoints.reach("result.settled")
         return 200, msgspec.json.encode(views.attempt(attempt))

@@ -21,13 +21,12 @@ set the peak, not the activations (tests/unit/test_memory_model.py holds every f
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from experiment.core.plan import Numerics, Plan
+from experiment.seed.shape import Shape
 
 # How a term's bytes are known: by counting, by a measurement of that very quantity, by a line through measurements,
 # or by an estimate that no measurement here backs.
@@ -53,49 +52,6 @@ NCCL_BYTES = 512 * MIB
 # of CALIBRATION_PARAMETERS: bench/results/gpu-check-h200.json's memory_profile.one_document (the peak above the
 # memory held, less 4 B a parameter of gradients).
 ACTIVATION_BYTES = {256: 404_753_920, 1024: 527_791_616}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The fields of a Llama config.json that decide its memory."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    tie_word_embeddings: bool = True
-
-    @classmethod
-    def of(cls, config: Mapping[str, Any]) -> Shape:
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=int(config["num_attention_heads"]),
-            num_key_value_heads=int(config.get("num_key_value_heads", config["num_attention_heads"])),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-        )
-
-    @classmethod
-    def read(cls, model_dir: Path) -> Shape:
-        """The shape of the model folder ``model_dir`` (its config.json)."""
-        return cls.of(json.loads((model_dir / "config.json").read_text()))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def parameters(self) -> int:
-        """The parameter count: embeddings (a tied head counted once), attention, gated MLP and RMS norms."""
-        hidden, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attention = 2 * hidden * hidden + 2 * hidden * kv  # q and o; k and v
-        layer = attention + 3 * hidden * self.intermediate_size + 2 * hidden  # gate, up and down; two norms
-        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_hidden_layers * layer + hidden
 
 
 # SmolLM2-1.7B-Instruct's config.json: the reference seed, and the shape the calibrated terms were measured on.

@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 
 from experiment.report.localsgd import Communication
 from experiment.report.model import Report
-from experiment.report.spans import Span
+from experiment.report.spans import Span, TimelineFigure
 from experiment.serving.servingrecord import PHASES, Metrics
 
 # matplotlib's default colour cycle, by number, so that a timeline's group keeps its colour in every figure.
@@ -112,19 +112,9 @@ def _rows(spans: Sequence[Span]) -> list[int]:
     return rows
 
 
-def timeline(
-    title: str,
-    spans: Sequence[Span],
-    xlabel: str,
-    *,
-    ylabel: str = "",
-    groups: Sequence[str] = (),
-    marker: tuple[float, str] | None = None,
-    failed_label: str = "failed",
-) -> str:
-    """Horizontal bars in lanes (in the order the spans first name them, top to bottom), one colour per group
-    (``groups`` fixes their order and colours; others follow in order of appearance), a dashed vertical line at
-    ``marker`` (x, label)."""
+def timeline(chart: TimelineFigure) -> str:
+    """Horizontal bars in lanes (in the order the spans first name them, top to bottom), one colour per group."""
+    spans, groups = chart.spans, chart.groups
     lanes = list(dict.fromkeys(span.lane for span in spans))
     order = list(dict.fromkeys([*groups, *(span.group for span in spans)]))
     colour = {group: PALETTE[number % len(PALETTE)] for number, group in enumerate(order)}
@@ -158,15 +148,16 @@ def timeline(
     every = max(1, len(lanes) // 32)  # a label for every lane while they fit
     axes.set_yticks(centres[::every], lanes[::every], fontsize="small" if len(lanes) > 12 else None)
     axes.set_ylim(bottom, 0)  # the first lane on top
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
-    axes.set_title(title)
+    axes.set_xlabel(chart.xlabel)
+    axes.set_ylabel(chart.ylabel)
+    axes.set_title(chart.title)
     present = [group for group in order if any(span.group == group for span in spans)]
     handles: list[Artist] = [Patch(color=colour[group], label=group) for group in present]
     if any(span.failed for span in spans):
-        handles.append(Patch(facecolor="white", edgecolor="#1f2328", hatch="////", label=failed_label))
-    if marker is not None:
-        handles.append(axes.axvline(marker[0], color="#1f2328", linestyle="--", linewidth=1.2, label=marker[1]))
+        handles.append(Patch(facecolor="white", edgecolor="#1f2328", hatch="////", label=chart.failed_label))
+    if chart.marker is not None:
+        x, label = chart.marker
+        handles.append(axes.axvline(x, color="#1f2328", linestyle="--", linewidth=1.2, label=label))
     # Beside the axes: below them it would sit at a different distance for every height.
     axes.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes.grid(axis="x", color="#d1d9e0", linewidth=0.5)

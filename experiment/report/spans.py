@@ -16,3 +16,17 @@ class Span:
     end: float
     group: str
     failed: bool = False  # drawn hatched
+
+
+@dataclass(frozen=True)
+class TimelineFigure:
+    """A timeline figure: its bars in lanes, its title and axes, the groups whose order fixes their colours (others
+    follow in order of appearance), a dashed vertical line at ``marker`` (x, label), and what a hatched bar means."""
+
+    title: str
+    spans: tuple[Span, ...]
+    xlabel: str
+    ylabel: str = ""
+    groups: tuple[str, ...] = ()
+    marker: tuple[float, str] | None = None
+    failed_label: str = "failed"

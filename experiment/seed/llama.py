@@ -9,7 +9,6 @@ the seconds that importing transformers takes, which every training and evaluati
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,25 +20,19 @@ import torch
 from torch import nn
 
 from experiment.core.errors import CoopError
+from experiment.seed.shape import Shape
 
 WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True)
-class Config:
-    """The fields of a Llama config.json that the forward reads."""
+class Config(Shape):
+    """The fields of a Llama config.json that the forward reads: its shape, and the norm, rotary and padding
+    settings."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    pad_token_id: int | None
-    tie_word_embeddings: bool
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    pad_token_id: int | None = None
 
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> Config:
@@ -47,35 +40,21 @@ class Config:
         problems = _unsupported(raw)
         if problems:
             raise CoopError(f"not a Llama this forward computes: {'; '.join(problems)}")
-        heads = int(raw["num_attention_heads"])
         rope = raw.get("rope_parameters") or {}
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            **Shape.fields(raw),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             pad_token_id=None if raw.get("pad_token_id") is None else int(raw["pad_token_id"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )
-
-    @classmethod
-    def read(cls, model_dir: Path) -> Config:
-        try:
-            raw = json.loads((model_dir / "config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CoopError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
-        return cls.of(raw)
 
 
 def _unsupported(raw: Mapping[str, Any]) -> list[str]:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    heads = int(raw["num_attention_heads"])
     checks = {
         "model_type": (raw.get("model_type"), "llama"),
+        "head_dim": (int(raw.get("head_dim") or int(raw["hidden_size"]) // heads), int(raw["hidden_size"]) // heads),
         "hidden_act": (raw.get("hidden_act", "silu"), "silu"),
         "attention_bias": (bool(raw.get("attention_bias", False)), False),
         "mlp_bias": (bool(raw.get("mlp_bias", False)), False),

@@ -643,23 +643,23 @@ async def start(session: AsyncSession, agent: Caller | None, attempt_id: uuid.UU
     return attempt
 
 
-async def finish(
-    session: AsyncSession,
-    job: models.Job,
-    attempt: models.Attempt,
-    outcome: wire.Outcome,
-    *,
-    exit_code: int | None = None,
-    reason: str | None = None,
-    result: JsonObject | None = None,
-) -> Ended:
-    """End an attempt as its agent (or the coordinator) reports; the caller checked ownership (``owned_attempt``)
-    and the result (its job kind's, untagged)."""
+@dataclass(frozen=True)
+class Ending:
+    """How an attempt ended, as its agent (or the coordinator) reports it: the outcome, the command's exit code, why
+    in words, and the result (its job kind's, untagged)."""
+
+    outcome: wire.Outcome
+    exit_code: int | None = None
+    reason: str | None = None
+    result: JsonObject | None = None
+
+
+async def finish(session: AsyncSession, job: models.Job, attempt: models.Attempt, ending: Ending) -> Ended:
+    """End an attempt as reported; the caller checked ownership (``owned_attempt``) and the result."""
     require_active(attempt)
-    attempt.exit_code, attempt.result = exit_code, result or {}
-    lifecycle.move_attempt(
-        session, job, attempt, lifecycle.ENDED_AS[outcome], reason or f"the agent reported {outcome}"
-    )
+    attempt.exit_code, attempt.result = ending.exit_code, ending.result or {}
+    reason = ending.reason or f"the agent reported {ending.outcome}"
+    lifecycle.move_attempt(session, job, attempt, lifecycle.ENDED_AS[ending.outcome], reason)
     return await _settle(session, job, attempt)
 
 

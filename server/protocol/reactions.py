@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.core.canonical import JsonObject
 from server import models
 from server.dispatch import queue
 from server.dispatch.queue import Ended
@@ -39,15 +38,10 @@ async def finish(
     settings: Settings,
     job: models.Job,
     attempt: models.Attempt,
-    outcome: wire.Outcome,
-    *,
-    exit_code: int | None = None,
-    reason: str | None = None,
-    result: JsonObject | None = None,
+    ending: queue.Ending,
 ) -> None:
     """End an attempt as its agent (or the coordinator's report loop) reports it."""
-    ended = await queue.finish(session, job, attempt, outcome, exit_code=exit_code, reason=reason, result=result)
-    await _react(session, settings, [ended])
+    await _react(session, settings, [await queue.finish(session, job, attempt, ending)])
 
 
 async def heartbeat(

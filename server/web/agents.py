@@ -15,16 +15,9 @@ from server.web.gate import WebRequest
 class AgentPages(Controller):
     path = "/agents"
 
-    @get("/")
+    @get(["/", "/live"])
     async def agents(
         self, request: WebRequest, db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
     ) -> Template:
         rows = await queries.agents(db_session)
-        return render.page(request, "agents.html", agents=rows, lease_seconds=settings.lease_seconds)
-
-    @get("/live")
-    async def live(
-        self, request: WebRequest, db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
-    ) -> Template:
-        rows = await queries.agents(db_session)
-        return render.fragment(request, "fragments/agents.html", agents=rows, lease_seconds=settings.lease_seconds)
+        return render.page_or_live(request, "agents.html", agents=rows, lease_seconds=settings.lease_seconds)

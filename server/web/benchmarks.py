@@ -12,7 +12,7 @@ import msgspec
 
 from experiment import wire
 from experiment.core.canonical import JsonObject
-from experiment.report.spans import Span
+from experiment.report.spans import Span, TimelineFigure
 from experiment.serving.servingrecord import PHASES, Attempt, PhaseResult
 from server.web import charts
 
@@ -143,13 +143,15 @@ def _timeline(result: PhaseResult, tried: Sequence[Tried]) -> str | None:
     ]
     seen = None if result.stop_seen is None else (result.stop_seen, "the client saw a replica leave")
     return charts.timeline(
-        "Failure phase: every attempt of every request",
-        spans,
-        "seconds since the phase started",
-        ylabel="request (in order of its first attempt)",
-        groups=result.endpoints,
-        marker=seen,
-        failed_label="attempt failed",
+        TimelineFigure(
+            "Failure phase: every attempt of every request",
+            tuple(spans),
+            "seconds since the phase started",
+            ylabel="request (in order of its first attempt)",
+            groups=tuple(result.endpoints),
+            marker=seen,
+            failed_label="attempt failed",
+        )
     )
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from experiment.report.model import Report, read_report
-from experiment.report.spans import Span
+from experiment.report.spans import TimelineFigure
 
 Series = tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
 
@@ -46,35 +46,16 @@ def distributions(title: str, by_name: Mapping[str, Sequence[float]], ylabel: st
     return _distributions(title, series, ylabel) if series else None
 
 
-@functools.lru_cache(maxsize=16)
-def _timeline(
-    title: str,
-    spans: tuple[Span, ...],
-    xlabel: str,
-    ylabel: str,
-    groups: tuple[str, ...],
-    marker: tuple[float, str] | None,
-    failed_label: str,
-) -> str:
+@functools.lru_cache(maxsize=32)
+def _timeline(chart: TimelineFigure) -> str:
     from experiment.report import figures
 
-    return figures.timeline(
-        title, spans, xlabel, ylabel=ylabel, groups=groups, marker=marker, failed_label=failed_label
-    )
+    return figures.timeline(chart)
 
 
-def timeline(
-    title: str,
-    spans: Sequence[Span],
-    xlabel: str,
-    *,
-    ylabel: str = "",
-    groups: Sequence[str] = (),
-    marker: tuple[float, str] | None = None,
-    failed_label: str = "failed",
-) -> str | None:
+def timeline(chart: TimelineFigure) -> str | None:
     """Bars in lanes (figures.timeline); None when there is nothing to draw."""
-    return _timeline(title, tuple(spans), xlabel, ylabel, tuple(groups), marker, failed_label) if spans else None
+    return _timeline(chart) if chart.spans else None
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from experiment import wire
 from experiment.core.states import JobState
-from experiment.report.spans import Span
+from experiment.report.spans import Span, TimelineFigure
 from server import models
 from server.dispatch.lifecycle import JOB_ACTIVE, JOB_FINAL
 from server.web import charts
@@ -133,11 +133,13 @@ def timeline(
         for lane, start, end, group, broken in sorted(bars, key=lambda bar: (lanes.index(bar[0]), bar[1]))
     ]
     svg = charts.timeline(
-        "Attempts on each host",
-        spans,
-        f"{named} since the first claim",
-        groups=KINDS,
-        failed_label="failed or lost",
+        TimelineFigure(
+            "Attempts on each host",
+            tuple(spans),
+            f"{named} since the first claim",
+            groups=KINDS,
+            failed_label="failed or lost",
+        )
     )
     counts = [(lane, sum(1 for bar in bars if bar[0] == lane)) for lane in lanes]
     return Timeline(svg, counts, seconds)

@@ -18,11 +18,11 @@ from experiment import wire
 from experiment.core.states import JobState
 from server import models
 from server.access import auth
-from server.dispatch.lifecycle import JOB_FINAL, Refused
+from server.dispatch.lifecycle import JOB_FINAL
 from server.httperrors import NotFound
 from server.protocol import actions, recording
 from server.settings import Settings
-from server.web import gate, jobrows, queries, render
+from server.web import acting, gate, jobrows, queries, render
 from server.web.forms import Confirmation
 from server.web.gate import WebRequest
 
@@ -112,7 +112,7 @@ class JobPages(Controller):
         work = await _work(db_session, experiment_id)
         return render.fragment(request, "fragments/timeline.html", **await _timeline(work))
 
-    @get("/jobs/{job_id:uuid}")
+    @get(["/jobs/{job_id:uuid}", "/jobs/{job_id:uuid}/live"])
     async def job(
         self,
         request: WebRequest,
@@ -120,17 +120,7 @@ class JobPages(Controller):
         db_session: NamedDependency[AsyncSession],
         attempt: FromQuery[uuid.UUID | None] = None,
     ) -> Template:
-        return render.page(request, "job.html", tab="jobs", **await _job(db_session, job_id, attempt))
-
-    @get("/jobs/{job_id:uuid}/live")
-    async def job_live(
-        self,
-        request: WebRequest,
-        job_id: FromPath[uuid.UUID],
-        db_session: NamedDependency[AsyncSession],
-        attempt: FromQuery[uuid.UUID | None] = None,
-    ) -> Template:
-        return render.fragment(request, "fragments/job.html", **await _job(db_session, job_id, attempt))
+        return render.page_or_live(request, "job.html", tab="jobs", **await _job(db_session, job_id, attempt))
 
     @get("/jobs/{job_id:uuid}/attempts/{attempt_id:uuid}/log")
     async def log(
@@ -163,29 +153,15 @@ class JobPages(Controller):
     ) -> Redirect | Template:
         operator = gate.operator(request)
         job = await queries.job(db_session, job_id, lock=True)
-        what = "cancel this job"
+        back = f"/jobs/{job.id}"
         if data.confirm != "yes":
-            return render.page(
-                request,
-                "confirm.html",
-                tab="jobs",
-                experiment=await recording.load(db_session, job.experiment_id),
-                title=f"{what.capitalize()}?",
-                explanation=(
-                    f"The {job.kind} job {job.id} ends as cancelled, which is final: a queued job is cancelled at "
-                    "once, a running one is asked to stop and is forced after 30 seconds. Queue a new job to run "
-                    "it again."
-                ),
-                action=f"/jobs/{job.id}/cancel",
-                fields={},
-                button=what.capitalize(),
-                back=f"/jobs/{job.id}",
+            explanation = (
+                f"The {job.kind} job {job.id} ends as cancelled, which is final: a queued job is cancelled at "
+                "once, a running one is asked to stop and is forced after 30 seconds. Queue a new job to run "
+                "it again."
             )
-        grace = wire.CancelRequest().grace_seconds
-        try:
-            await actions.cancel(db_session, settings, operator, job, grace)
-        except Refused as exc:
-            return await gate.refused(request, db_session, exc.detail, f"/jobs/{job_id}")
-        await db_session.commit()
-        gate.notify(request, f"asked job {job_id} to stop")
-        return Redirect(f"/jobs/{job_id}", status_code=303)
+            experiment = await recording.load(db_session, job.experiment_id)
+            ask = acting.Ask("Cancel this job?", explanation, "Cancel this job")
+            return acting.confirmation(request, "jobs", experiment, ask, f"{back}/cancel", back)
+        cancelling = actions.cancel(db_session, settings, operator, job, wire.CancelRequest().grace_seconds)
+        return await acting.act(request, db_session, cancelling, lambda _: f"asked job {job_id} to stop", back)

@@ -16,12 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import ExperimentState
-from server.dispatch.lifecycle import EXPERIMENT_FINAL, Refused
+from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.httperrors import BadRequest
 from server.protocol import actions, canaries, recording
 from server.settings import Settings
 from server.store import commitments
-from server.web import gate, queries, render
+from server.web import acting, gate, queries, render
 from server.web.forms import Confirmation, Switch
 from server.web.gate import WebRequest
 
@@ -121,30 +121,14 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator = gate.operator(request)
-        experiment = await recording.load(db_session, experiment_id, lock=True)
+        operator, experiment = await acting.operating(request, db_session, experiment_id)
         back = f"/experiments/{experiment_id}"
         warning = IRREVERSIBLE.get(experiment.state)
         if warning is not None and data.confirm != "yes":
-            return render.page(
-                request,
-                "confirm.html",
-                tab="overview",
-                experiment=experiment,
-                title=f"Advance {experiment.name} from {experiment.state}?",
-                explanation=warning,
-                action=f"{back}/advance",
-                fields={},
-                button="Advance",
-                back=back,
-            )
-        try:
-            message = await actions.advance(db_session, settings, operator, experiment)
-        except Refused as exc:
-            return await gate.refused(request, db_session, exc.detail, back)
-        await db_session.commit()
-        gate.notify(request, message)
-        return Redirect(back, status_code=303)
+            ask = acting.Ask(f"Advance {experiment.name} from {experiment.state}?", warning, "Advance")
+            return acting.confirmation(request, "overview", experiment, ask, f"{back}/advance", back)
+        advancing = actions.advance(db_session, settings, operator, experiment)
+        return await acting.act(request, db_session, advancing, str, back)
 
     @post("/experiments/{experiment_id:uuid}/halt", opt=gate.ACTION)
     async def halt(
@@ -155,33 +139,20 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
     ) -> Redirect | Template:
         """As the API's halt: the experiment ends as halted, which is final."""
-        operator = gate.operator(request)
-        experiment = await recording.load(db_session, experiment_id, lock=True)
+        operator, experiment = await acting.operating(request, db_session, experiment_id)
         back = f"/experiments/{experiment_id}"
         if data.confirm != "yes":
-            return render.page(
-                request,
-                "confirm.html",
-                tab="overview",
-                experiment=experiment,
-                title=f"Halt {experiment.name}?",
-                explanation=(
-                    f"The experiment ends as halted, from {experiment.state}, as the API's halt ends it: no agent is "
-                    "handed another of its jobs, no phase follows and no report is computed. The ledger, answers "
-                    "and evidence stay as recorded."
-                ),
-                action=f"{back}/halt",
-                fields={},
-                button="Halt experiment",
-                back=back,
+            explanation = (
+                f"The experiment ends as halted, from {experiment.state}, as the API's halt ends it: no agent is "
+                "handed another of its jobs, no phase follows and no report is computed. The ledger, answers "
+                "and evidence stay as recorded."
             )
-        try:
-            await actions.halt(db_session, operator, experiment)
-        except Refused as exc:
-            return await gate.refused(request, db_session, exc.detail, back)
-        await db_session.commit()
-        gate.notify(request, f"halted {experiment.name}")
-        return Redirect(back, status_code=303)
+            ask = acting.Ask(f"Halt {experiment.name}?", explanation, "Halt experiment")
+            return acting.confirmation(request, "overview", experiment, ask, f"{back}/halt", back)
+        name = experiment.name
+        return await acting.act(
+            request, db_session, actions.halt(db_session, operator, experiment), lambda _: f"halted {name}", back
+        )
 
     @post("/experiments/{experiment_id:uuid}/autopilot", opt=gate.ACTION)
     async def autopilot(
@@ -193,14 +164,13 @@ class OverviewPages(Controller):
         settings: NamedDependency[Settings],
     ) -> Redirect:
         """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
-        operator = gate.operator(request)
-        experiment = await recording.load(db_session, experiment_id, lock=True)
+        operator, experiment = await acting.operating(request, db_session, experiment_id)
         back = f"/experiments/{experiment_id}"
-        try:
-            advanced = await actions.set_autopilot(db_session, settings, operator, experiment, data.value)
-        except Refused as exc:
-            return await gate.refused(request, db_session, exc.detail, back)
-        await db_session.commit()
         state = "on" if data.value else "off"
-        gate.notify(request, f"autopilot {state}" + (f"; {advanced}" if advanced else ""))
-        return Redirect(back, status_code=303)
+        return await acting.act(
+            request,
+            db_session,
+            actions.set_autopilot(db_session, settings, operator, experiment, data.value),
+            lambda advanced: f"autopilot {state}" + (f"; {advanced}" if advanced else ""),
+            back,
+        )

@@ -95,3 +95,11 @@ def page(request: WebRequest, name: str, status_code: int = 200, /, **context: o
 def fragment(request: WebRequest, name: str, **context: object) -> Template:
     """A part of a page that htmx polls; pages include the same template, so they work without JavaScript."""
     return Template(template_name=name, context={"viewer": gate.viewer(request), **context})
+
+
+def page_or_live(request: WebRequest, name: str, /, **context: object) -> Template:
+    """The page ``name`` or, asked at its ``/live`` path, the part of it that htmx polls (``fragments/NAME``):
+    one handler serves both, from the same context."""
+    if request.url.path.endswith("/live"):
+        return fragment(request, f"fragments/{name}", **context)
+    return page(request, name, **context)

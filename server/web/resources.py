@@ -36,14 +36,9 @@ async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict
 class ResourcePages(Controller):
     path = "/experiments/{experiment_id:uuid}/resources"
 
-    @get("/")
+    @get(["/", "/live"])
     async def resources(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        return render.page(request, "resources.html", tab="resources", **await _resources(db_session, experiment_id))
-
-    @get("/live")
-    async def live(
-        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
-    ) -> Template:
-        return render.fragment(request, "fragments/resources.html", **await _resources(db_session, experiment_id))
+        context = await _resources(db_session, experiment_id)
+        return render.page_or_live(request, "resources.html", tab="resources", **context)

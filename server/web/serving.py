@@ -13,11 +13,10 @@ from litestar.params import FromPath, URLEncodedBody
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.dispatch.lifecycle import Refused
 from server.protocol import actions, recording, replicas
 from server.settings import Settings
 from server.store import listings
-from server.web import benchmarks, gate, render
+from server.web import acting, benchmarks, gate, render
 from server.web.forms import Confirmation
 from server.web.gate import WebRequest
 
@@ -48,30 +47,15 @@ class ServingPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator = gate.operator(request)
-        experiment = await recording.load(db_session, experiment_id, lock=True)
+        operator, experiment = await acting.operating(request, db_session, experiment_id)
         back = f"/experiments/{experiment_id}/serving"
         if data.confirm != "yes":
-            return render.page(
-                request,
-                "confirm.html",
-                tab="serving",
-                experiment=experiment,
-                title=f"Stop rank {rank}'s replica?",
-                explanation=(
-                    f"A replica-stop job is queued on rank {rank}'s host: its vLLM replica and probe finish the "
-                    "requests they hold and exit. A benchmark phase still to run needs both replicas and fails "
-                    "without this one."
-                ),
-                action=f"{back}/replicas/{rank}/stop",
-                fields={},
-                button="Stop replica",
-                back=back,
+            explanation = (
+                f"A replica-stop job is queued on rank {rank}'s host: its vLLM replica and probe finish the "
+                "requests they hold and exit. A benchmark phase still to run needs both replicas and fails "
+                "without this one."
             )
-        try:
-            await actions.stop_replica(db_session, settings, operator, experiment, rank)
-        except Refused as exc:
-            return await gate.refused(request, db_session, exc.detail, back)
-        await db_session.commit()
-        gate.notify(request, f"queued replica-stop for rank {rank}")
-        return Redirect(back, status_code=303)
+            ask = acting.Ask(f"Stop rank {rank}'s replica?", explanation, "Stop replica")
+            return acting.confirmation(request, "serving", experiment, ask, f"{back}/replicas/{rank}/stop", back)
+        stopping = actions.stop_replica(db_session, settings, operator, experiment, rank)
+        return await acting.act(request, db_session, stopping, lambda _: f"queued replica-stop for rank {rank}", back)

@@ -30,14 +30,8 @@ async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[
 class TrainingPages(Controller):
     path = "/experiments/{experiment_id:uuid}/arms"
 
-    @get("/")
+    @get(["/", "/live"])
     async def arms(
         self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> Template:
-        return render.page(request, "arms.html", tab="arms", **await _training(db_session, experiment_id))
-
-    @get("/live")
-    async def live(
-        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
-    ) -> Template:
-        return render.fragment(request, "fragments/arms.html", **await _training(db_session, experiment_id))
+        return render.page_or_live(request, "arms.html", tab="arms", **await _training(db_session, experiment_id))

@@ -1,0 +1,74 @@
+"""An operator's action from a page, written once: the confirmation page an irreversible action shows first, and
+the action taken (the protocol's refusal rolled back and shown on the page it came from; a success committed and
+announced), each answered with a redirect back."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from litestar.response import Redirect, Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server import models
+from server.access.tokens import Principal
+from server.dispatch.lifecycle import Refused
+from server.protocol import recording
+from server.web import gate, render
+from server.web.gate import WebRequest
+
+T = TypeVar("T")
+
+
+async def operating(
+    request: WebRequest, db_session: AsyncSession, experiment_id: uuid.UUID
+) -> tuple[Principal, models.Experiment]:
+    """The signed-in operator, and the experiment they act on, locked for the action."""
+    operator = gate.operator(request)
+    return operator, await recording.load(db_session, experiment_id, lock=True)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the confirmation page of an action says: its title, what the action does, its button's words."""
+
+    title: str
+    explanation: str
+    button: str
+
+
+def confirmation(
+    request: WebRequest, tab: str, experiment: models.Experiment, ask: Ask, action: str, back: str
+) -> Template:
+    """The page that asks before an irreversible action; its form posts ``confirm=yes`` to ``action``."""
+    return render.page(
+        request,
+        "confirm.html",
+        tab=tab,
+        experiment=experiment,
+        title=ask.title,
+        explanation=ask.explanation,
+        action=action,
+        fields={},
+        button=ask.button,
+        back=back,
+    )
+
+
+async def act(
+    request: WebRequest,
+    db_session: AsyncSession,
+    action: Awaitable[T],
+    message: Callable[[T], str],
+    back: str,
+) -> Redirect:
+    """Take ``action``: committed and announced with ``message`` of its result, or refused with nothing kept."""
+    try:
+        done = await action
+    except Refused as exc:
+        return await gate.refused(request, db_session, exc.detail, back)
+    await db_session.commit()
+    gate.notify(request, message(done))
+    return Redirect(back, status_code=303)
