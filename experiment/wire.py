@@ -614,10 +614,13 @@ class ServingResult(msgspec.Struct, frozen=True):
 
 
 class Blob(msgspec.Struct, frozen=True):
+    """A stored blob, named by the sha256 of its content: the coordinator keeps one copy of each content however
+    often it is sent, so ``created`` is False where the blob was already stored (an upload is idempotent, and an
+    agent resends what it cannot tell arrived)."""
+
     sha256: str
     size: int
     media_type: str
-    # False when the blob was already stored (an idempotent upload).
     created: bool
 
 

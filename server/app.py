@@ -244,6 +244,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             "principal": Provide(auth.provide_principal, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
             auth.CALL: Provide(calls.provider(metrics), sync_to_thread=False),
+            "operator": Provide(calls.operator, sync_to_thread=False),
         },
         guards=[auth.authorize],
         before_request=bodies.before_request,

@@ -131,6 +131,9 @@ def breakdown(items: Sequence[T], key: Callable[[T], str], correct: Callable[[T]
 
 
 class Condition(msgspec.Struct, frozen=True):
+    """One pre-registered condition of a verdict: the figure measured, the threshold it is held to, and whether it
+    met it."""
+
     name: str
     value: float
     threshold: float

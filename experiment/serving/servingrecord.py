@@ -40,6 +40,9 @@ class Completion(msgspec.Struct, frozen=True):
 
 
 class Failure(msgspec.Struct, frozen=True):
+    """A request of the workload that got no answer from any replica: its request and task, how many attempts it
+    was given, and the error of the last one."""
+
     request_id: str
     task_id: str
     attempts: int

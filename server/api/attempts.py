@@ -18,7 +18,6 @@ from server.access import audit
 from server.api import spec
 from server.api.calls import AgentCall
 from server.dispatch import queue
-from server.httperrors import NotFound
 from server.store import cursors, views
 from server.store.idempotency import Stored
 
@@ -44,10 +43,7 @@ class AttemptController(Controller):
     async def get_attempt(
         self, attempt_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> wire.Attempt:
-        attempt = await db_session.get(models.Attempt, attempt_id)
-        if attempt is None:
-            raise NotFound(f"attempt {attempt_id} does not exist")
-        return views.attempt(attempt)
+        return views.attempt(await views.found(db_session, models.Attempt, attempt_id))
 
     @get("/{attempt_id:uuid}/events", operation_id="listAttemptEvents", **spec.read())
     async def list_events(
@@ -61,8 +57,7 @@ class AttemptController(Controller):
         """The attempt's events (what its command printed, its state changes) in the order recorded; ``after``: the
         next cursor of the page before, to follow a running attempt. A page ends at ``limit`` events or once its
         events pass MAX_PAGE_BYTES of JSON, whichever comes first; ``next`` then names the rest."""
-        if await db_session.get(models.Attempt, attempt_id) is None:
-            raise NotFound(f"attempt {attempt_id} does not exist")
+        await views.found(db_session, models.Attempt, attempt_id)
         listing = select(models.Event).where(
             models.Event.attempt_id == attempt_id, *(() if kind is None else (models.Event.kind == kind,))
         )
@@ -99,8 +94,7 @@ class AttemptController(Controller):
     ) -> wire.Attempt:
         attempt = await queue.start(call.session, call.agent, attempt_id, data.lease_token)
         await audit.record(call.session, call.principal, "attempt.start", f"attempt:{attempt_id}")
-        await call.session.flush()
-        await call.session.refresh(attempt)
+        await views.fresh(call.session, attempt)
         return views.attempt(attempt)
 
     @post(

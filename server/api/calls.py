@@ -19,6 +19,7 @@ from server.access import auth
 from server.access.tokens import Principal
 from server.dispatch.queue import Caller
 from server.prometheus import Metrics
+from server.protocol.actions import Operator
 from server.settings import Settings
 
 
@@ -47,3 +48,8 @@ def provider(metrics: Metrics) -> Callable[[Request[Any, Any, Any]], AgentCall]:
         )
 
     return provide
+
+
+def operator(db_session: AsyncSession, settings: Settings, principal: Principal) -> Operator:
+    """An operator's route: who asks (the bearer token's principal), in the request's session."""
+    return Operator(db_session, settings, principal)

@@ -14,18 +14,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import models
-from server.access.tokens import Principal
 from server.api import spec
 from server.httperrors import BadRequest, NotFound
 from server.protocol import actions, canaries, recording
+from server.protocol.actions import Operator
 from server.settings import Settings
 from server.store import commitments, views
 
 
-async def _view(session: AsyncSession, experiment: models.Experiment) -> wire.Experiment:
-    # Flushing sets the audit timestamps in the database; refresh reads them back before rendering.
-    await session.flush()
-    await session.refresh(experiment)
+async def _view(operator: Operator, experiment: models.Experiment) -> wire.Experiment:
+    await views.fresh(operator.session, experiment)
     return views.experiment(experiment)
 
 
@@ -37,12 +35,10 @@ class ExperimentController(Controller):
     async def create(
         self,
         data: JSONBody[wire.ExperimentCreate],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Experiment:
-        experiment = await actions.create(db_session, settings, principal, data)
-        return await _view(db_session, experiment)
+        experiment = await actions.create(operator, data)
+        return await _view(operator, experiment)
 
     @get("/", operation_id="listExperiments", **spec.read(found=False))
     async def list_experiments(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Experiment]:
@@ -60,15 +56,13 @@ class ExperimentController(Controller):
         self,
         experiment_id: FromPath[uuid.UUID],
         data: JSONBody[wire.PlanCommit],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Experiment:
         """Commit a draft's plan: 409 ``canary-required`` for a GPU plan whose canary has not passed, unless the
         body's ``canary_override`` gives the operator's reason, which the plan's commitment records."""
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.commit(db_session, settings, principal, experiment, data)
-        return await _view(db_session, experiment)
+        experiment = await operator.experiment(experiment_id)
+        await actions.commit(operator, experiment, data)
+        return await _view(operator, experiment)
 
     @get("/{experiment_id:uuid}/arms", operation_id="listArms", **spec.read())
     async def arms(
@@ -100,14 +94,11 @@ class ExperimentController(Controller):
         self,
         experiment_id: FromPath[uuid.UUID],
         data: JSONBody[wire.JobCreate],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Job:
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        job = await actions.queue_job(db_session, settings, principal, experiment, data)
-        await db_session.flush()
-        await db_session.refresh(job)
+        experiment = await operator.experiment(experiment_id)
+        job = await actions.queue_job(operator, experiment, data)
+        await views.fresh(operator.session, job)
         return views.job(job)
 
     @post(
@@ -117,71 +108,60 @@ class ExperimentController(Controller):
         self,
         experiment_id: FromPath[uuid.UUID],
         data: JSONBody[wire.SelectionCreate],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Experiment:
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.select(db_session, settings, principal, experiment, data)
-        return await _view(db_session, experiment)
+        experiment = await operator.experiment(experiment_id)
+        await actions.select(operator, experiment, data)
+        return await _view(operator, experiment)
 
     @post("/{experiment_id:uuid}/advance", operation_id="advanceExperiment", status_code=200, **spec.write("operator"))
     async def advance(
         self,
         experiment_id: FromPath[uuid.UUID],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Advanced:
         """Queue the next phase's jobs (409 with rule ``phase-running`` while the current phase runs)."""
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        action = await actions.advance(db_session, settings, principal, experiment)
-        return wire.Advanced(await _view(db_session, experiment), action)
+        experiment = await operator.experiment(experiment_id)
+        action = await actions.advance(operator, experiment)
+        return wire.Advanced(await _view(operator, experiment), action)
 
     @post("/{experiment_id:uuid}/autopilot", operation_id="setAutopilot", status_code=200, **spec.write("operator"))
     async def autopilot(
         self,
         experiment_id: FromPath[uuid.UUID],
         data: JSONBody[wire.AutopilotSet],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Experiment:
         """Switch autopilot on or off; switched on, it advances at once if the current phase is done."""
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.set_autopilot(db_session, settings, principal, experiment, data.on)
-        return await _view(db_session, experiment)
+        experiment = await operator.experiment(experiment_id)
+        await actions.set_autopilot(operator, experiment, data.on)
+        return await _view(operator, experiment)
 
     @post("/{experiment_id:uuid}/serving", operation_id="commitServing", **spec.write("operator"))
     async def serving(
         self,
         experiment_id: FromPath[uuid.UUID],
         data: JSONBody[wire.ServingCreate],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Experiment:
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.serve(db_session, settings, principal, experiment, data)
-        return await _view(db_session, experiment)
+        experiment = await operator.experiment(experiment_id)
+        await actions.serve(operator, experiment, data)
+        return await _view(operator, experiment)
 
     @post("/{experiment_id:uuid}/report", operation_id="requestReport", **spec.write("operator"))
     async def report(
         self,
         experiment_id: FromPath[uuid.UUID],
         request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Job:
         """Ask the coordinator to compute the report from the stored evidence (it queues its own report job).
         The request has no body: a report is only ever the coordinator's recomputation, never one sent to it."""
         if (await request.body()).strip():
             raise BadRequest("a report request has no body: the coordinator computes the report itself")
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        job = await actions.request_report(db_session, settings, principal, experiment)
-        await db_session.flush()
-        await db_session.refresh(job)
+        experiment = await operator.experiment(experiment_id)
+        job = await actions.request_report(operator, experiment)
+        await views.fresh(operator.session, job)
         return views.job(job)
 
     @get("/{experiment_id:uuid}/report", operation_id="getReport", media_type="application/json", **spec.read())
@@ -211,9 +191,8 @@ class ExperimentController(Controller):
     async def halt(
         self,
         experiment_id: FromPath[uuid.UUID],
-        db_session: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Experiment:
-        experiment = await recording.load(db_session, experiment_id, lock=True)
-        await actions.halt(db_session, principal, experiment)
-        return await _view(db_session, experiment)
+        experiment = await operator.experiment(experiment_id)
+        await actions.halt(operator, experiment)
+        return await _view(operator, experiment)

@@ -12,19 +12,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import models
-from server.access.tokens import Principal
 from server.api import spec
-from server.httperrors import NotFound
 from server.protocol import actions
-from server.settings import Settings
+from server.protocol.actions import Operator
 from server.store import views
-
-
-async def _job(session: AsyncSession, job_id: uuid.UUID, *, lock: bool = False) -> models.Job:
-    job = await session.get(models.Job, job_id, with_for_update=lock)
-    if job is None:
-        raise NotFound(f"job {job_id} does not exist")
-    return job
 
 
 class JobController(Controller):
@@ -33,13 +24,13 @@ class JobController(Controller):
 
     @get("/{job_id:uuid}", operation_id="getJob", **spec.read())
     async def get_job(self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]) -> wire.Job:
-        return views.job(await _job(db_session, job_id))
+        return views.job(await views.found(db_session, models.Job, job_id))
 
     @get("/{job_id:uuid}/attempts", operation_id="listAttempts", **spec.read())
     async def attempts(
         self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Attempt]:
-        await _job(db_session, job_id)
+        await views.found(db_session, models.Job, job_id)
         rows = await db_session.scalars(
             select(models.Attempt)
             .where(models.Attempt.job_id == job_id)
@@ -52,12 +43,9 @@ class JobController(Controller):
         self,
         job_id: FromPath[uuid.UUID],
         data: JSONBody[wire.CancelRequest],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
-        principal: NamedDependency[Principal],
+        operator: NamedDependency[Operator],
     ) -> wire.Job:
-        job = await _job(db_session, job_id, lock=True)
-        await actions.cancel(db_session, settings, principal, job, data.grace_seconds)
-        await db_session.flush()
-        await db_session.refresh(job)
+        job = await operator.job(job_id)
+        await actions.cancel(operator, job, data.grace_seconds)
+        await views.fresh(operator.session, job)
         return views.job(job)

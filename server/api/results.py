@@ -16,9 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import models
 from server.api import spec
-from server.httperrors import NotFound
 from server.protocol import recording
-from server.store import listings, measurements, tables
+from server.store import listings, measurements, tables, views
 
 Cursor = Annotated[str | None, QueryParameter(max_length=64, description="the next cursor of the page before")]
 MeasurementLimit = Annotated[int, QueryParameter(ge=1, le=measurements.MAX_PAGE)]
@@ -60,8 +59,7 @@ class ResultController(Controller):
     ) -> wire.MeasurementPage:
         """Every attempt's and rank's step records and resource samples, in the order recorded: a running
         attempt's as its ranks report them."""
-        if await db_session.get(models.Job, job_id) is None:
-            raise NotFound(f"job {job_id} does not exist")
+        await views.found(db_session, models.Job, job_id)
         return await measurements.page(db_session, job_id=job_id, kind=kind, after=after, limit=limit)
 
     @get("/jobs/{job_id:uuid}/measurements.csv", operation_id="jobMeasurementsCsv", media_type=CSV, **spec.read())
@@ -72,8 +70,7 @@ class ResultController(Controller):
         kind: FromQuery[wire.MeasurementKind | None] = None,
     ) -> Stream:
         """The job's measurements as CSV: a row each, a step record's or a resource sample's columns filled."""
-        if await db_session.get(models.Job, job_id) is None:
-            raise NotFound(f"job {job_id} does not exist")
+        await views.found(db_session, models.Job, job_id)
         every = await measurements.every(db_session, job_id=job_id, kind=kind)
         return _csv(tables.measurements(every), f"measurements-{job_id}")
 
@@ -86,8 +83,7 @@ class ResultController(Controller):
         after: Cursor = None,
         limit: MeasurementLimit = measurements.MAX_PAGE,
     ) -> wire.MeasurementPage:
-        if await db_session.get(models.Attempt, attempt_id) is None:
-            raise NotFound(f"attempt {attempt_id} does not exist")
+        await views.found(db_session, models.Attempt, attempt_id)
         return await measurements.page(db_session, attempt_id=attempt_id, kind=kind, after=after, limit=limit)
 
     @get("/experiments/{experiment_id:uuid}/answers", operation_id="listAnswers", dependencies=FILTERS, **spec.read())

@@ -4,16 +4,36 @@ An experiment's plan column becomes its Plan here too."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import TypeVar
 
 import msgspec
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.plan import Plan
 from server import models
+from server.httperrors import NotFound
 
 W = TypeVar("W", bound=msgspec.Struct)
+R = TypeVar("R", models.Job, models.Attempt)
+NAMES: dict[type[models.Job | models.Attempt], str] = {models.Job: "job", models.Attempt: "attempt"}
+
+
+async def found(session: AsyncSession, model: type[R], row_id: uuid.UUID, *, lock: bool = False) -> R:
+    """The job or attempt ``row_id`` (``lock``: FOR UPDATE on Postgres); 404 where there is none."""
+    row = await session.get(model, row_id, with_for_update=lock)
+    if row is None:
+        raise NotFound(f"{NAMES[model]} {row_id} does not exist")
+    return row
+
+
+async def fresh(session: AsyncSession, row: R | models.Experiment) -> None:
+    """Write the session's changes and read ``row`` back: the database sets the audit timestamps a view shows."""
+    await session.flush()
+    await session.refresh(row)
+
 
 _PLANS: dict[str, Plan] = {}
 _PLANS_KEPT = 256

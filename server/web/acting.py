@@ -13,21 +13,26 @@ from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
-from server.access.tokens import Principal
 from server.dispatch.lifecycle import Refused
-from server.protocol import recording
+from server.protocol.actions import Operator
+from server.settings import Settings
 from server.web import gate, render
 from server.web.gate import WebRequest
 
 T = TypeVar("T")
 
 
+def operator(request: WebRequest, db_session: AsyncSession, settings: Settings) -> Operator:
+    """The signed-in operator, in the request's session (SignInRequired where nobody is)."""
+    return Operator(db_session, settings, gate.operator(request))
+
+
 async def operating(
-    request: WebRequest, db_session: AsyncSession, experiment_id: uuid.UUID
-) -> tuple[Principal, models.Experiment]:
+    request: WebRequest, db_session: AsyncSession, settings: Settings, experiment_id: uuid.UUID
+) -> tuple[Operator, models.Experiment]:
     """The signed-in operator, and the experiment they act on, locked for the action."""
-    operator = gate.operator(request)
-    return operator, await recording.load(db_session, experiment_id, lock=True)
+    acting = operator(request, db_session, settings)
+    return acting, await acting.experiment(experiment_id)
 
 
 @dataclass(frozen=True)

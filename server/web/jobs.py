@@ -22,6 +22,7 @@ from server.dispatch.lifecycle import JOB_FINAL
 from server.httperrors import NotFound
 from server.protocol import actions, recording
 from server.settings import Settings
+from server.store import views
 from server.web import acting, gate, jobrows, queries, render
 from server.web.forms import Confirmation
 from server.web.gate import WebRequest
@@ -70,7 +71,7 @@ async def _timeline(work: _Work) -> dict[str, object]:
 
 
 async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUID | None) -> dict[str, object]:
-    job = await queries.job(db_session, job_id)
+    job = await views.found(db_session, models.Job, job_id)
     attempts = await queries.attempts(db_session, job_id)
     # The attempt whose log is shown: the one asked for, else the newest.
     if attempt_id is None:
@@ -131,8 +132,8 @@ class JobPages(Controller):
         db_session: NamedDependency[AsyncSession],
     ) -> Stream:
         """The attempt's whole log as a text file, in the lines the page's tail shows, streamed a chunk at a time."""
-        job = await queries.job(db_session, job_id)
-        attempt = await queries.attempt(db_session, attempt_id)
+        job = await views.found(db_session, models.Job, job_id)
+        attempt = await views.found(db_session, models.Attempt, attempt_id)
         if attempt.job_id != job.id:
             raise NotFound(f"attempt {attempt_id} is not an attempt of job {job_id}")
         name = f"{job.kind}-{job.id}-attempt-{attempt.number}-rank-{attempt.rank}.log"
@@ -151,8 +152,8 @@ class JobPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator = gate.operator(request)
-        job = await queries.job(db_session, job_id, lock=True)
+        operator = acting.operator(request, db_session, settings)
+        job = await operator.job(job_id)
         back = f"/jobs/{job.id}"
         if data.confirm != "yes":
             explanation = (
@@ -163,5 +164,5 @@ class JobPages(Controller):
             experiment = await recording.load(db_session, job.experiment_id)
             ask = acting.Ask("Cancel this job?", explanation, "Cancel this job")
             return acting.confirmation(request, "jobs", experiment, ask, f"{back}/cancel", back)
-        cancelling = actions.cancel(db_session, settings, operator, job, wire.CancelRequest().grace_seconds)
+        cancelling = actions.cancel(operator, job, wire.CancelRequest().grace_seconds)
         return await acting.act(request, db_session, cancelling, lambda _: f"asked job {job_id} to stop", back)

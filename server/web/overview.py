@@ -77,7 +77,7 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect:
-        operator = gate.operator(request)
+        operator = acting.operator(request, db_session, settings)
         text = data.plan_toml
         if data.plan_file is not None and data.plan_file.filename:
             try:
@@ -91,7 +91,7 @@ class OverviewPages(Controller):
             body = msgspec.convert(fields, type=wire.ExperimentCreate)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"the plan cannot be used: {exc}") from exc
-        experiment = await actions.create(db_session, settings, operator, body)
+        experiment = await actions.create(operator, body)
         await db_session.commit()
         gate.notify(request, f"created experiment {experiment.name} ({experiment.state})")
         return Redirect(f"/experiments/{experiment.id}", status_code=303)
@@ -121,13 +121,13 @@ class OverviewPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator, experiment = await acting.operating(request, db_session, experiment_id)
+        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
         back = f"/experiments/{experiment_id}"
         warning = IRREVERSIBLE.get(experiment.state)
         if warning is not None and data.confirm != "yes":
             ask = acting.Ask(f"Advance {experiment.name} from {experiment.state}?", warning, "Advance")
             return acting.confirmation(request, "overview", experiment, ask, f"{back}/advance", back)
-        advancing = actions.advance(db_session, settings, operator, experiment)
+        advancing = actions.advance(operator, experiment)
         return await acting.act(request, db_session, advancing, str, back)
 
     @post("/experiments/{experiment_id:uuid}/halt", opt=gate.ACTION)
@@ -137,9 +137,10 @@ class OverviewPages(Controller):
         experiment_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Confirmation],
         db_session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
     ) -> Redirect | Template:
         """As the API's halt: the experiment ends as halted, which is final."""
-        operator, experiment = await acting.operating(request, db_session, experiment_id)
+        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
         back = f"/experiments/{experiment_id}"
         if data.confirm != "yes":
             explanation = (
@@ -151,7 +152,7 @@ class OverviewPages(Controller):
             return acting.confirmation(request, "overview", experiment, ask, f"{back}/halt", back)
         name = experiment.name
         return await acting.act(
-            request, db_session, actions.halt(db_session, operator, experiment), lambda _: f"halted {name}", back
+            request, db_session, actions.halt(operator, experiment), lambda _: f"halted {name}", back
         )
 
     @post("/experiments/{experiment_id:uuid}/autopilot", opt=gate.ACTION)
@@ -164,13 +165,13 @@ class OverviewPages(Controller):
         settings: NamedDependency[Settings],
     ) -> Redirect:
         """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
-        operator, experiment = await acting.operating(request, db_session, experiment_id)
+        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
         back = f"/experiments/{experiment_id}"
         state = "on" if data.value else "off"
         return await acting.act(
             request,
             db_session,
-            actions.set_autopilot(db_session, settings, operator, experiment, data.value),
+            actions.set_autopilot(operator, experiment, data.value),
             lambda advanced: f"autopilot {state}" + (f"; {advanced}" if advanced else ""),
             back,
         )

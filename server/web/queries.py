@@ -14,7 +14,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from experiment.core.canonical import JsonObject
 from server import db, models
 from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
-from server.httperrors import NotFound
 from server.store import views
 from server.web import render
 
@@ -116,13 +115,6 @@ async def jobs(session: AsyncSession, experiment_id: uuid.UUID) -> list[models.J
     )
 
 
-async def job(session: AsyncSession, job_id: uuid.UUID, *, lock: bool = False) -> models.Job:
-    found = await session.get(models.Job, job_id, with_for_update=lock)
-    if found is None:
-        raise NotFound(f"job {job_id} does not exist")
-    return found
-
-
 COORDINATOR = "coordinator"  # the host of an attempt without an agent: the coordinator's own job (the report)
 
 
@@ -164,13 +156,6 @@ async def job_changes(session: AsyncSession, experiment_id: uuid.UUID) -> dict[u
     for row in await _state_events(session, experiment_id, of_jobs=True):
         if row.job_id is not None:  # always, by the query; the check narrows the column's type
             found.setdefault(row.job_id, []).append(_change(row))
-    return found
-
-
-async def attempt(session: AsyncSession, attempt_id: uuid.UUID) -> models.Attempt:
-    found = await session.get(models.Attempt, attempt_id)
-    if found is None:
-        raise NotFound(f"attempt {attempt_id} does not exist")
     return found
 
 

@@ -47,7 +47,7 @@ class ServingPages(Controller):
         db_session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> Redirect | Template:
-        operator, experiment = await acting.operating(request, db_session, experiment_id)
+        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
         back = f"/experiments/{experiment_id}/serving"
         if data.confirm != "yes":
             explanation = (
@@ -57,5 +57,5 @@ class ServingPages(Controller):
             )
             ask = acting.Ask(f"Stop rank {rank}'s replica?", explanation, "Stop replica")
             return acting.confirmation(request, "serving", experiment, ask, f"{back}/replicas/{rank}/stop", back)
-        stopping = actions.stop_replica(db_session, settings, operator, experiment, rank)
+        stopping = actions.stop_replica(operator, experiment, rank)
         return await acting.act(request, db_session, stopping, lambda _: f"queued replica-stop for rank {rank}", back)
