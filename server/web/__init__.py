@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from litestar import Router
 from litestar.datastructures import ResponseHeader
+from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
 from litestar.middleware.csrf import CSRFMiddleware
@@ -16,7 +17,7 @@ from litestar.types import ASGIApp, ControllerRouterHandler
 
 from experiment.core.errors import CoopError
 from server.settings import Settings
-from server.web import csrf, errors, gate, keys, render
+from server.web import acting, csrf, errors, gate, keys, render
 from server.web.agents import AgentPages
 from server.web.evaluations import EvaluationPages
 from server.web.jobs import JobPages
@@ -84,6 +85,7 @@ def routes(settings: Settings) -> list[ControllerRouterHandler]:
             DefineMiddleware(CSRFMiddleware, config=csrf.config(settings.home, settings.tls)),
         ],
         guards=[gate.guard],
+        dependencies={"operator": Provide(acting.operator, sync_to_thread=False)},
         exception_handlers={CoopError: errors.page, HTTPException: errors.page},
         opt=OPT,
         include_in_schema=False,

@@ -4,7 +4,6 @@ announced), each answered with a redirect back."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -23,16 +22,9 @@ T = TypeVar("T")
 
 
 def operator(request: WebRequest, db_session: AsyncSession, settings: Settings) -> Operator:
-    """The signed-in operator, in the request's session (SignInRequired where nobody is)."""
+    """The signed-in operator, in the request's session (SignInRequired where nobody is): the pages' ``operator``
+    dependency."""
     return Operator(db_session, settings, gate.operator(request))
-
-
-async def operating(
-    request: WebRequest, db_session: AsyncSession, settings: Settings, experiment_id: uuid.UUID
-) -> tuple[Operator, models.Experiment]:
-    """The signed-in operator, and the experiment they act on, locked for the action."""
-    acting = operator(request, db_session, settings)
-    return acting, await acting.experiment(experiment_id)
 
 
 @dataclass(frozen=True)
@@ -63,17 +55,13 @@ def confirmation(
 
 
 async def act(
-    request: WebRequest,
-    db_session: AsyncSession,
-    action: Awaitable[T],
-    message: Callable[[T], str],
-    back: str,
+    request: WebRequest, operator: Operator, action: Awaitable[T], message: Callable[[T], str], back: str
 ) -> Redirect:
     """Take ``action``: committed and announced with ``message`` of its result, or refused with nothing kept."""
     try:
         done = await action
     except Refused as exc:
-        return await gate.refused(request, db_session, exc.detail, back)
-    await db_session.commit()
+        return await gate.refused(request, operator.session, exc.detail, back)
+    await operator.session.commit()
     gate.notify(request, message(done))
     return Redirect(back, status_code=303)

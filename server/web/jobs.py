@@ -21,7 +21,7 @@ from server.access import auth
 from server.dispatch.lifecycle import JOB_FINAL
 from server.httperrors import NotFound
 from server.protocol import actions, recording
-from server.settings import Settings
+from server.protocol.actions import Operator
 from server.store import views
 from server.web import acting, gate, jobrows, queries, render
 from server.web.forms import Confirmation
@@ -149,10 +149,8 @@ class JobPages(Controller):
         request: WebRequest,
         job_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Confirmation],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
+        operator: NamedDependency[Operator],
     ) -> Redirect | Template:
-        operator = acting.operator(request, db_session, settings)
         job = await operator.job(job_id)
         back = f"/jobs/{job.id}"
         if data.confirm != "yes":
@@ -161,8 +159,8 @@ class JobPages(Controller):
                 "once, a running one is asked to stop and is forced after 30 seconds. Queue a new job to run "
                 "it again."
             )
-            experiment = await recording.load(db_session, job.experiment_id)
+            experiment = await recording.load(operator.session, job.experiment_id)
             ask = acting.Ask("Cancel this job?", explanation, "Cancel this job")
             return acting.confirmation(request, "jobs", experiment, ask, f"{back}/cancel", back)
         cancelling = actions.cancel(operator, job, wire.CancelRequest().grace_seconds)
-        return await acting.act(request, db_session, cancelling, lambda _: f"asked job {job_id} to stop", back)
+        return await acting.act(request, operator, cancelling, lambda _: f"asked job {job_id} to stop", back)

@@ -19,7 +19,7 @@ from experiment.core.states import ExperimentState
 from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.httperrors import BadRequest
 from server.protocol import actions, canaries, recording
-from server.settings import Settings
+from server.protocol.actions import Operator
 from server.store import commitments
 from server.web import acting, gate, queries, render
 from server.web.forms import Confirmation, Switch
@@ -74,10 +74,8 @@ class OverviewPages(Controller):
         self,
         request: WebRequest,
         data: MultipartBody[CreateForm],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
+        operator: NamedDependency[Operator],
     ) -> Redirect:
-        operator = acting.operator(request, db_session, settings)
         text = data.plan_toml
         if data.plan_file is not None and data.plan_file.filename:
             try:
@@ -92,7 +90,7 @@ class OverviewPages(Controller):
         except msgspec.ValidationError as exc:
             raise BadRequest(f"the plan cannot be used: {exc}") from exc
         experiment = await actions.create(operator, body)
-        await db_session.commit()
+        await operator.session.commit()
         gate.notify(request, f"created experiment {experiment.name} ({experiment.state})")
         return Redirect(f"/experiments/{experiment.id}", status_code=303)
 
@@ -118,17 +116,16 @@ class OverviewPages(Controller):
         request: WebRequest,
         experiment_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Confirmation],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
+        operator: NamedDependency[Operator],
     ) -> Redirect | Template:
-        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
+        experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}"
         warning = IRREVERSIBLE.get(experiment.state)
         if warning is not None and data.confirm != "yes":
             ask = acting.Ask(f"Advance {experiment.name} from {experiment.state}?", warning, "Advance")
             return acting.confirmation(request, "overview", experiment, ask, f"{back}/advance", back)
         advancing = actions.advance(operator, experiment)
-        return await acting.act(request, db_session, advancing, str, back)
+        return await acting.act(request, operator, advancing, str, back)
 
     @post("/experiments/{experiment_id:uuid}/halt", opt=gate.ACTION)
     async def halt(
@@ -136,11 +133,10 @@ class OverviewPages(Controller):
         request: WebRequest,
         experiment_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Confirmation],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
+        operator: NamedDependency[Operator],
     ) -> Redirect | Template:
         """As the API's halt: the experiment ends as halted, which is final."""
-        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
+        experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}"
         if data.confirm != "yes":
             explanation = (
@@ -151,9 +147,7 @@ class OverviewPages(Controller):
             ask = acting.Ask(f"Halt {experiment.name}?", explanation, "Halt experiment")
             return acting.confirmation(request, "overview", experiment, ask, f"{back}/halt", back)
         name = experiment.name
-        return await acting.act(
-            request, db_session, actions.halt(operator, experiment), lambda _: f"halted {name}", back
-        )
+        return await acting.act(request, operator, actions.halt(operator, experiment), lambda _: f"halted {name}", back)
 
     @post("/experiments/{experiment_id:uuid}/autopilot", opt=gate.ACTION)
     async def autopilot(
@@ -161,16 +155,15 @@ class OverviewPages(Controller):
         request: WebRequest,
         experiment_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Switch],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
+        operator: NamedDependency[Operator],
     ) -> Redirect:
         """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
-        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
+        experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}"
         state = "on" if data.value else "off"
         return await acting.act(
             request,
-            db_session,
+            operator,
             actions.set_autopilot(operator, experiment, data.value),
             lambda advanced: f"autopilot {state}" + (f"; {advanced}" if advanced else ""),
             back,

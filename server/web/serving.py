@@ -14,7 +14,7 @@ from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.protocol import actions, recording, replicas
-from server.settings import Settings
+from server.protocol.actions import Operator
 from server.store import listings
 from server.web import acting, benchmarks, gate, render
 from server.web.forms import Confirmation
@@ -44,10 +44,9 @@ class ServingPages(Controller):
         experiment_id: FromPath[uuid.UUID],
         rank: FromPath[int],
         data: URLEncodedBody[Confirmation],
-        db_session: NamedDependency[AsyncSession],
-        settings: NamedDependency[Settings],
+        operator: NamedDependency[Operator],
     ) -> Redirect | Template:
-        operator, experiment = await acting.operating(request, db_session, settings, experiment_id)
+        experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}/serving"
         if data.confirm != "yes":
             explanation = (
@@ -58,4 +57,4 @@ class ServingPages(Controller):
             ask = acting.Ask(f"Stop rank {rank}'s replica?", explanation, "Stop replica")
             return acting.confirmation(request, "serving", experiment, ask, f"{back}/replicas/{rank}/stop", back)
         stopping = actions.stop_replica(operator, experiment, rank)
-        return await acting.act(request, db_session, stopping, lambda _: f"queued replica-stop for rank {rank}", back)
+        return await acting.act(request, operator, stopping, lambda _: f"queued replica-stop for rank {rank}", back)
