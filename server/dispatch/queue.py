@@ -315,7 +315,20 @@ def _lease(settings: Settings, attempt: models.Attempt) -> str:
     return token
 
 
-def _assignment(job: models.Job, attempt: models.Attempt, token: str) -> wire.Assignment:
+@dataclass(frozen=True)
+class _Leased:
+    """The attempt a claim leases, before its row is written (_record_attempt writes it)."""
+
+    id: uuid.UUID
+    number: int
+    rank: int
+    master_addr: str | None
+    master_port: int | None
+    lease_expires_at: datetime.datetime
+
+
+def _assignment(job: models.Job | Row[Any], attempt: models.Attempt | _Leased, token: str) -> wire.Assignment:
+    """What the agent is handed for one rank of ``job``: the attempt, where its gang meets, its lease."""
     return wire.Assignment(
         job_id=job.id,
         attempt_id=attempt.id,
@@ -376,22 +389,9 @@ async def claim(
     now = _now()
     master_addr, master_port = await _meet(session, settings, agent, job, rank, now)
     token = secrets.token_urlsafe(32)  # a new lease token: only its hash is kept
-    assignment = wire.Assignment(
-        job_id=job.id,
-        attempt_id=uuid7(),
-        experiment_id=job.experiment_id,
-        kind=job.kind,
-        arm=job.arm,
-        role=job.role,
-        spec=job.spec,
-        number=job.attempts_made,
-        rank=rank,
-        world_size=job.world_size,
-        master_addr=master_addr,
-        master_port=master_port,
-        lease_token=token,
-        lease_expires_at=now + datetime.timedelta(seconds=settings.lease_seconds),
-    )
+    expires = now + datetime.timedelta(seconds=settings.lease_seconds)
+    leased = _Leased(uuid7(), job.attempts_made, rank, master_addr, master_port, expires)
+    assignment = _assignment(job, leased, token)
     await _record_attempt(session, agent, claim_key, assignment)
     return assignment
 

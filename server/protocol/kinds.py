@@ -139,6 +139,25 @@ class Kind(Generic[S, R]):
     spec_rule: str | None = None  # the rule a malformed spec breaks (409); None: 400 naming the field
 
 
+def _replica(
+    name: wire.JobKind,
+    spec: type[S],
+    result: type[R],
+    place: Callable[[AsyncSession, models.Experiment, S], Awaitable[tuple[uuid.UUID, S]]],
+) -> Kind[S, R]:
+    """A replica's start or stop: on the host of its rank of the pair, its claim carrying the probes' token."""
+    return Kind(
+        name,
+        spec,
+        result,
+        guards.guard_replica_job,
+        needs_arm=True,
+        place=_on_pair_host(place),
+        serving_token=True,
+        spec_rule="serving-spec",
+    )
+
+
 TABLE: dict[str, Kind[Any, Any]] = {
     entry.name: entry
     for entry in (
@@ -168,26 +187,8 @@ TABLE: dict[str, Kind[Any, Any]] = {
             answers=_answers,
         ),
         Kind("select", wire.SelectSpec, wire.SelectResult, guards.guard_select, place=_on_holder),
-        Kind(
-            "replica-start",
-            wire.ReplicaStartSpec,
-            wire.ReplicaStartResult,
-            guards.guard_replica_job,
-            needs_arm=True,
-            place=_on_pair_host(replicas.place_replica_start),
-            serving_token=True,
-            spec_rule="serving-spec",
-        ),
-        Kind(
-            "replica-stop",
-            wire.ReplicaStopSpec,
-            wire.ReplicaStopResult,
-            guards.guard_replica_job,
-            needs_arm=True,
-            place=_on_pair_host(replicas.place_replica_stop),
-            serving_token=True,
-            spec_rule="serving-spec",
-        ),
+        _replica("replica-start", wire.ReplicaStartSpec, wire.ReplicaStartResult, replicas.place_replica_start),
+        _replica("replica-stop", wire.ReplicaStopSpec, wire.ReplicaStopResult, replicas.place_replica_stop),
         Kind(
             "benchmark",
             wire.BenchmarkSpec,

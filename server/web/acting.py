@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
+from litestar.di import NamedDependency
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -19,6 +20,8 @@ from server.web import gate, render
 from server.web.gate import WebRequest
 
 T = TypeVar("T")
+# The pages' ``operator`` dependency (server.web.routes provides it with ``operator`` below).
+Acting: TypeAlias = NamedDependency[Operator]
 
 
 def operator(request: WebRequest, db_session: AsyncSession, settings: Settings) -> Operator:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import anyio.to_thread
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery, URLEncodedBody
+from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Stream, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -21,10 +21,9 @@ from server.access import auth
 from server.dispatch.lifecycle import JOB_FINAL
 from server.httperrors import NotFound
 from server.protocol import actions, recording
-from server.protocol.actions import Operator
 from server.store import views
 from server.web import acting, gate, jobrows, queries, render
-from server.web.forms import Confirmation
+from server.web.forms import Confirmed
 from server.web.gate import WebRequest
 
 TIMELINE_SECONDS = 5  # how often the page asks for the hosts' timeline again
@@ -145,11 +144,7 @@ class JobPages(Controller):
 
     @post("/jobs/{job_id:uuid}/cancel", opt=gate.ACTION)
     async def cancel(
-        self,
-        request: WebRequest,
-        job_id: FromPath[uuid.UUID],
-        data: URLEncodedBody[Confirmation],
-        operator: NamedDependency[Operator],
+        self, request: WebRequest, job_id: FromPath[uuid.UUID], data: Confirmed, operator: acting.Acting
     ) -> Redirect | Template:
         job = await operator.job(job_id)
         back = f"/jobs/{job.id}"

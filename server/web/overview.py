@@ -19,10 +19,9 @@ from experiment.core.states import ExperimentState
 from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.httperrors import BadRequest
 from server.protocol import actions, canaries, recording
-from server.protocol.actions import Operator
 from server.store import commitments
 from server.web import acting, gate, queries, render
-from server.web.forms import Confirmation, Switch
+from server.web.forms import Confirmed, Switch
 from server.web.gate import WebRequest
 
 
@@ -70,12 +69,7 @@ class OverviewPages(Controller):
         return render.page(request, "experiments.html", experiments=await queries.experiment_list(db_session))
 
     @post("/experiments", opt=gate.ACTION)
-    async def create(
-        self,
-        request: WebRequest,
-        data: MultipartBody[CreateForm],
-        operator: NamedDependency[Operator],
-    ) -> Redirect:
+    async def create(self, request: WebRequest, data: MultipartBody[CreateForm], operator: acting.Acting) -> Redirect:
         text = data.plan_toml
         if data.plan_file is not None and data.plan_file.filename:
             try:
@@ -112,11 +106,7 @@ class OverviewPages(Controller):
 
     @post("/experiments/{experiment_id:uuid}/advance", opt=gate.ACTION)
     async def advance(
-        self,
-        request: WebRequest,
-        experiment_id: FromPath[uuid.UUID],
-        data: URLEncodedBody[Confirmation],
-        operator: NamedDependency[Operator],
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], data: Confirmed, operator: acting.Acting
     ) -> Redirect | Template:
         experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}"
@@ -129,11 +119,7 @@ class OverviewPages(Controller):
 
     @post("/experiments/{experiment_id:uuid}/halt", opt=gate.ACTION)
     async def halt(
-        self,
-        request: WebRequest,
-        experiment_id: FromPath[uuid.UUID],
-        data: URLEncodedBody[Confirmation],
-        operator: NamedDependency[Operator],
+        self, request: WebRequest, experiment_id: FromPath[uuid.UUID], data: Confirmed, operator: acting.Acting
     ) -> Redirect | Template:
         """As the API's halt: the experiment ends as halted, which is final."""
         experiment = await operator.experiment(experiment_id)
@@ -155,7 +141,7 @@ class OverviewPages(Controller):
         request: WebRequest,
         experiment_id: FromPath[uuid.UUID],
         data: URLEncodedBody[Switch],
-        operator: NamedDependency[Operator],
+        operator: acting.Acting,
     ) -> Redirect:
         """As the API's switch: turned on, autopilot advances at once if the current phase is done."""
         experiment = await operator.experiment(experiment_id)

@@ -9,15 +9,14 @@ import uuid
 import anyio.to_thread
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, URLEncodedBody
+from litestar.params import FromPath
 from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.protocol import actions, recording, replicas
-from server.protocol.actions import Operator
 from server.store import listings
 from server.web import acting, benchmarks, gate, render
-from server.web.forms import Confirmation
+from server.web.forms import Confirmed
 from server.web.gate import WebRequest
 
 
@@ -43,8 +42,8 @@ class ServingPages(Controller):
         request: WebRequest,
         experiment_id: FromPath[uuid.UUID],
         rank: FromPath[int],
-        data: URLEncodedBody[Confirmation],
-        operator: NamedDependency[Operator],
+        data: Confirmed,
+        operator: acting.Acting,
     ) -> Redirect | Template:
         experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}/serving"
