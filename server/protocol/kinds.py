@@ -26,6 +26,7 @@ from server.dispatch import waiters
 from server.dispatch.lifecycle import Refused
 from server.httperrors import BadRequest
 from server.protocol import guards, recording, replicas
+from server.protocol.table import Order
 from server.settings import Settings
 from server.store import listings, views
 from server.store.commitments import Ledger
@@ -217,33 +218,6 @@ BY_COORDINATOR: tuple[str, ...] = tuple(name for name, entry in TABLE.items() if
 
 def of(name: str) -> Kind[Any, Any]:
     return TABLE[name]
-
-
-def label(kind: str, arm: str | None, role: str | None) -> str:
-    """``train clean-pair``, ``evaluate test seed``."""
-    return " ".join(part for part in (kind, role, arm) if part)
-
-
-@dataclass(frozen=True)
-class Order:
-    """A job to queue: its kind's spec, and the arm and role it is for."""
-
-    spec: wire.JobSpec
-    arm: str | None = None
-    role: str | None = None
-
-    @property
-    def kind(self) -> wire.JobKind:
-        return wire.kind_of(self.spec)
-
-    def matches(self, job: models.Job) -> bool:
-        """The job was queued for this order (a job's spec may hold more, filled in when it was placed)."""
-        same = (job.kind, job.arm, job.role) == (self.kind, self.arm, self.role)
-        return same and all(job.spec.get(key) == value for key, value in wire.untagged(self.spec).items())
-
-    def __str__(self) -> str:
-        details = (f"{key} {value}" for key, value in wire.untagged(self.spec).items())
-        return " ".join([label(self.kind, self.arm, self.role), *details])
 
 
 def _at(exc: msgspec.ValidationError, field: str) -> str:

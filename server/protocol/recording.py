@@ -3,13 +3,13 @@ commitments of the ledger. It never moves the experiment: phases.progress does, 
 Every commitment is appended by ``commit``, which checks that the state it lets the experiment enter may come next.
 
 Guards and transitions are lifecycle.py's; which jobs each phase queues, and when a phase is complete, is
-phases.py's; which record a job's success calls is its kind's (kinds.py).
+table.py's; which record a job's success calls is its kind's (kinds.py).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core import layout
-from experiment.core.canonical import JsonObject, canonical_bytes, identity, sha256_bytes
+from experiment.core.canonical import JsonObject, canonical_bytes, sha256_bytes
 from experiment.core.errors import CoopError
 from experiment.core.plan import Plan, parse_plan, plan_identity, require_staged, seed_identity
 from experiment.core.states import ExperimentState
@@ -28,23 +28,13 @@ from server import models
 from server.dispatch import queue
 from server.dispatch.lifecycle import Refused, experiment_target
 from server.httperrors import NotFound
+from server.protocol import table
 from server.protocol.guards import TrainedArm, guard_selection, guard_serving
 from server.settings import Settings
 from server.store import blobstore, commitments, evidencefiles, views
 
 E = ExperimentState
 R = TypeVar("R", bound=wire.Tagged)
-
-
-# The state each commitment lets the experiment enter (phases enters it once the ledger holds the commitment).
-ENTERS: dict[str, ExperimentState] = {
-    "plan": E.COMMITTED,
-    "prepared": E.PREPARED,
-    "selection": E.SELECTED,
-    "tested": E.TESTED,
-    "serving": E.SERVING,
-    "report": E.REPORTED,
-}
 
 
 @dataclass(frozen=True)
@@ -100,25 +90,14 @@ async def create(session: AsyncSession, body: wire.ExperimentCreate) -> models.E
     return experiment
 
 
-async def _stored(session: AsyncSession, settings: Settings, data: bytes) -> str:
-    """Keep ``data`` as a blob; its name (the sha256 of the bytes)."""
-    digest = sha256_bytes(data)
-
-    async def chunks() -> AsyncIterator[bytes]:
-        yield data
-
-    await blobstore.store(session, settings, digest, chunks(), "application/json", len(data))
-    return digest
-
-
 async def commit(session: AsyncSession, settings: Settings, experiment: models.Experiment, document: Document) -> None:
     """Append a commitment to the experiment's ledger, with the bundle file it keeps; refused unless the state the
     commitment lets the experiment enter may come next."""
-    experiment_target(experiment.state, ENTERS[document.kind])
-    committed = identity(document.body) if document.identity is None else document.identity
+    experiment_target(experiment.state, table.ENTERS[document.kind])
+    body = canonical_bytes(document.body)
+    committed = sha256_bytes(body) if document.identity is None else document.identity
     if document.file is not None:
-        data = canonical_bytes(document.body) + b"\n"
-        await evidencefiles.attach(session, experiment.id, {document.file: await _stored(session, settings, data)})
+        await evidencefiles.keep(session, settings, experiment.id, document.file, body + b"\n")
     await commitments.append(session, experiment.id, document.kind, committed, document.body)
     if document.kind == "prepared":
         experiment.prepared_identity = committed
@@ -188,7 +167,9 @@ async def record_training(
     arm.holder_agent_id = min(hosts, key=lambda host: (held.count(host), hosts.index(host)), default=None)
 
 
-async def tested(session: AsyncSession, plan: Plan, evaluations: list[models.Job]) -> Document:
+async def tested(
+    session: AsyncSession, experiment: models.Experiment, plan: Plan, evaluations: list[models.Job]
+) -> Document:
     """The commitment of the test evaluations of every arm (phases.progress names them: its stage's, all
     succeeded)."""
     by_arm: JsonObject = {job.arm or "": list(await results_of(session, job)) for job in evaluations}
@@ -254,8 +235,11 @@ async def selection(
     return Document("selection", document, file=layout.SELECTION)
 
 
-async def final_serving(session: AsyncSession, experiment: models.Experiment, plan: Plan) -> Document:
-    """The serving commitment of the served arm's final checkpoint, which its selection names."""
+async def final_serving(
+    session: AsyncSession, experiment: models.Experiment, plan: Plan, jobs: list[models.Job]
+) -> Document:
+    """The serving commitment of the served arm's final checkpoint, which its selection names (made with no job,
+    when the tested experiment is advanced)."""
     name = plan.served_arm()
     served = (await arms_of(session, experiment.id))[name]
     body = wire.ServingCreate(arm=name, model_identity=served.model_identity or "")
@@ -280,7 +264,7 @@ async def serving(
 async def store_report(session: AsyncSession, settings: Settings, report: JsonObject) -> str:
     """Keep the report the coordinator computed (server.reporter) as a blob of its canonical bytes, so that the
     blob's name is the report identity; returns that identity."""
-    return await _stored(session, settings, canonical_bytes(report))
+    return await blobstore.store_bytes(session, settings, canonical_bytes(report))
 
 
 async def commit_report(
@@ -319,3 +303,8 @@ async def report_file(session: AsyncSession, settings: Settings, experiment_id: 
         raise NotFound(f"experiment {experiment_id} has no recorded report yet")
     _, path = await blobstore.find(session, settings, entry.identity)
     return path
+
+
+Maker = Callable[[AsyncSession, models.Experiment, Plan, list[models.Job]], Awaitable[Document]]
+# How each commitment that a state makes (table.Makes) is made: from the jobs named, or from the ledger alone.
+MAKERS: dict[str, Maker] = {"selection": verified_selection, "tested": tested, "serving": final_serving}

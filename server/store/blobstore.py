@@ -134,3 +134,14 @@ async def sizes(session: AsyncSession, digests: set[str]) -> dict[str, int]:
     """The size of every stored blob among ``digests``."""
     rows = await session.execute(select(models.Blob.sha256, models.Blob.size).where(models.Blob.sha256.in_(digests)))
     return {sha256: size for sha256, size in rows}
+
+
+async def store_bytes(session: AsyncSession, settings: Settings, data: bytes) -> str:
+    """Keep the coordinator's own JSON ``data`` as a blob; its name (the sha256 of the bytes)."""
+    digest = canonical.sha256_bytes(data)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data
+
+    await store(session, settings, digest, chunks(), "application/json", len(data))
+    return digest

@@ -56,7 +56,8 @@ async def append(
         .order_by(models.Commitment.seq.desc())
         .limit(1)
     )
-    entry = ledger.next_entry(None if last is None else _entry(last), kind, identity, body)
+    previous = None if last is None else _entry(last)
+    entry = ledger.next_entry(previous, kind, identity, body)
     session.add(
         models.Commitment(
             experiment_id=experiment_id,

@@ -19,6 +19,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
+from experiment.core.canonical import sha256_bytes
 from experiment.core.layout import ATTEMPTS, LEDGER
 from experiment.core.states import JobState
 from server import models
@@ -51,8 +52,9 @@ async def _require_blobs(session: AsyncSession, files: Mapping[str, str]) -> Non
 
 async def _conflicts(
     session: AsyncSession, experiment_id: uuid.UUID, job_id: uuid.UUID | None, path: str, sha256: str
-) -> None:
-    """Refuse a path that another job's succeeded generation (or the operator) recorded with other content."""
+) -> list[tuple[models.EvidenceFile, uuid.UUID | None]]:
+    """Refuse a path that another job's succeeded generation (or the operator) recorded with other content; the
+    path's current rows."""
     current = await _current(session, experiment_id, path)
     for row, row_job in current:
         if row.sha256 != sha256 and (row_job is None or row_job != job_id):
@@ -60,6 +62,7 @@ async def _conflicts(
                 "evidence-path-conflict",
                 f"{path} is already recorded with sha256 {row.sha256[:12]}...; evidence is never replaced",
             )
+    return current
 
 
 async def record(
@@ -93,9 +96,20 @@ async def attach(session: AsyncSession, experiment_id: uuid.UUID, files: Mapping
         _check_path(path)
     await _require_blobs(session, files)
     for path, sha256 in sorted(files.items()):
-        await _conflicts(session, experiment_id, None, path, sha256)
-        if not any(row.sha256 == sha256 for row, _ in await _current(session, experiment_id, path)):
+        current = await _conflicts(session, experiment_id, None, path, sha256)
+        if not any(row.sha256 == sha256 for row, _ in current):
             session.add(models.EvidenceFile(experiment_id=experiment_id, attempt_id=None, path=path, sha256=sha256))
+
+
+async def keep(session: AsyncSession, settings: Settings, experiment_id: uuid.UUID, path: str, data: bytes) -> None:
+    """Keep the coordinator's own bundle file ``path`` (a commitment's canonical bytes): stored as a blob and
+    named, as the operator's evidence is (keeping the same content again changes nothing)."""
+    _check_path(path)
+    sha256 = sha256_bytes(data)
+    current = await _conflicts(session, experiment_id, None, path, sha256)
+    await blobstore.store_bytes(session, settings, data)
+    if not any(row.sha256 == sha256 for row, _ in current):
+        session.add(models.EvidenceFile(experiment_id=experiment_id, attempt_id=None, path=path, sha256=sha256))
 
 
 async def _current(
