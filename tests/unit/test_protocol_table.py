@@ -6,6 +6,8 @@ coordinator and database, is tests/integration/coordinator/test_phases.py's."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from experiment.core.plan import load_plan
@@ -23,7 +25,7 @@ MADE_BY_A_KIND = {"prepared": "prepare", "report": "report"}
 def test_the_rows_are_the_state_machines_forward_path_in_order() -> None:
     states = [row.state for row in table.TABLE]
     assert states[0] == E.DRAFT and states[-1] == E.REPORTED
-    for before, after in zip(states, states[1:], strict=False):
+    for before, after in itertools.pairwise(states):
         assert after in EXPERIMENT_TRANSITIONS[before], (before, after)
     # Every state off the table is one an experiment only ends in.
     assert set(ExperimentState) - set(states) <= set(EXPERIMENT_FINAL)
@@ -37,9 +39,9 @@ def test_every_commitment_that_enters_a_state_is_made_and_recorded() -> None:
         assert kinds.of(kind).settle is not None, commitment
     by_advancing_or_jobs = made - {"plan"}
     assert set(recording.MAKERS) == by_advancing_or_jobs
-    assert table.ENTERS == {
+    assert {
         row.entered.commitment: row.state for row in table.TABLE if isinstance(row.entered, table.Committed)
-    }
+    } == table.ENTERS
 
 
 @pytest.mark.parametrize("plan_name", ["local.toml", "local-diloco.toml"])
