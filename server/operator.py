@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -28,6 +28,9 @@ from experiment.core.states import JobState
 from experiment.report.model import read_report
 
 FINAL = {"reported", "failed", "halted"}
+
+
+T = TypeVar("T")
 
 
 class Operator:
@@ -54,14 +57,18 @@ class Operator:
             raise self._refusal(method, path, response)
         return response.json()
 
+    def _call(self, kind: type[T], method: str, path: str, body: Any = None) -> T:
+        """The coordinator's answer to ``method path`` as ``kind``."""
+        return msgspec.convert(self._json(method, path, body), type=kind)
+
     def experiments(self) -> list[wire.Experiment]:
-        return msgspec.convert(self._json("GET", "/api/experiments"), type=list[wire.Experiment])
+        return self._call(list[wire.Experiment], "GET", "/api/experiments")
 
     def arms(self, experiment_id: uuid.UUID) -> list[wire.Arm]:
-        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/arms"), type=list[wire.Arm])
+        return self._call(list[wire.Arm], "GET", f"/api/experiments/{experiment_id}/arms")
 
     def halt(self, experiment_id: uuid.UUID) -> wire.Experiment:
-        return msgspec.convert(self._json("POST", f"/api/experiments/{experiment_id}/halt"), type=wire.Experiment)
+        return self._call(wire.Experiment, "POST", f"/api/experiments/{experiment_id}/halt")
 
     def export(self, experiment_id: uuid.UUID, out: Path) -> int:
         """The evidence tar into ``out``, which is never overwritten: a file there already must hold the same
@@ -106,19 +113,17 @@ class Operator:
         body: dict[str, Any] = {"plan_toml": text, "autopilot": autopilot, "commit": commit}
         if canary_override is not None:
             body["canary_override"] = canary_override
-        return msgspec.convert(self._json("POST", "/api/experiments", body), type=wire.Experiment)
+        return self._call(wire.Experiment, "POST", "/api/experiments", body)
 
     def commit(self, experiment_id: uuid.UUID, canary_override: str | None) -> wire.Experiment:
         body = {} if canary_override is None else {"canary_override": canary_override}
-        reply = self._json("POST", f"/api/experiments/{experiment_id}/commit", body)
-        return msgspec.convert(reply, type=wire.Experiment)
+        return self._call(wire.Experiment, "POST", f"/api/experiments/{experiment_id}/commit", body)
 
     def queue(self, experiment_id: uuid.UUID, kind: str) -> wire.Job:
-        reply = self._json("POST", f"/api/experiments/{experiment_id}/jobs", {"kind": kind})
-        return msgspec.convert(reply, type=wire.Job)
+        return self._call(wire.Job, "POST", f"/api/experiments/{experiment_id}/jobs", {"kind": kind})
 
     def canary(self, experiment_id: uuid.UUID) -> wire.Canary:
-        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/canary"), type=wire.Canary)
+        return self._call(wire.Canary, "GET", f"/api/experiments/{experiment_id}/canary")
 
     def step_events(self, job_id: uuid.UUID) -> list[tuple[int, JsonObject]]:
         """The canary steps each rank's attempts reported so far, as (rank, step)."""
@@ -129,18 +134,16 @@ class Operator:
         return found
 
     def advance(self, experiment_id: uuid.UUID) -> wire.Advanced:
-        reply = self._json("POST", f"/api/experiments/{experiment_id}/advance")
-        return msgspec.convert(reply, type=wire.Advanced)
+        return self._call(wire.Advanced, "POST", f"/api/experiments/{experiment_id}/advance")
 
     def autopilot(self, experiment_id: uuid.UUID, on: bool) -> wire.Experiment:
-        reply = self._json("POST", f"/api/experiments/{experiment_id}/autopilot", {"on": on})
-        return msgspec.convert(reply, type=wire.Experiment)
+        return self._call(wire.Experiment, "POST", f"/api/experiments/{experiment_id}/autopilot", {"on": on})
 
     def experiment(self, experiment_id: uuid.UUID) -> wire.Experiment:
-        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}"), type=wire.Experiment)
+        return self._call(wire.Experiment, "GET", f"/api/experiments/{experiment_id}")
 
     def jobs(self, experiment_id: uuid.UUID) -> list[wire.Job]:
-        return msgspec.convert(self._json("GET", f"/api/experiments/{experiment_id}/jobs"), type=list[wire.Job])
+        return self._call(list[wire.Job], "GET", f"/api/experiments/{experiment_id}/jobs")
 
     def progress(self, job: wire.Job) -> tuple[int, int]:
         """(done, total) updates of a job's current attempt, from its rank-0 step events (a train job's)."""

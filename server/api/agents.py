@@ -69,18 +69,12 @@ class AgentController(Controller):
 
     @post("/heartbeat", operation_id="heartbeat", status_code=200, **spec.write("agent", found=False))
     async def heartbeat(
-        self,
-        data: JSONBody[wire.HeartbeatRequest],
-        call: NamedDependency[AgentCall],
+        self, data: JSONBody[wire.HeartbeatRequest], call: NamedDependency[AgentCall]
     ) -> wire.HeartbeatReply:
         return await reactions.heartbeat(call.session, call.settings, call.agent, data.attempt_ids, data.claiming)
 
     @post("/claim", operation_id="claimJob", status_code=200, **spec.write("agent", found=False))
-    async def claim(
-        self,
-        data: JSONBody[wire.ClaimRequest],
-        call: NamedDependency[AgentCall],
-    ) -> wire.ClaimReply:
+    async def claim(self, data: JSONBody[wire.ClaimRequest], call: NamedDependency[AgentCall]) -> wire.ClaimReply:
         """Lease one rank of one job, waiting up to ``wait_seconds`` for one to be queued (server.dispatch.waiters)."""
         db_session, settings, metrics = call.session, call.settings, call.metrics
         arrived = time.monotonic()

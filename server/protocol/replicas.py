@@ -105,13 +105,20 @@ async def _rank_host(session: AsyncSession, experiment: models.Experiment, rank:
     return hosts[rank]
 
 
+async def _replica_at(
+    session: AsyncSession, experiment: models.Experiment, spec: wire.ReplicaStartSpec | wire.ReplicaStopSpec
+) -> tuple[uuid.UUID, Replica | None]:
+    """An operator's replica job: the host of its rank, and the replica that rank has (None: none)."""
+    _chosen_by_the_operator(spec)
+    host = await _rank_host(session, experiment, spec.rank, wire.kind_of(spec))
+    return host, (await replicas(session, experiment.id)).get(spec.rank)
+
+
 async def place_replica_start(
     session: AsyncSession, experiment: models.Experiment, spec: wire.ReplicaStartSpec
 ) -> tuple[uuid.UUID, wire.ReplicaStartSpec]:
     """A replica starts on its rank's host, only where none is starting or running."""
-    _chosen_by_the_operator(spec)
-    host = await _rank_host(session, experiment, spec.rank, "replica-start")
-    replica = (await replicas(session, experiment.id)).get(spec.rank)
+    host, replica = await _replica_at(session, experiment, spec)
     if replica is not None:
         raise Refused("replica-running", f"rank {spec.rank}'s replica is already {replica.state}")
     return host, spec
@@ -121,9 +128,7 @@ async def place_replica_stop(
     session: AsyncSession, experiment: models.Experiment, spec: wire.ReplicaStopSpec
 ) -> tuple[uuid.UUID, wire.ReplicaStopSpec]:
     """A replica is stopped on its rank's host, only where one runs."""
-    _chosen_by_the_operator(spec)
-    host = await _rank_host(session, experiment, spec.rank, "replica-stop")
-    replica = (await replicas(session, experiment.id)).get(spec.rank)
+    host, replica = await _replica_at(session, experiment, spec)
     if replica is None or replica.state != "running":
         raise Refused(
             "replica-not-running",

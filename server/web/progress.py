@@ -81,26 +81,24 @@ def _step(body: JsonObject, at: datetime.datetime, key: str) -> Step | None:
         return None  # an event from another command version: progress shows what it can
 
 
+async def _step_rows(
+    session: AsyncSession, model: type[models.Event] | type[models.Measurement], attempt_ids: Sequence[uuid.UUID]
+) -> Sequence[tuple[uuid.UUID | None, datetime.datetime, JsonObject]]:
+    """The attempts' ``step`` rows of ``model``: their attempt, time and body."""
+    statement = select(model.attempt_id, model.at, model.body).where(model.attempt_id.in_(attempt_ids))
+    return (await session.execute(statement.filter_by(kind="step"))).tuples().all()
+
+
 async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, dict[int, Step]]:
     """Per attempt, its updates: the live ``step`` events, completed by the step journal of its result."""
     found: dict[uuid.UUID, dict[int, Step]] = {attempt_id: {} for attempt_id in attempt_ids}
-    events = await session.execute(
-        select(models.Event.attempt_id, models.Event.at, models.Event.body)
-        .where(models.Event.attempt_id.in_(attempt_ids))
-        .filter_by(kind="step")
-    )
-    for attempt_id, at, body in events:
+    for attempt_id, at, body in await _step_rows(session, models.Event, attempt_ids):
         step = _step(body, at, "done")
         if attempt_id is not None and step is not None:
             found[attempt_id][step.step] = step
-    journal = await session.execute(
-        select(models.Measurement.attempt_id, models.Measurement.at, models.Measurement.body)
-        .where(models.Measurement.attempt_id.in_(attempt_ids))
-        .filter_by(kind="step")
-    )
-    for attempt_id, at, body in journal:
+    for attempt_id, at, body in await _step_rows(session, models.Measurement, attempt_ids):
         step = _step(body, at, "step")
-        if step is not None:
+        if attempt_id is not None and step is not None:
             found[attempt_id].setdefault(step.step, step)
     return found
 
