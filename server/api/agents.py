@@ -8,18 +8,16 @@ import time
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import models
 from server.access import audit
 from server.access.tokens import Principal
 from server.api import spec
 from server.api.calls import AgentCall
 from server.dispatch import queue, waiters
 from server.protocol import kinds, reactions
-from server.store import views
+from server.store import records, views
 
 
 class AgentController(Controller):
@@ -28,8 +26,7 @@ class AgentController(Controller):
 
     @get("/", operation_id="listAgents", **spec.read(found=False))
     async def list_agents(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Agent]:
-        rows = await db_session.scalars(select(models.Agent).order_by(models.Agent.id))
-        return [views.agent(row) for row in rows]
+        return await records.agents(db_session)
 
     @post("/register", operation_id="registerAgent", **spec.write("agent", found=False))
     async def register(
@@ -40,21 +37,7 @@ class AgentController(Controller):
     ) -> wire.Agent:
         """One agent per agent token; registering again updates its addresses and labels (each registration is
         an audit row)."""
-        now = datetime.datetime.now(datetime.UTC)
-        agent = await db_session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
-        if agent is None:
-            agent = models.Agent(
-                name=principal.name,
-                token_id=principal.token_id,
-                address=data.address,
-                private_address=data.private_address,
-                labels=data.labels,
-                last_seen_at=now,
-            )
-            db_session.add(agent)
-        else:
-            agent.address, agent.private_address = data.address, data.private_address
-            agent.labels, agent.last_seen_at = dict(data.labels), now
+        agent = await records.register(db_session, principal, data, datetime.datetime.now(datetime.UTC))
         await audit.record(
             db_session,
             principal,
@@ -63,8 +46,7 @@ class AgentController(Controller):
             address=data.address,
             private_address=data.private_address,
         )
-        await db_session.flush()
-        await db_session.refresh(agent)
+        await views.fresh(db_session, agent)
         return views.agent(agent)
 
     @post("/heartbeat", operation_id="heartbeat", status_code=200, **spec.write("agent", found=False))

@@ -5,11 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-import msgspec
 from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -18,7 +16,7 @@ from server.access import audit
 from server.api import spec
 from server.api.calls import AgentCall
 from server.dispatch import queue
-from server.store import cursors, views
+from server.store import records, views
 from server.store.idempotency import Stored
 
 IdempotencyKey = Annotated[
@@ -26,9 +24,7 @@ IdempotencyKey = Annotated[
 ]
 
 
-MAX_EVENTS = 10_000  # a page of events; a long run's are read in pages
-MAX_PAGE_BYTES = 1024 * 1024  # a page of events also ends once its JSON passes this size
-EVENT_CHUNK = 1000  # events read from the database at a time while a page is filled
+MAX_EVENTS = records.MAX_EVENTS
 
 
 def _stored(stored: Stored) -> Response[bytes]:
@@ -58,32 +54,7 @@ class AttemptController(Controller):
         next cursor of the page before, to follow a running attempt. A page ends at ``limit`` events or once its
         events pass MAX_PAGE_BYTES of JSON, whichever comes first; ``next`` then names the rest."""
         await views.found(db_session, models.Attempt, attempt_id)
-        listing = select(models.Event).where(
-            models.Event.attempt_id == attempt_id, *(() if kind is None else (models.Event.kind == kind,))
-        )
-        if after is not None:
-            previous = await cursors.row(db_session, listing, models.Event.id, after)
-            listing = listing.where(models.Event.id > previous.id)
-        items: list[wire.RecordedEvent] = []
-        size, last = 0, None
-        while len(items) < limit and size < MAX_PAGE_BYTES:
-            chunk = min(EVENT_CHUNK, limit - len(items))
-            bounded = listing if last is None else listing.where(models.Event.id > last)
-            rows = list(await db_session.scalars(bounded.order_by(models.Event.id).limit(chunk)))
-            for row in rows:
-                item = views.event(row)
-                items.append(item)
-                size += len(msgspec.json.encode(item))
-                last = row.id
-                if size >= MAX_PAGE_BYTES:
-                    break
-            if len(rows) < chunk:
-                break
-        if last is None:
-            return wire.EventPage(items=items, next=None)
-        rest = listing.with_only_columns(models.Event.id).where(models.Event.id > last).limit(1)
-        more = await db_session.scalar(rest) is not None
-        return wire.EventPage(items=items, next=cursors.encode(last) if more else None)
+        return await records.events(db_session, attempt_id, kind, after, limit)
 
     @post("/{attempt_id:uuid}/start", operation_id="startAttempt", **spec.write("agent"))
     async def start(

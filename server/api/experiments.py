@@ -9,7 +9,6 @@ from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import File
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -19,7 +18,7 @@ from server.httperrors import BadRequest, NotFound
 from server.protocol import actions, canaries, recording
 from server.protocol.actions import Operator
 from server.settings import Settings
-from server.store import commitments, views
+from server.store import commitments, records, views
 
 
 async def _view(operator: Operator, experiment: models.Experiment) -> wire.Experiment:
@@ -42,8 +41,7 @@ class ExperimentController(Controller):
 
     @get("/", operation_id="listExperiments", **spec.read(found=False))
     async def list_experiments(self, db_session: NamedDependency[AsyncSession]) -> list[wire.Experiment]:
-        rows = await db_session.scalars(select(models.Experiment).order_by(models.Experiment.id))
-        return [views.experiment(row) for row in rows]
+        return await records.experiments(db_session)
 
     @get("/{experiment_id:uuid}", operation_id="getExperiment", **spec.read())
     async def get_experiment(
@@ -84,10 +82,7 @@ class ExperimentController(Controller):
         self, experiment_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Job]:
         await recording.load(db_session, experiment_id)
-        rows = await db_session.scalars(
-            select(models.Job).where(models.Job.experiment_id == experiment_id).order_by(models.Job.id)
-        )
-        return [views.job(row) for row in rows]
+        return await records.jobs(db_session, experiment_id)
 
     @post("/{experiment_id:uuid}/jobs", operation_id="queueJob", **spec.write("operator", body=spec.DOCUMENT))
     async def queue_job(

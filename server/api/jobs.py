@@ -7,7 +7,6 @@ import uuid
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -15,7 +14,7 @@ from server import models
 from server.api import spec
 from server.protocol import actions
 from server.protocol.actions import Operator
-from server.store import views
+from server.store import records, views
 
 
 class JobController(Controller):
@@ -31,12 +30,7 @@ class JobController(Controller):
         self, job_id: FromPath[uuid.UUID], db_session: NamedDependency[AsyncSession]
     ) -> list[wire.Attempt]:
         await views.found(db_session, models.Job, job_id)
-        rows = await db_session.scalars(
-            select(models.Attempt)
-            .where(models.Attempt.job_id == job_id)
-            .order_by(models.Attempt.number, models.Attempt.rank)
-        )
-        return [views.attempt(row) for row in rows]
+        return await records.attempts(db_session, job_id)
 
     @post("/{job_id:uuid}/cancel", operation_id="cancelJob", **spec.write("operator"))
     async def cancel(

@@ -29,7 +29,7 @@ async def found(session: AsyncSession, model: type[R], row_id: uuid.UUID, *, loc
     return row
 
 
-async def fresh(session: AsyncSession, row: R | models.Experiment) -> None:
+async def fresh(session: AsyncSession, row: R | models.Experiment | models.Agent) -> None:
     """Write the session's changes and read ``row`` back: the database sets the audit timestamps a view shows."""
     await session.flush()
     await session.refresh(row)

@@ -20,8 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import cli
 from server.access import tokens
-from server.api import attempts
-from server.store import bodies
+from server.store import bodies, records
 from server.web import gate, queries
 from tests.integration.coordinator.support import Api
 from tests.support.agent import FakeAgent
@@ -70,7 +69,7 @@ def test_a_log_download_is_streamed_a_chunk_of_events_at_a_time(api: Api, monkey
 def test_an_events_page_ends_once_its_bytes_pass_the_limit_and_names_the_rest(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attempts, "MAX_PAGE_BYTES", 20_000)
+    monkeypatch.setattr(records, "MAX_PAGE_BYTES", 20_000)
     agent, job = _claimed(api)
     agent.printed(job, 0, *(f"{index:04d} " + "x" * 1000 for index in range(60)))
     first = api.get(f"/api/attempts/{job.attempt_id}/events?kind=output")
