@@ -37,7 +37,9 @@ class AgentController(Controller):
     ) -> wire.Agent:
         """One agent per agent token; registering again updates its addresses and labels (each registration is
         an audit row)."""
-        agent = await records.register(db_session, principal, data, datetime.datetime.now(datetime.UTC))
+        agent = await records.register(
+            db_session, principal.name, principal.token_id, data, datetime.datetime.now(datetime.UTC)
+        )
         await audit.record(
             db_session,
             principal,

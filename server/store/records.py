@@ -12,7 +12,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from server import models
-from server.access.tokens import Principal
 from server.store import cursors, views
 
 MAX_EVENTS = 10_000  # a page of events; a long run's are read in pages
@@ -47,15 +46,15 @@ async def attempts(session: AsyncSession, job_id: uuid.UUID) -> list[wire.Attemp
 
 
 async def register(
-    session: AsyncSession, principal: Principal, data: wire.AgentRegister, now: datetime.datetime
+    session: AsyncSession, name: str, token_id: uuid.UUID, data: wire.AgentRegister, now: datetime.datetime
 ) -> models.Agent:
-    """The agent of ``principal``'s token: made at its first registration, its addresses and labels updated at the
-    next ones."""
-    agent = await session.scalar(select(models.Agent).where(models.Agent.token_id == principal.token_id))
+    """The agent of the agent token ``token_id`` (named ``name``): made at its first registration, its addresses and
+    labels updated at the next ones."""
+    agent = await session.scalar(select(models.Agent).where(models.Agent.token_id == token_id))
     if agent is None:
         agent = models.Agent(
-            name=principal.name,
-            token_id=principal.token_id,
+            name=name,
+            token_id=token_id,
             address=data.address,
             private_address=data.private_address,
             labels=data.labels,
