@@ -233,6 +233,8 @@ class Standing:
 # The steps that move an experiment, each decided from its standing alone.
 @dataclass(frozen=True)
 class Enter:
+    """The state the experiment enters, and why (the reason its state event records)."""
+
     state: ExperimentState
     reason: str
 
