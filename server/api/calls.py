@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from litestar import Request
+from litestar.di import NamedDependency
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.access import auth
@@ -50,6 +51,10 @@ def provider(metrics: Metrics) -> Callable[[Request[Any, Any, Any]], AgentCall]:
     return provide
 
 
-def operator(db_session: AsyncSession, settings: Settings, principal: Principal) -> Operator:
+def operator(
+    db_session: NamedDependency[AsyncSession],
+    settings: NamedDependency[Settings],
+    principal: NamedDependency[Principal],
+) -> Operator:
     """An operator's route: who asks (the bearer token's principal), in the request's session."""
     return Operator(db_session, settings, principal)

@@ -24,7 +24,9 @@ T = TypeVar("T")
 Acting: TypeAlias = NamedDependency[Operator]
 
 
-def operator(request: WebRequest, db_session: AsyncSession, settings: Settings) -> Operator:
+def operator(
+    request: WebRequest, db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
+) -> Operator:
     """The signed-in operator, in the request's session (SignInRequired where nobody is): the pages' ``operator``
     dependency."""
     return Operator(db_session, settings, gate.operator(request))
