@@ -8,7 +8,8 @@ from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.settings import Settings
-from server.web import queries, render
+from server.store import pages
+from server.web import render
 from server.web.gate import WebRequest
 
 
@@ -19,5 +20,5 @@ class AgentPages(Controller):
     async def agents(
         self, request: WebRequest, db_session: NamedDependency[AsyncSession], settings: NamedDependency[Settings]
     ) -> Template:
-        rows = await queries.agents(db_session)
+        rows = await pages.agents(db_session)
         return render.page_or_live(request, "agents.html", agents=rows, lease_seconds=settings.lease_seconds)

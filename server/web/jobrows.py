@@ -18,8 +18,8 @@ from experiment.core.states import JobState
 from experiment.report.spans import Span, TimelineFigure
 from server import models
 from server.dispatch.lifecycle import JOB_ACTIVE, JOB_FINAL
+from server.store.pages import COORDINATOR, AttemptRow, StateChange
 from server.web import charts
-from server.web.queries import COORDINATOR, AttemptRow, StateChange
 
 # The spec field that tells apart one kind's jobs for one arm, and how the page says it.
 _DETAIL = {

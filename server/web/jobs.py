@@ -21,8 +21,8 @@ from server.access import auth
 from server.dispatch.lifecycle import JOB_FINAL
 from server.httperrors import NotFound
 from server.protocol import actions, recording
-from server.store import views
-from server.web import acting, gate, jobrows, queries, render
+from server.store import pages, views
+from server.web import acting, gate, jobrows, render
 from server.web.forms import Confirmed
 from server.web.gate import WebRequest
 
@@ -39,16 +39,16 @@ class _Work:
 
     experiment: models.Experiment
     jobs: list[models.Job]
-    attempts: list[queries.AttemptRow]
-    changes: dict[uuid.UUID, list[queries.StateChange]]
+    attempts: list[pages.AttemptRow]
+    changes: dict[uuid.UUID, list[pages.StateChange]]
 
 
 async def _work(db_session: AsyncSession, experiment_id: uuid.UUID) -> _Work:
     return _Work(
         await recording.load(db_session, experiment_id),
-        await queries.jobs(db_session, experiment_id),
-        await queries.experiment_attempts(db_session, experiment_id),
-        await queries.job_changes(db_session, experiment_id),
+        await pages.jobs(db_session, experiment_id),
+        await pages.experiment_attempts(db_session, experiment_id),
+        await pages.job_changes(db_session, experiment_id),
     )
 
 
@@ -71,7 +71,7 @@ async def _timeline(work: _Work) -> dict[str, object]:
 
 async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUID | None) -> dict[str, object]:
     job = await views.found(db_session, models.Job, job_id)
-    attempts = await queries.attempts(db_session, job_id)
+    attempts = await pages.attempts(db_session, job_id)
     # The attempt whose log is shown: the one asked for, else the newest.
     if attempt_id is None:
         shown = attempts[0] if attempts else None
@@ -83,8 +83,8 @@ async def _job(db_session: AsyncSession, job_id: uuid.UUID, attempt_id: uuid.UUI
         "experiment": await recording.load(db_session, job.experiment_id),
         "attempts": attempts,
         "shown": shown,
-        "log": await queries.log_tail(db_session, shown.attempt.id) if shown is not None else [],
-        "log_size": await queries.log_size(db_session, shown.attempt.id) if shown is not None else 0,
+        "log": await pages.log_tail(db_session, shown.attempt.id) if shown is not None else [],
+        "log_size": await pages.log_size(db_session, shown.attempt.id) if shown is not None else 0,
         "live": not _final(job.state),
     }
 
@@ -137,7 +137,7 @@ class JobPages(Controller):
             raise NotFound(f"attempt {attempt_id} is not an attempt of job {job_id}")
         name = f"{job.kind}-{job.id}-attempt-{attempt.number}-rank-{attempt.rank}.log"
         return Stream(
-            queries.log(auth.context(request).sessions, attempt.id),
+            pages.log(auth.context(request).sessions, attempt.id),
             media_type="text/plain; charset=utf-8",
             headers={"Content-Disposition": f'attachment; filename="{name}"'},
         )

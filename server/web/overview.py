@@ -19,8 +19,8 @@ from experiment.core.states import ExperimentState
 from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.httperrors import BadRequest
 from server.protocol import actions, canaries, recording
-from server.store import commitments
-from server.web import acting, gate, queries, render
+from server.store import commitments, pages
+from server.web import acting, gate, render
 from server.web.forms import Confirmed, Switch
 from server.web.gate import WebRequest
 
@@ -51,12 +51,12 @@ IRREVERSIBLE = {
 
 async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
-    changes = await queries.timeline(db_session, experiment_id)
+    changes = await pages.timeline(db_session, experiment_id)
     return {
         "experiment": experiment,
         "live": experiment.state not in EXPERIMENT_FINAL,
         "changes": changes,
-        "clock": queries.clock(experiment, changes),
+        "clock": pages.clock(experiment, changes),
         "ledger": await commitments.entries(db_session, experiment_id),
     }
 
@@ -66,7 +66,7 @@ class OverviewPages(Controller):
 
     @get("/")
     async def home(self, request: WebRequest, db_session: NamedDependency[AsyncSession]) -> Template:
-        return render.page(request, "experiments.html", experiments=await queries.experiment_list(db_session))
+        return render.page(request, "experiments.html", experiments=await pages.experiment_list(db_session))
 
     @post("/experiments", opt=gate.ACTION)
     async def create(self, request: WebRequest, data: MultipartBody[CreateForm], operator: acting.Acting) -> Redirect:

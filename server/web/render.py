@@ -10,6 +10,7 @@ from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Template
 from litestar.template.config import TemplateConfig
 
+from server.store.pages import stamp
 from server.web import gate
 from server.web.gate import WebRequest
 
@@ -41,10 +42,6 @@ def duration(seconds: float) -> str:
 
 def ago(moment: datetime.datetime | None) -> str:
     return "never" if moment is None else f"{duration((now() - moment).total_seconds())} ago"
-
-
-def stamp(moment: datetime.datetime | None) -> str:
-    return "" if moment is None else moment.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def percent(value: float | None) -> str:

@@ -21,8 +21,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
+from server.store.pages import COORDINATOR
 from server.web import charts, jobrows
-from server.web.queries import COORDINATOR
 
 KIND = "resources"
 GPU_ALLOCATED = "gpu_allocated_bytes"  # the series' name

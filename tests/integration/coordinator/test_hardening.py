@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from experiment import wire
 from server import cli
 from server.access import tokens
-from server.store import bodies, records
-from server.web import gate, queries
+from server.store import bodies, pages, records
+from server.web import gate
 from tests.integration.coordinator.support import Api
 from tests.support.agent import FakeAgent
 from tests.support.database import make_token, with_session
@@ -57,7 +57,7 @@ def _signed_in_as(client: httpx.Client, name: str) -> bool:
 
 
 def test_a_log_download_is_streamed_a_chunk_of_events_at_a_time(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(queries, "LOG_CHUNK", 7)
+    monkeypatch.setattr(pages, "LOG_CHUNK", 7)
     agent, job = _claimed(api)
     agent.printed(job, 0, *(f"line {index}" for index in range(50)))
     download = api.client.get(f"/jobs/{job.job_id}/attempts/{job.attempt_id}/log")

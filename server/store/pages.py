@@ -15,10 +15,14 @@ from experiment.core.canonical import JsonObject
 from server import db, models
 from server.dispatch.lifecycle import EXPERIMENT_FINAL, JOB_ACTIVE
 from server.store import views
-from server.web import render
 
 LOG_LINES = 80
 LOG_CHUNK = 1000  # events of a downloaded log read at a time
+
+
+def stamp(moment: datetime.datetime | None) -> str:
+    """A moment as every page and log shows it: UTC, to the second."""
+    return "" if moment is None else moment.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _now() -> datetime.datetime:
@@ -168,7 +172,7 @@ class LogLine:
     @property
     def printed(self) -> str:
         """The line as the job page shows it and the downloaded log holds it."""
-        return f"{render.stamp(self.at)} {self.kind:<10} {self.text}"
+        return f"{stamp(self.at)} {self.kind:<10} {self.text}"
 
 
 def _fields(body: JsonObject) -> str:
