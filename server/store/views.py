@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 import msgspec
+from advanced_alchemy.base import UUIDv7AuditBase
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -29,7 +30,7 @@ async def found(session: AsyncSession, model: type[R], row_id: uuid.UUID, *, loc
     return row
 
 
-async def fresh(session: AsyncSession, row: R | models.Experiment | models.Agent) -> None:
+async def fresh(session: AsyncSession, row: UUIDv7AuditBase) -> None:
     """Write the session's changes and read ``row`` back: the database sets the audit timestamps a view shows."""
     await session.flush()
     await session.refresh(row)
