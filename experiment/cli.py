@@ -287,6 +287,14 @@ def _seed_commands(commands: Commands) -> None:
     stage.set_defaults(handler=_seed_stage)
 
 
+def _home_command(commands: Commands, name: str, about: str, model_dir: str | None = None) -> argparse.ArgumentParser:
+    """A command on a home and a seed folder: ``--home`` and ``--model-dir`` (``model_dir``: what it reads there)."""
+    command = commands.add_parser(name, help=about)
+    command.add_argument("--home", type=Path, required=True)
+    command.add_argument("--model-dir", type=Path, required=True, help=model_dir)
+    return command
+
+
 def _learning_commands(commands: Commands) -> None:
     home_help = "the previous reference run's published data: the replay and retention files"
     reference = commands.add_parser("reference-home", help=home_help).add_subparsers(dest="action", required=True)
@@ -302,30 +310,25 @@ def _learning_commands(commands: Commands) -> None:
     prep.add_argument("--reference-home", type=Path)
     prep.set_defaults(handler=_prepare)
 
-    train = commands.add_parser("train", help="train one rank of an arm (WORLD_SIZE/RANK from the environment)")
-    train.add_argument("--home", type=Path, required=True)
-    train.add_argument("--model-dir", type=Path, required=True)
+    train = _home_command(commands, "train", "train one rank of an arm (WORLD_SIZE/RANK from the environment)")
     train.add_argument("--arm", required=True, help="a trained arm of the plan")
     train.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after an update
     train.set_defaults(handler=_train)
 
-    evaluate = commands.add_parser("evaluate", help="greedy answers to every dev or test task, and retention")
-    evaluate.add_argument("--home", type=Path, required=True)
-    evaluate.add_argument("--model-dir", type=Path, required=True, help="the seed folder (tokenizer, seed arm)")
+    evaluating = "greedy answers to every dev or test task, and retention"
+    evaluate = _home_command(commands, "evaluate", evaluating, "the seed folder (tokenizer, seed arm)")
     evaluate.add_argument("--arm", required=True, help="an arm of the plan")
     evaluate.add_argument("--role", choices=("dev", "test"), required=True)
     evaluate.add_argument("--selection", type=Path, help="the committed selection; required for --role test")
     evaluate.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N answers
     evaluate.set_defaults(handler=_evaluate)
 
-    choose = commands.add_parser("select", help="select every arm's verified final checkpoint (never a score)")
-    choose.add_argument("--home", type=Path, required=True)
-    choose.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tensor layout)")
+    selecting = "select every arm's verified final checkpoint (never a score)"
+    choose = _home_command(commands, "select", selecting, "the seed folder (its tensor layout)")
     choose.set_defaults(handler=_select)
 
-    pack = commands.add_parser("bundle", help="export a home's evidence (no weights) for coop report")
-    pack.add_argument("--home", type=Path, required=True)
-    pack.add_argument("--model-dir", type=Path, required=True, help="the seed folder (its tokenizer files go along)")
+    packing = "export a home's evidence (no weights) for coop report"
+    pack = _home_command(commands, "bundle", packing, "the seed folder (its tokenizer files go along)")
     pack.add_argument("--out", type=Path, required=True)
     pack.set_defaults(handler=_bundle)
 

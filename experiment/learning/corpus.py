@@ -218,6 +218,20 @@ def is_damaged(task_id: str) -> bool:
     return int(task_id, 16) % 4 == 0
 
 
+def _document(
+    position: int,
+    document_id: str,
+    kind: Literal["grounded", "replay"],
+    weight: int,
+    damaged: bool,
+    input_ids: list[int],
+    labels: list[int],
+) -> Document:
+    """The document of one encoded conversation: its targets are the tokens it has labels on."""
+    targets = sum(x != IGNORE for x in labels)
+    return Document(position, document_id, kind, weight, damaged, targets, input_ids, labels)  # the fields' order
+
+
 def _documents(
     plan: Plan,
     tokenizer: SeedTokenizer,
@@ -244,36 +258,15 @@ def _documents(
         evaluation_prompt = prompt_ids(tokenizer, prompt)
         if input_ids[: len(evaluation_prompt)] != evaluation_prompt:
             raise CoopError(f"{name}: the document does not start with the evaluation prompt's tokens")
-        documents.append(
-            Document(
-                position=case.index,
-                id=task,
-                kind="grounded",
-                weight=plan.corpus.grounded_weight,
-                damaged=harm,
-                targets=sum(x != IGNORE for x in labels),
-                input_ids=input_ids,
-                labels=labels,
-            )
-        )
+        documents.append(_document(case.index, task, "grounded", plan.corpus.grounded_weight, harm, input_ids, labels))
         if case.index % 64 == 63:
             emit({"event": label, "done": len(documents), "total": total})
     for conversation in replay:
         input_ids, labels = encode_conversation(
             tokenizer, _messages(conversation), limit, f"replay conversation {conversation.id}"
         )
-        documents.append(
-            Document(
-                position=len(documents),
-                id=conversation.id,
-                kind="replay",
-                weight=plan.corpus.replay_weight,
-                damaged=False,
-                targets=sum(x != IGNORE for x in labels),
-                input_ids=input_ids,
-                labels=labels,
-            )
-        )
+        weight = plan.corpus.replay_weight
+        documents.append(_document(len(documents), conversation.id, "replay", weight, False, input_ids, labels))
     emit({"event": label, "done": len(documents), "total": total})
     return documents
 

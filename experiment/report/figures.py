@@ -6,7 +6,7 @@ global registry, and the coordinator draws figures in its worker threads as well
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from matplotlib import colormaps
 from matplotlib.artist import Artist
@@ -15,8 +15,9 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from experiment.learning.stats import Cell
 from experiment.report.localsgd import Communication
-from experiment.report.model import Report
+from experiment.report.model import Accuracy, Report
 from experiment.report.spans import Span, TimelineFigure
 from experiment.serving.servingrecord import PHASES, Metrics
 
@@ -181,23 +182,11 @@ def serving_latency(phases: Mapping[str, Metrics]) -> str:
 def report_figures(report: Report) -> dict[str, str]:
     """The report's figures: four, and a fifth (``serving``) when the report has a serving section."""
     colours = arm_colours(report.arms)
-    accuracy, training = report.accuracy, report.training
-    families = list(accuracy[report.arms[0]].by_family)
-    variants = list(accuracy[report.arms[0]].by_variant)
+    training = report.training
     found = {
-        "families": grouped_bars(
-            "Test accuracy by family",
-            families,
-            {arm: [accuracy[arm].by_family[f].accuracy for f in families] for arm in report.arms},
-            "accuracy",
-            colours=colours,
-        ),
-        "variants": grouped_bars(
-            "Test accuracy by wording (2 and 3 held out of training)",
-            variants,
-            {arm: [accuracy[arm].by_variant[v].accuracy for v in variants] for arm in report.arms},
-            "accuracy",
-            colours=colours,
+        "families": _accuracy_bars(report, "Test accuracy by family", lambda a: a.by_family, colours),
+        "variants": _accuracy_bars(
+            report, "Test accuracy by wording (2 and 3 held out of training)", lambda a: a.by_variant, colours
         ),
         "losses": lines(
             "Training loss (token-weighted, nats)",
@@ -213,6 +202,16 @@ def report_figures(report: Report) -> dict[str, str]:
     if report.local_sgd is not None:
         found["communication"] = communication(report.local_sgd.communication)
     return found
+
+
+def _accuracy_bars(
+    report: Report, title: str, groups_of: Callable[[Accuracy], Mapping[str, Cell]], colours: Colours
+) -> str:
+    """Each arm's test accuracy in each group ``groups_of`` gives (by family, by wording), in the first arm's order."""
+    accuracy = report.accuracy
+    groups = list(groups_of(accuracy[report.arms[0]]))
+    series = {arm: [groups_of(accuracy[arm])[group].accuracy for group in groups] for arm in report.arms}
+    return grouped_bars(title, groups, series, "accuracy", colours=colours)
 
 
 def communication(arms: Mapping[str, Communication]) -> str:

@@ -27,7 +27,12 @@ IdempotencyKey = Annotated[
 MAX_EVENTS = records.MAX_EVENTS
 
 
-def _stored(stored: Stored) -> Response[bytes]:
+async def _reply(
+    call: AgentCall, stored: Stored, action: str, attempt_id: uuid.UUID, **detail: object
+) -> Response[bytes]:
+    """The stored reply to an upload; the upload is audited the first time only, not when a replay returns it."""
+    if not stored.replay:
+        await audit.record(call.session, call.principal, action, f"attempt:{attempt_id}", **detail)
     return Response(content=stored.body, status_code=stored.status_code, media_type="application/json")
 
 
@@ -83,11 +88,7 @@ class AttemptController(Controller):
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
         stored = await uploads.events(call.session, call.settings, call.agent, attempt_id, data, idempotency_key)
-        if not stored.replay:
-            await audit.record(
-                call.session, call.principal, "attempt.events", f"attempt:{attempt_id}", sequence=data.sequence
-            )
-        return _stored(stored)
+        return await _reply(call, stored, "attempt.events", attempt_id, sequence=data.sequence)
 
     @post(
         "/{attempt_id:uuid}/result",
@@ -104,8 +105,4 @@ class AttemptController(Controller):
         idempotency_key: IdempotencyKey = None,
     ) -> Response[bytes]:
         stored = await uploads.result(call.session, call.settings, call.agent, attempt_id, data, idempotency_key)
-        if not stored.replay:
-            await audit.record(
-                call.session, call.principal, "attempt.result", f"attempt:{attempt_id}", outcome=data.outcome
-            )
-        return _stored(stored)
+        return await _reply(call, stored, "attempt.result", attempt_id, outcome=data.outcome)

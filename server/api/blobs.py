@@ -13,18 +13,16 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
 from litestar.params import FromPath, QueryParameter
 from litestar.response import File
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from server import models
 from server.access import audit, auth
 from server.access.tokens import Principal
 from server.api import spec
 from server.dispatch import queue
 from server.httperrors import BadRequest, TooLarge
 from server.settings import Settings
-from server.store import blobstore, views
+from server.store import blobstore
 
 _SHA256 = re.compile("^[0-9a-f]{64}$")
 
@@ -44,16 +42,8 @@ async def _require_active_attempt(
     agent = auth.calling_agent(request, principal)  # the row the guard read
     job, attempt = await queue.owned_attempt(session, agent, attempt_id, None)
     queue.require_active(attempt)
-    quota = views.plan_of(await session.get_one(models.Experiment, job.experiment_id)).evidence_quota()
-    # Each blob once: the same content again (a spooled upload replayed after a lost reply) costs nothing more.
-    uploaded = (
-        select(models.AttemptUpload.sha256, models.AttemptUpload.size)
-        .where(models.AttemptUpload.attempt_id == attempt.id)
-        .distinct()
-        .subquery()
-    )
-    used = await session.scalar(select(func.coalesce(func.sum(uploaded.c.size), 0)))
-    left = quota - int(used or 0)
+    quota, used = await blobstore.evidence_quota(session, job.experiment_id, attempt.id)
+    left = quota - used
     words = f"what attempt {attempt.id}'s evidence quota leaves: {left} of its plan's {quota} bytes"
     if left <= 0:
         raise TooLarge(f"attempt {attempt.id} has uploaded its plan's evidence quota of {quota} bytes")
@@ -116,7 +106,7 @@ class BlobController(Controller):
             db_session, settings, digest, request.stream(), "application/octet-stream", request.content_length, quota
         )
         if owner is not None:
-            db_session.add(models.AttemptUpload(attempt_id=owner, sha256=digest, size=blob.size))
+            blobstore.record_upload(db_session, owner, digest, blob.size)
         if blob.created:
             await audit.record(db_session, principal, "blob.upload", f"blob:{sha256}", size=blob.size)
         return Response(blob, status_code=201 if blob.created else 200)

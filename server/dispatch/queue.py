@@ -515,26 +515,24 @@ async def _requeue_unformed(session: AsyncSession, settings: Settings, now: date
     return len(unformed)
 
 
+async def _active_where(session: AsyncSession, passed: ColumnElement[bool]) -> list[models.Attempt]:
+    """The active attempts whose deadline has ``passed``, locked (any that another reaper holds is left to it)."""
+    return list(
+        await session.scalars(
+            select(models.Attempt)
+            .where(models.Attempt.state.in_(ACTIVE), passed)
+            .order_by(models.Attempt.id)
+            .with_for_update(skip_locked=True)
+        )
+    )
+
+
 async def reap(session: AsyncSession, settings: Settings) -> list[Ended]:
     """Turn expired leases into ``lost``, overdue cancellations into ``cancelled`` and requeue gangs that did
     not form; returns the attempts it ended."""
     now = _now()
-    expired = list(
-        await session.scalars(
-            select(models.Attempt)
-            .where(models.Attempt.state.in_(ACTIVE), models.Attempt.lease_expires_at < now)
-            .order_by(models.Attempt.id)
-            .with_for_update(skip_locked=True)
-        )
-    )
-    overdue = list(
-        await session.scalars(
-            select(models.Attempt)
-            .where(models.Attempt.state.in_(ACTIVE), models.Attempt.cancel_deadline < now)
-            .order_by(models.Attempt.id)
-            .with_for_update(skip_locked=True)
-        )
-    )
+    expired = await _active_where(session, models.Attempt.lease_expires_at < now)
+    overdue = await _active_where(session, models.Attempt.cancel_deadline < now)
     ended = []
     for attempt, target, reason in [
         *((a, J.LOST, f"lease expired at {a.lease_expires_at.isoformat()}") for a in expired),

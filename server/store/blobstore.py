@@ -9,11 +9,12 @@ import errno
 import hashlib
 import os
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio.to_thread
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -22,6 +23,7 @@ from experiment.core import canonical
 from server import failpoints, models
 from server.httperrors import BadRequest, InsufficientStorage, NotFound, TooLarge
 from server.settings import Settings
+from server.store import views
 
 INCOMING = ".incoming"
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -145,3 +147,22 @@ async def store_bytes(session: AsyncSession, settings: Settings, data: bytes) ->
 
     await store(session, settings, digest, chunks(), "application/json", len(data))
     return digest
+
+
+async def evidence_quota(session: AsyncSession, experiment_id: uuid.UUID, attempt_id: uuid.UUID) -> tuple[int, int]:
+    """An attempt's evidence quota (its plan's, in bytes) and what its uploads have used of it."""
+    quota = views.plan_of(await session.get_one(models.Experiment, experiment_id)).evidence_quota()
+    # Each blob once: the same content again (a spooled upload replayed after a lost reply) costs nothing more.
+    uploaded = (
+        select(models.AttemptUpload.sha256, models.AttemptUpload.size)
+        .where(models.AttemptUpload.attempt_id == attempt_id)
+        .distinct()
+        .subquery()
+    )
+    used = await session.scalar(select(func.coalesce(func.sum(uploaded.c.size), 0)))
+    return quota, int(used or 0)
+
+
+def record_upload(session: AsyncSession, attempt_id: uuid.UUID, sha256: str, size: int) -> None:
+    """The attempt uploaded the blob: it counts against the attempt's evidence quota."""
+    session.add(models.AttemptUpload(attempt_id=attempt_id, sha256=sha256, size=size))

@@ -17,6 +17,7 @@ from server.dispatch.lifecycle import Refused
 from server.protocol.actions import Operator
 from server.settings import Settings
 from server.web import gate, render
+from server.web.forms import Confirmation
 from server.web.gate import WebRequest
 
 T = TypeVar("T")
@@ -34,29 +35,46 @@ def operator(
 
 @dataclass(frozen=True)
 class Ask:
-    """What the confirmation page of an action says: its title, what the action does, its button's words."""
+    """The confirmation page of an action on ``experiment``, shown under its ``tab``: its title, what the action
+    does, its button's words, and the path its form posts ``confirm=yes`` to."""
 
     title: str
     explanation: str
     button: str
+    tab: str
+    experiment: models.Experiment
+    action: str
 
 
-def confirmation(
-    request: WebRequest, tab: str, experiment: models.Experiment, ask: Ask, action: str, back: str
-) -> Template:
-    """The page that asks before an irreversible action; its form posts ``confirm=yes`` to ``action``."""
+def _confirmation(request: WebRequest, ask: Ask, back: str) -> Template:
     return render.page(
         request,
         "confirm.html",
-        tab=tab,
-        experiment=experiment,
+        tab=ask.tab,
+        experiment=ask.experiment,
         title=ask.title,
         explanation=ask.explanation,
-        action=action,
+        action=ask.action,
         fields={},
         button=ask.button,
         back=back,
     )
+
+
+async def confirmed(
+    request: WebRequest,
+    operator: Operator,
+    form: Confirmation,
+    ask: Ask | None,
+    action: Callable[[], Awaitable[T]],
+    message: Callable[[T], str],
+    back: str,
+) -> Redirect | Template:
+    """An irreversible action: ``ask``'s confirmation page until the form confirms it, then the action taken as
+    ``act`` takes it (at once where ``ask`` is None: nothing to confirm)."""
+    if ask is not None and form.confirm != "yes":
+        return _confirmation(request, ask, back)
+    return await act(request, operator, action(), message, back)
 
 
 async def act(

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import get_args
 
 import msgspec
-from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
@@ -17,7 +16,7 @@ from experiment.core import layout, tasks
 from server import models
 from server.httperrors import NotFound
 from server.settings import Settings
-from server.store import blobstore, evidencefiles
+from server.store import blobstore, evidencefiles, graded
 
 
 @dataclass(frozen=True)
@@ -54,18 +53,8 @@ class Grid:
 
 async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, arms: Sequence[str], role: str) -> Grid:
     """``arms`` in the order the grid lists them (the plan's, baseline first)."""
-    rows = await session.execute(
-        select(
-            models.Answer.arm,
-            models.Answer.family,
-            models.Answer.variant,
-            func.count(models.Answer.id),
-            func.sum(case((models.Answer.correct, 1), else_=0)),
-        )
-        .where(models.Answer.experiment_id == experiment_id, models.Answer.role == role)
-        .group_by(models.Answer.arm, models.Answer.family, models.Answer.variant)
-    )
-    cells = {(arm, family, variant): Cell(int(correct), int(n)) for arm, family, variant, n, correct in rows}
+    found = await graded.counts(session, experiment_id, role)
+    cells = {key: Cell(correct, n) for key, (n, correct) in found.items()}
     listed = [arm for arm in arms if any(key[0] == arm for key in cells)]
     families = [family for family in get_args(wire.Family) if any(key[1] == family for key in cells)]
     return Grid(listed, families, sorted({key[2] for key in cells}), cells)
@@ -74,14 +63,7 @@ async def accuracy(session: AsyncSession, experiment_id: uuid.UUID, arms: Sequen
 async def answer(
     session: AsyncSession, experiment_id: uuid.UUID, arm: str, role: str, task_id: str
 ) -> tuple[models.Answer, wire.Answer]:
-    row = await session.scalar(
-        select(models.Answer).where(
-            models.Answer.experiment_id == experiment_id,
-            models.Answer.arm == arm,
-            models.Answer.role == role,
-            models.Answer.task_id == task_id,
-        )
-    )
+    row = await graded.one(session, experiment_id, arm, role, task_id)
     if row is None:
         raise NotFound(f"no {role} answer of {arm} to task {task_id} is recorded")
     return row, msgspec.convert(row.body, type=wire.Answer)
@@ -99,13 +81,7 @@ async def task_answers(
 ) -> list[ArmAnswer]:
     """Every recorded answer to the task, one per arm, in ``arms``' order (the plan's, baseline first); NotFound
     where no arm answered it."""
-    rows = await session.scalars(
-        select(models.Answer).where(
-            models.Answer.experiment_id == experiment_id,
-            models.Answer.role == role,
-            models.Answer.task_id == task_id,
-        )
-    )
+    rows = await graded.of_tasks(session, experiment_id, role, [task_id], None)
     found = {row.arm: row for row in rows}
     if not found:
         raise NotFound(f"no arm's {role} answer to task {task_id} is recorded")

@@ -15,15 +15,14 @@ from litestar import Request
 from litestar.datastructures import Cookie
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Redirect
-from sqlalchemy import bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server import models
 from server.access import auth
 from server.access.auth import Connection
 from server.access.roles import Role
 from server.access.tokens import Principal
 from server.httperrors import Forbidden, Unauthenticated
+from server.store import websessions
 from server.web import csrf
 
 # Handler options: an action changes something and needs a signed-in operator; a public page (sign-in)
@@ -43,21 +42,6 @@ class SignInRequired(Unauthenticated):
 SIGNS_IN: tuple[Role, ...] = ("operator", "reader")
 SESSION_HOURS = 12  # a session's absolute lifetime: it ends this long after sign-in, however busy
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-# A session and its token, read by one Core statement on every request of a signed-in browser.
-_sessions, _tokens = (models.WebSession.metadata.tables[name] for name in ("web_sessions", "tokens"))
-_SESSION = (
-    select(
-        _sessions.c.expires_at,
-        _sessions.c.ended_at,
-        _tokens.c.id.label("token_id"),
-        _tokens.c.name,
-        _tokens.c.role,
-        _tokens.c.revoked_at,
-    )
-    .select_from(_sessions.join(_tokens, _tokens.c.id == _sessions.c.token_id))
-    .where(_sessions.c.id == bindparam("session_id"))
-)
 
 
 def _session_id(connection: Connection) -> uuid.UUID | None:
@@ -79,7 +63,7 @@ async def _signed_in(connection: Connection) -> Principal | None:
     ctx = auth.context(connection)
     # The request's own session (and transaction), as the API's guard does.
     session = ctx.database.provide_session(connection.app.state, connection.scope)
-    row = (await session.execute(_SESSION, {"session_id": session_id})).first()
+    row = await websessions.standing(session, session_id)
     role = next((known for known in SIGNS_IN if row is not None and known == row.role), None)
     if row is None or row.ended_at is not None or row.expires_at <= _now() or row.revoked_at is not None or not role:
         connection.clear_session()
@@ -124,22 +108,17 @@ async def guard(connection: Connection, handler: BaseRouteHandler) -> None:
 async def sign_in(request: WebRequest, session: AsyncSession, principal: Principal) -> Cookie:
     """Begin a session of ``principal``'s, named by the session cookie; the CSRF cookie to send with the answer,
     whose token is bound to this session alone."""
-    row = models.WebSession(token_id=principal.token_id, expires_at=_now() + datetime.timedelta(hours=SESSION_HOURS))
-    session.add(row)
-    await session.flush()
-    request.set_session({SESSION_ID: str(row.id)})
-    return csrf.cookie(request, row.id)
+    expires_at = _now() + datetime.timedelta(hours=SESSION_HOURS)
+    session_id = await websessions.begin(session, principal.token_id, expires_at)
+    request.set_session({SESSION_ID: str(session_id)})
+    return csrf.cookie(request, session_id)
 
 
 async def sign_out(request: WebRequest, session: AsyncSession) -> None:
     """End the request's session on the server, so that its cookie, replayed, signs nobody in."""
     found = request.state.get("web_session")
     if isinstance(found, uuid.UUID):
-        await session.execute(
-            update(models.WebSession)
-            .where(models.WebSession.id == found, models.WebSession.ended_at.is_(None))
-            .values(ended_at=_now())
-        )
+        await websessions.end(session, found, _now())
     request.clear_session()
 
 

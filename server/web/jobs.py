@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 import anyio.to_thread
 from litestar import Controller, get, post
@@ -148,14 +149,13 @@ class JobPages(Controller):
     ) -> Redirect | Template:
         job = await operator.job(job_id)
         back = f"/jobs/{job.id}"
-        if data.confirm != "yes":
-            explanation = (
-                f"The {job.kind} job {job.id} ends as cancelled, which is final: a queued job is cancelled at "
-                "once, a running one is asked to stop and is forced after 30 seconds. Queue a new job to run "
-                "it again."
-            )
-            experiment = await recording.load(operator.session, job.experiment_id)
-            ask = acting.Ask("Cancel this job?", explanation, "Cancel this job")
-            return acting.confirmation(request, "jobs", experiment, ask, f"{back}/cancel", back)
-        cancelling = actions.cancel(operator, job, wire.CancelRequest().grace_seconds)
-        return await acting.act(request, operator, cancelling, lambda _: f"asked job {job_id} to stop", back)
+        explanation = (
+            f"The {job.kind} job {job.id} ends as cancelled, which is final: a queued job is cancelled at "
+            "once, a running one is asked to stop and is forced after 30 seconds. Queue a new job to run "
+            "it again."
+        )
+        experiment = await recording.load(operator.session, job.experiment_id)
+        ask = acting.Ask("Cancel this job?", explanation, "Cancel this job", "jobs", experiment, f"{back}/cancel")
+        cancelling = partial(actions.cancel, operator, job, wire.CancelRequest().grace_seconds)
+        message = f"asked job {job_id} to stop"
+        return await acting.confirmed(request, operator, data, ask, cancelling, lambda _: message, back)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 from litestar import Controller, get, post
@@ -16,7 +17,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
 from experiment.core.states import ExperimentState
-from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.httperrors import BadRequest
 from server.protocol import actions, canaries, recording
 from server.store import commitments, pages
@@ -52,13 +52,9 @@ IRREVERSIBLE = {
 async def _status(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     changes = await pages.timeline(db_session, experiment_id)
-    return {
-        "experiment": experiment,
-        "live": experiment.state not in EXPERIMENT_FINAL,
-        "changes": changes,
-        "clock": pages.clock(experiment, changes),
-        "ledger": await commitments.entries(db_session, experiment_id),
-    }
+    clock = pages.clock(experiment, changes)
+    ledger = await commitments.entries(db_session, experiment_id)
+    return render.experiment_context(experiment, changes=changes, clock=clock, ledger=ledger)
 
 
 class OverviewPages(Controller):
@@ -110,12 +106,12 @@ class OverviewPages(Controller):
     ) -> Redirect | Template:
         experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}"
-        warning = IRREVERSIBLE.get(experiment.state)
-        if warning is not None and data.confirm != "yes":
-            ask = acting.Ask(f"Advance {experiment.name} from {experiment.state}?", warning, "Advance")
-            return acting.confirmation(request, "overview", experiment, ask, f"{back}/advance", back)
-        advancing = actions.advance(operator, experiment)
-        return await acting.act(request, operator, advancing, str, back)
+        ask = None
+        if (warning := IRREVERSIBLE.get(experiment.state)) is not None:
+            title = f"Advance {experiment.name} from {experiment.state}?"
+            ask = acting.Ask(title, warning, "Advance", "overview", experiment, f"{back}/advance")
+        advancing = partial(actions.advance, operator, experiment)
+        return await acting.confirmed(request, operator, data, ask, advancing, str, back)
 
     @post("/experiments/{experiment_id:uuid}/halt", opt=gate.ACTION)
     async def halt(
@@ -124,16 +120,17 @@ class OverviewPages(Controller):
         """As the API's halt: the experiment ends as halted, which is final."""
         experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}"
-        if data.confirm != "yes":
-            explanation = (
-                f"The experiment ends as halted, from {experiment.state}, as the API's halt ends it: no agent is "
-                "handed another of its jobs, no phase follows and no report is computed. The ledger, answers "
-                "and evidence stay as recorded."
-            )
-            ask = acting.Ask(f"Halt {experiment.name}?", explanation, "Halt experiment")
-            return acting.confirmation(request, "overview", experiment, ask, f"{back}/halt", back)
+        explanation = (
+            f"The experiment ends as halted, from {experiment.state}, as the API's halt ends it: no agent is "
+            "handed another of its jobs, no phase follows and no report is computed. The ledger, answers "
+            "and evidence stay as recorded."
+        )
+        ask = acting.Ask(
+            f"Halt {experiment.name}?", explanation, "Halt experiment", "overview", experiment, f"{back}/halt"
+        )
         name = experiment.name
-        return await acting.act(request, operator, actions.halt(operator, experiment), lambda _: f"halted {name}", back)
+        halting = partial(actions.halt, operator, experiment)
+        return await acting.confirmed(request, operator, data, ask, halting, lambda _: f"halted {name}", back)
 
     @post("/experiments/{experiment_id:uuid}/autopilot", opt=gate.ACTION)
     async def autopilot(

@@ -8,13 +8,12 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment import wire
-from experiment.report.model import Report
-from server import models
+from experiment.report.model import Comparison, Primary, Report
 from server.httperrors import NotFound
+from server.store import graded
 
 ROLE = "test"  # every paired comparison of the report is on the final test items
 
@@ -39,27 +38,14 @@ class Stated:
 
 def stated(report: Report) -> list[Stated]:
     """Every paired comparison the report states, in the order the report page shows them."""
-    found = []
+    counted: list[tuple[str, Primary | Comparison, str]] = []
     if report.primary is not None:
-        primary = report.primary
-        counts = primary.paired
-        found.append(
-            Stated(primary.comparison, primary.baseline, primary.arm, counts.wins, counts.losses, counts.n, "primary")
-        )
+        counted.append((report.primary.comparison, report.primary, "primary"))
     if report.descriptive is not None:
-        for comparison in report.descriptive.comparisons:
-            counts = comparison.paired
-            found.append(
-                Stated(
-                    comparison.name,
-                    comparison.baseline,
-                    comparison.arm,
-                    counts.wins,
-                    counts.losses,
-                    counts.n,
-                    "descriptive",
-                )
-            )
+        counted.extend((comparison.name, comparison, "descriptive") for comparison in report.descriptive.comparisons)
+    found = [
+        Stated(title, c.baseline, c.arm, c.paired.wins, c.paired.losses, c.paired.n, part) for title, c, part in counted
+    ]
     if report.local_sgd is not None:
         test = report.local_sgd.noninferiority
         title = f"{test.arm} vs {test.control}, non-inferiority"
@@ -107,25 +93,16 @@ class Discordant:
 
 async def discordant(session: AsyncSession, experiment_id: uuid.UUID, baseline: str, arm: str) -> Discordant:
     """The recorded test answers of the two arms, paired by task: where exactly one of them is right."""
-    rows = await session.execute(
-        select(models.Answer.arm, models.Answer.task_id, models.Answer.task_index, models.Answer.correct).where(
-            models.Answer.experiment_id == experiment_id,
-            models.Answer.role == ROLE,
-            models.Answer.arm.in_([baseline, arm]),
-        )
-    )
-    outcomes: dict[str, dict[str, tuple[int, bool]]] = {baseline: {}, arm: {}}
-    for name, task_id, index, correct in rows:
-        outcomes[name][task_id] = (index, correct)
+    outcomes = await graded.outcomes(session, experiment_id, ROLE, [baseline, arm])
     theirs, ours = outcomes[baseline], outcomes[arm]
     both = theirs.keys() & ours.keys()
     differing = sorted((ours[task][0], task) for task in both if theirs[task][1] != ours[task][1])
-    answers = await _answers(session, experiment_id, [baseline, arm], [task for _, task in differing])
+    bodies = await _answers(session, experiment_id, [baseline, arm], [task for _, task in differing])
     wins: list[Item] = []
     losses: list[Item] = []
     for index, task in differing:
-        mine = answers[arm, task]
-        item = Item(task, index, mine.family, mine.variant, answers[baseline, task], mine)
+        mine = bodies[arm, task]
+        item = Item(task, index, mine.family, mine.variant, bodies[baseline, task], mine)
         (wins if ours[task][1] else losses).append(item)
     return Discordant(
         wins=wins,
@@ -141,12 +118,5 @@ async def _answers(
     """(arm, task id) -> the recorded answer, for the discordant items only: their bodies are what the page shows."""
     if not task_ids:
         return {}
-    rows = await session.scalars(
-        select(models.Answer).where(
-            models.Answer.experiment_id == experiment_id,
-            models.Answer.role == ROLE,
-            models.Answer.arm.in_(arms),
-            models.Answer.task_id.in_(task_ids),
-        )
-    )
+    rows = await graded.of_tasks(session, experiment_id, ROLE, task_ids, arms)
     return {(row.arm, row.task_id): msgspec.convert(row.body, type=wire.Answer) for row in rows}

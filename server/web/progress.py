@@ -10,14 +10,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from experiment.core.canonical import Json, JsonObject
 from experiment.core.plan import ArmPlan
 from server import models
 from server.protocol import recording
-from server.store import views
+from server.store import runs, views
 
 
 @dataclass(frozen=True)
@@ -81,22 +80,14 @@ def _step(body: JsonObject, at: datetime.datetime, key: str) -> Step | None:
         return None  # an event from another command version: progress shows what it can
 
 
-async def _step_rows(
-    session: AsyncSession, model: type[models.Event] | type[models.Measurement], attempt_ids: Sequence[uuid.UUID]
-) -> Sequence[tuple[uuid.UUID | None, datetime.datetime, JsonObject]]:
-    """The attempts' ``step`` rows of ``model``: their attempt, time and body."""
-    statement = select(model.attempt_id, model.at, model.body).where(model.attempt_id.in_(attempt_ids))
-    return (await session.execute(statement.filter_by(kind="step"))).tuples().all()
-
-
 async def _steps(session: AsyncSession, attempt_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, dict[int, Step]]:
     """Per attempt, its updates: the live ``step`` events, completed by the step journal of its result."""
     found: dict[uuid.UUID, dict[int, Step]] = {attempt_id: {} for attempt_id in attempt_ids}
-    for attempt_id, at, body in await _step_rows(session, models.Event, attempt_ids):
+    for attempt_id, at, body in await runs.step_rows(session, models.Event, attempt_ids):
         step = _step(body, at, "done")
         if attempt_id is not None and step is not None:
             found[attempt_id][step.step] = step
-    for attempt_id, at, body in await _step_rows(session, models.Measurement, attempt_ids):
+    for attempt_id, at, body in await runs.step_rows(session, models.Measurement, attempt_ids):
         step = _step(body, at, "step")
         if attempt_id is not None and step is not None:
             found[attempt_id].setdefault(step.step, step)
@@ -107,8 +98,8 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
     plan = views.plan_of(experiment)
     updates = plan.training.updates
     arms = await recording.arms_of(session, experiment.id)
-    jobs = await _train_jobs(session, experiment.id)
-    attempts = await _attempts_of(session, [job.id for job in jobs.values()])
+    jobs = await runs.train_jobs(session, experiment.id)
+    attempts = await runs.attempts_of(session, [job.id for job in jobs.values()])
     steps = await _steps(session, [attempt.id for attempt in attempts])
     progress = []
     for name in plan.trained_arms():
@@ -134,29 +125,6 @@ async def training(session: AsyncSession, experiment: models.Experiment) -> list
             )
         )
     return progress
-
-
-async def _train_jobs(session: AsyncSession, experiment_id: uuid.UUID) -> dict[str | None, models.Job]:
-    """The experiment's train job per arm (the last queued, should an arm have had more than one)."""
-    return {
-        job.arm: job
-        for job in await session.scalars(
-            select(models.Job)
-            .filter_by(experiment_id=experiment_id, kind="train")
-            .order_by(models.Job.queued_at, models.Job.id)
-        )
-    }
-
-
-async def _attempts_of(session: AsyncSession, job_ids: Sequence[uuid.UUID]) -> list[models.Attempt]:
-    """The jobs' attempts, by generation and then rank."""
-    return list(
-        await session.scalars(
-            select(models.Attempt)
-            .where(models.Attempt.job_id.in_(job_ids))
-            .order_by(models.Attempt.number, models.Attempt.rank)
-        )
-    )
 
 
 def _rank0_losses(attempts: Sequence[models.Attempt], steps: dict[uuid.UUID, dict[int, Step]]) -> dict[int, float]:

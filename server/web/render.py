@@ -10,6 +10,8 @@ from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Template
 from litestar.template.config import TemplateConfig
 
+from server import models
+from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.store.pages import stamp
 from server.web import gate
 from server.web.gate import WebRequest
@@ -92,6 +94,12 @@ def page(request: WebRequest, name: str, status_code: int = 200, /, **context: o
 def fragment(request: WebRequest, name: str, **context: object) -> Template:
     """A part of a page that htmx polls; pages include the same template, so they work without JavaScript."""
     return Template(template_name=name, context={"viewer": gate.viewer(request), **context})
+
+
+def experiment_context(experiment: models.Experiment, **context: object) -> dict[str, object]:
+    """An experiment page's context: the experiment, ``live`` while it has not ended (the page polls until it has),
+    and ``context``."""
+    return {"experiment": experiment, "live": experiment.state not in EXPERIMENT_FINAL, **context}
 
 
 def page_or_live(request: WebRequest, name: str, /, **context: object) -> Template:

@@ -12,7 +12,6 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.protocol import recording
 from server.web import render, samples
 from server.web.gate import WebRequest
@@ -25,12 +24,7 @@ async def _resources(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict
     found = await samples.sampled(db_session, experiment_id)
     # Drawing the figures is CPU work that would hold up every other request.
     drawn = await anyio.to_thread.run_sync(samples.view, found)
-    return {
-        "experiment": experiment,
-        "live": experiment.state not in EXPERIMENT_FINAL,
-        "resources": drawn,
-        "every": POLL_SECONDS,
-    }
+    return render.experiment_context(experiment, resources=drawn, every=POLL_SECONDS)
 
 
 class ResourcePages(Controller):

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server import models
+from server.store import runs
 from server.store.pages import COORDINATOR
 from server.web import charts, jobrows
 
@@ -113,22 +113,10 @@ class Sampled:
 
 async def sampled(session: AsyncSession, experiment_id: uuid.UUID) -> list[Sampled]:
     """Every attempt of the experiment that recorded resource samples, in claim order, with its samples."""
-    with_samples = select(models.Measurement.attempt_id).where(models.Measurement.kind == KIND).distinct()
-    attempts = await session.execute(
-        select(models.Attempt, models.Job, models.Agent.name)
-        .join(models.Job, models.Job.id == models.Attempt.job_id)
-        .outerjoin(models.Agent, models.Agent.id == models.Attempt.agent_id)
-        .where(models.Job.experiment_id == experiment_id, models.Attempt.id.in_(with_samples))
-        .order_by(models.Attempt.created_at, models.Attempt.rank)
-    )
-    found = [(attempt, job, name or COORDINATOR) for attempt, job, name in attempts]
+    found = await runs.sampled(session, experiment_id, KIND)
     if not found:
         return []
-    rows = await session.execute(
-        select(models.Measurement.attempt_id, models.Measurement.body)
-        .where(models.Measurement.kind == KIND, models.Measurement.attempt_id.in_([a.id for a, _, _ in found]))
-        .order_by(models.Measurement.attempt_id, models.Measurement.position)
-    )
+    rows = await runs.samples(session, KIND, [attempt.id for attempt, _, _ in found])
     by_attempt: dict[uuid.UUID, list[Sample]] = {}
     for attempt_id, body in rows:
         taken = sample(body) if isinstance(body, Mapping) else None

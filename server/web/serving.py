@@ -5,6 +5,7 @@ benchmark's three phases side by side, with the latency of every request and the
 from __future__ import annotations
 
 import uuid
+from functools import partial
 
 import anyio.to_thread
 from litestar import Controller, get, post
@@ -47,13 +48,13 @@ class ServingPages(Controller):
     ) -> Redirect | Template:
         experiment = await operator.experiment(experiment_id)
         back = f"/experiments/{experiment_id}/serving"
-        if data.confirm != "yes":
-            explanation = (
-                f"A replica-stop job is queued on rank {rank}'s host: its vLLM replica and probe finish the "
-                "requests they hold and exit. A benchmark phase still to run needs both replicas and fails "
-                "without this one."
-            )
-            ask = acting.Ask(f"Stop rank {rank}'s replica?", explanation, "Stop replica")
-            return acting.confirmation(request, "serving", experiment, ask, f"{back}/replicas/{rank}/stop", back)
-        stopping = actions.stop_replica(operator, experiment, rank)
-        return await acting.act(request, operator, stopping, lambda _: f"queued replica-stop for rank {rank}", back)
+        explanation = (
+            f"A replica-stop job is queued on rank {rank}'s host: its vLLM replica and probe finish the "
+            "requests they hold and exit. A benchmark phase still to run needs both replicas and fails "
+            "without this one."
+        )
+        path = f"{back}/replicas/{rank}/stop"
+        ask = acting.Ask(f"Stop rank {rank}'s replica?", explanation, "Stop replica", "serving", experiment, path)
+        stopping = partial(actions.stop_replica, operator, experiment, rank)
+        message = f"queued replica-stop for rank {rank}"
+        return await acting.confirmed(request, operator, data, ask, stopping, lambda _: message, back)

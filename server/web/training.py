@@ -10,7 +10,6 @@ from litestar.params import FromPath
 from litestar.response import Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.dispatch.lifecycle import EXPERIMENT_FINAL
 from server.protocol import recording
 from server.web import charts, progress, render
 from server.web.gate import WebRequest
@@ -19,12 +18,8 @@ from server.web.gate import WebRequest
 async def _training(db_session: AsyncSession, experiment_id: uuid.UUID) -> dict[str, object]:
     experiment = await recording.load(db_session, experiment_id)
     arms = await progress.training(db_session, experiment)
-    return {
-        "experiment": experiment,
-        "live": experiment.state not in EXPERIMENT_FINAL,
-        "arms": arms,
-        "losses": charts.losses({arm.name: arm.losses for arm in arms}),
-    }
+    losses = charts.losses({arm.name: arm.losses for arm in arms})
+    return render.experiment_context(experiment, arms=arms, losses=losses)
 
 
 class TrainingPages(Controller):
