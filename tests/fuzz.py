@@ -1,10 +1,12 @@
 """A fuzzer over the coordinator's own OpenAPI document: schemathesis generates requests for every operation, valid
-and invalid, and sends them to a real `coop-server serve` process with an operator token, an agent token and no
-token. Any 5xx is a defect: bad input must get a 4xx that says why. Prints one JSON object.
+and invalid, and sends each one to a real `coop-server serve` process per database backend, with an operator token,
+an agent token and no token. Any 5xx is a defect: bad input must get a 4xx that says why. Prints one JSON object.
 
     .venv/bin/python -m tests.fuzz [--examples 25] [--backends sqlite,postgres]
 
-The test suite runs it too (tests/integration/coordinator/test_fuzz.py), with fewer examples.
+Generating the requests is most of the fuzzer's time, so each generated request goes to every backend's coordinator
+(with that coordinator's own ids and lease token where it names rows) rather than being generated again per backend.
+The test suite runs it too (tests/integration/coordinator/test_faults.py), with fewer examples.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,30 +97,48 @@ def _rows(principals: Principals) -> Rows:
     return Rows(ids, job.lease_token)
 
 
-def _sender(principals: Principals, operation: Any, role: str, rows: Rows | None, tally: Tally) -> Any:
+def _send(principals: Principals, case: schemathesis.Case, role: str, rows: Rows | None, tally: Tally) -> None:
+    """``case`` as ``role`` to one coordinator, whose rows (``rows``) the case's path names where it names any."""
+    headers = {**(case.headers or {}), **principals.headers(role)}
+    on_attempt = rows is not None and (case.path_parameters or {}).get("attempt_id") == rows.ids["attempt_id"]
+    if rows is not None and on_attempt and role == "agent" and isinstance(case.body, dict):
+        # The attempt's own lease and key: the fuzzed rest of the body meets the database.
+        case.body["lease_token"] = rows.lease_token
+        sequence = case.body.get("sequence") if case.operation.path.endswith("/events") else "result"
+        headers["Idempotency-Key"] = f"{rows.ids['job_id']}:{rows.ids['attempt_id']}:{sequence}"
+    response = case.call(base_url=principals.base, headers=headers, timeout=60)
+    tally.requests[role] += 1
+    tally.statuses[response.status_code] += 1
+    if response.status_code >= 500 and len(tally.server_errors) < 10:
+        error = {"operation": case.operation.label, "role": role, "status": response.status_code}
+        tally.server_errors.append(error | {"body": response.text[:300]})
+
+
+def _sender(
+    coordinators: dict[str, Principals], role: str, rows: dict[str, Rows] | None, tallies: dict[str, Tally]
+) -> Any:
+    """Sends a case to every coordinator. A case on rows was generated with the first coordinator's ids: each
+    other coordinator gets its own ids where the first's stand."""
+    lead = next(iter(coordinators))
+
     def send(case: schemathesis.Case) -> None:
-        headers = {**(case.headers or {}), **principals.headers(role)}
-        on_attempt = rows is not None and (case.path_parameters or {}).get("attempt_id") == rows.ids["attempt_id"]
-        if rows is not None and on_attempt and role == "agent" and isinstance(case.body, dict):
-            # The attempt's own lease and key: the fuzzed rest of the body meets the database.
-            case.body["lease_token"] = rows.lease_token
-            sequence = case.body.get("sequence") if operation.path.endswith("/events") else "result"
-            headers["Idempotency-Key"] = f"{rows.ids['job_id']}:{rows.ids['attempt_id']}:{sequence}"
-        response = case.call(base_url=principals.base, headers=headers, timeout=60)
-        tally.requests[role] += 1
-        tally.statuses[response.status_code] += 1
-        if response.status_code >= 500 and len(tally.server_errors) < 10:
-            error = {"operation": operation.label, "role": role, "status": response.status_code}
-            tally.server_errors.append(error | {"body": response.text[:300]})
+        generated = dict(case.path_parameters or {})
+        for backend, principals in coordinators.items():
+            if rows is not None:
+                ids = {rows[lead].ids[name]: rows[backend].ids[name] for name in rows[lead].ids}
+                case.path_parameters = {name: ids.get(value, value) for name, value in generated.items()}
+            _send(principals, case, role, rows[backend] if rows else None, tallies[backend])
 
     return send
 
 
-def fuzz(principals: Principals, examples: int) -> Tally:
+def fuzz(coordinators: dict[str, Principals], examples: int) -> dict[str, Tally]:
     """Every operation, in both generation modes, with each role's token, on random ids and, where it names rows,
-    on the ids of a fresh experiment's; never stops at the first 5xx."""
-    schema = schemathesis.openapi.from_url(f"{principals.base}/schema/openapi.json")
-    tally = Tally()
+    on the ids of a fresh experiment's; each case goes to every coordinator (one a backend), and a 5xx never stops
+    it. What each coordinator answered is tallied on its own."""
+    lead = next(iter(coordinators.values()))
+    schema = schemathesis.openapi.from_url(f"{lead.base}/schema/openapi.json")
+    tallies = {backend: Tally() for backend in coordinators}
     budget = settings(
         max_examples=examples,
         deadline=None,
@@ -130,43 +151,51 @@ def fuzz(principals: Principals, examples: int) -> Tally:
         operation = result.ok()
         names = {parameter.name for parameter in operation.iter_parameters() if parameter.location == "path"}
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            for role in principals.tokens:
-                rows = _rows(principals) if names & {"experiment_id", "job_id", "attempt_id"} else None
-                for on_rows in [None, rows] if rows is not None else [None]:
-                    known = {name: value for name, value in on_rows.ids.items() if name in names} if on_rows else None
-                    send = _sender(principals, operation, role, on_rows, tally)
+            for role in ROLES:
+                fresh = None
+                if names & {"experiment_id", "job_id", "attempt_id"}:
+                    fresh = {backend: _rows(principals) for backend, principals in coordinators.items()}
+                for rows in [None, fresh] if fresh is not None else [None]:
+                    known = None
+                    if rows is not None:
+                        known = {name: value for name, value in next(iter(rows.values())).ids.items() if name in names}
                     strategy = operation.as_strategy(generation_mode=mode, path_parameters=known)
                     # An operation with nothing to get wrong (no parameters, no body) has no negative case.
                     with contextlib.suppress(Unsatisfiable):
-                        budget(given(case=strategy)(send))()
-    return tally
+                        budget(given(case=strategy)(_sender(coordinators, role, rows, tallies)))()
+    return tallies
 
 
-def run(backend: str, examples: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"coop-fuzz-{backend}-") as folder:
-        home = Path(folder)
-        if backend == "sqlite":
-            url: str | None = sqlite_url(home / "coordinator.sqlite3")
-        else:
-            url = database.create_postgres_database(database.postgres_admin_url())
-            if url is None:
-                raise RuntimeError(f"no Postgres server answers at {database.postgres_admin_url()}")
-        try:
-            migrate.upgrade(url)
-            started = time.monotonic()
-            # Claims long-poll for work at most 1 s here, well inside the client's timeout.
-            with served(url, home, COOP_MAX_CLAIM_WAIT_SECONDS="1") as base:
-                principals = _principals(base, url)
-                try:
-                    tally = fuzz(principals, examples)
-                finally:
-                    principals.agent.close()
-            return {"backend": backend, "examples": examples, "seconds": round(time.monotonic() - started, 1)} | (
-                tally.as_json()
-            )
-        finally:
+def _database(backend: str, home: Path) -> str:
+    """A new, migrated database of ``backend`` (sqlite: a file in ``home``)."""
+    if backend == "sqlite":
+        url = sqlite_url(home / "coordinator.sqlite3")
+    else:
+        created = database.create_postgres_database(database.postgres_admin_url())
+        if created is None:
+            raise RuntimeError(f"no Postgres server answers at {database.postgres_admin_url()}")
+        url = created
+    migrate.upgrade(url)
+    return url
+
+
+def run(backends: Sequence[str], examples: int) -> list[dict[str, Any]]:
+    """The fuzzer against one fresh coordinator per backend; one result per backend."""
+    with contextlib.ExitStack() as stack:
+        coordinators: dict[str, Principals] = {}
+        for backend in backends:
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"coop-fuzz-{backend}-")))
+            url = _database(backend, home)
             if backend == "postgres":
-                database.drop_postgres_database(database.postgres_admin_url(), url)
+                stack.callback(database.drop_postgres_database, database.postgres_admin_url(), url)
+            # Claims long-poll for work at most 1 s here, well inside the client's timeout.
+            base = stack.enter_context(served(url, home, COOP_MAX_CLAIM_WAIT_SECONDS="1"))
+            coordinators[backend] = _principals(base, url)
+            stack.callback(coordinators[backend].agent.close)
+        started = time.monotonic()
+        tallies = fuzz(coordinators, examples)
+        seconds = round(time.monotonic() - started, 1)
+    return [{"backend": b, "examples": examples, "seconds": seconds} | t.as_json() for b, t in tallies.items()]
 
 
 def main() -> int:
@@ -174,7 +203,7 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=25, help="examples per operation, mode and role")
     parser.add_argument("--backends", default="sqlite,postgres")
     args = parser.parse_args()
-    results = [run(backend, args.examples) for backend in args.backends.split(",")]
+    results = run(args.backends.split(","), args.examples)
     print(json.dumps({"fuzz": results}, indent=2))
     return 1 if any(result["server_errors"] for result in results) else 0
 
