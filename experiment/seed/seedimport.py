@@ -7,23 +7,25 @@ is inspected before anything loads it: another architecture or shape is refused 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
+import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import msgspec
-import torch
-import transformers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from experiment.core.canonical import atomic_write_bytes, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.plan import SeedPlan
 from experiment.seed.seedfiles import Snapshot, snapshot_of, verify_seed
 
-transformers.logging.disable_progress_bar()  # coop's own events report progress, as where seedmodel loads models
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 ARCHITECTURE = "llama"
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -116,8 +118,69 @@ def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     return tensors
 
 
+@contextlib.contextmanager
+def _parsed_once() -> Iterator[None]:
+    """While the block runs, each GGUF file is parsed once and each architecture's tensor names are mapped once.
+
+    transformers parses the file's whole header three times in one import (for the config, the tokenizer and the
+    weights), and builds the same tensor-name map again for every module of the model; SmolLM2's 49,152 token
+    strings make each parse seconds long, and together they were a third of an import. The readers are read-only
+    (a memory map of the file), so one parse serves every reader. Only this process's ``gguf`` module is changed,
+    and only until the block ends."""
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed: dict[tuple[str, str], gguf.GGUFReader] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+        key = (os.fspath(path), mode)
+        if key not in parsed:
+            parsed[key] = parse(path, mode)  # type: ignore[arg-type]  # the modes GGUFReader takes, passed through
+        return parsed[key]
+
+    originals = {"GGUFReader": parse, "get_tensor_name_map": name_map}
+    for name, value in {"GGUFReader": reader, "get_tensor_name_map": functools.cache(name_map)}.items():
+        setattr(gguf, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(gguf, name, value)
+
+
+def _load(path: Path) -> tuple[PreTrainedTokenizerBase, LlamaForCausalLM]:
+    """The file's tokenizer and plain fp32 model, as saved in a seed folder, by transformers' GGUF loader (on a file
+    ``inspect`` has passed). Torch and transformers are imported here, not with the module: a refusal, or a seed
+    already staged in the cache, never loads them."""
+    import torch
+    import transformers
+
+    transformers.logging.disable_progress_bar()  # coop's own events report progress, as where seedmodel loads models
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise CoopError(f"transformers cannot read {path}: {exc}") from exc
+    # How this process loaded the file is not the tokenizer's: saved, it would make the folder's bytes depend on
+    # the environment (HF_HUB_OFFLINE turns local_files_only on).
+    for key in TOKENIZER_LOADER_KEYS:
+        tokenizer.init_kwargs.pop(key, None)
+    model = _plain_model(loaded)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    return tokenizer, model
+
+
 def _plain_model(loaded: Any) -> LlamaForCausalLM:
     """The loaded weights in a model whose config says nothing of the file they came from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     settings = {key: value for key, value in loaded.config.to_dict().items() if key not in LOADER_KEYS}
     settings["dtype"] = "float32"
     model = LlamaForCausalLM(LlamaConfig(**settings))
@@ -138,27 +201,9 @@ def import_gguf(
         raise CoopError(f"GGUF file {path} does not exist")
     if expected_sha256 is not None and (found := sha256_file(path)) != expected_sha256:
         raise CoopError(f"{path} has sha256 {found}, the plan records {expected_sha256}")
-    inspect(path)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise CoopError(f"transformers cannot read {path}: {exc}") from exc
-    # How this process loaded the file is not the tokenizer's: saved, it would make the folder's bytes depend on
-    # the environment (HF_HUB_OFFLINE turns local_files_only on).
-    for key in TOKENIZER_LOADER_KEYS:
-        tokenizer.init_kwargs.pop(key, None)
-    model = _plain_model(loaded)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
-    )
+    with _parsed_once():  # inspect's parse serves transformers' loader too
+        inspect(path)
+        tokenizer, model = _load(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Save through a scratch folder, then move each file with an atomic write, so out never holds half a file.
     with tempfile.TemporaryDirectory(prefix=".seed-import-", dir=out.parent) as scratch:
