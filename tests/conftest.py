@@ -3,6 +3,7 @@ per session), small test plans, torch on one thread."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -188,11 +189,23 @@ def run_coop(*args: str | Path, offline: bool = True) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The packaged GGUF imported through the command, checked against the plan's recorded file hash."""
-    out = tmp_path_factory.mktemp("smollm2") / "seed"
-    done = run_coop("seed-model", "import-gguf", "--gguf", packaged_smollm2(), "--out", out, "--plan", SMOLLM2_PLAN)
-    assert done.returncode == 0, done.stderr
+def smollm2(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The packaged GGUF imported through the command, checked against the plan's recorded file hash. Imported once
+    a test run: the first worker to ask imports it into the folder the run's workers share, and a worker that asks
+    meanwhile waits on the lock, then reads the same folder."""
+    basetemp = tmp_path_factory.getbasetemp()
+    shared = basetemp if worker_id == "master" else basetemp.parent  # pytest-N/, this run's, above each worker's
+    out = shared / "smollm2-import" / "seed"
+    with (shared / "smollm2-import.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            scratch = out.with_name("importing")  # renamed into place once whole: a failed import leaves no seed
+            shutil.rmtree(scratch, ignore_errors=True)
+            done = run_coop(
+                "seed-model", "import-gguf", "--gguf", packaged_smollm2(), "--out", scratch, "--plan", SMOLLM2_PLAN
+            )
+            assert done.returncode == 0, done.stderr
+            scratch.rename(out)
     return out
 
 
