@@ -229,7 +229,16 @@ def _document(
 ) -> Document:
     """The document of one encoded conversation: its targets are the tokens it has labels on."""
     targets = sum(x != IGNORE for x in labels)
-    return Document(position, document_id, kind, weight, damaged, targets, input_ids, labels)  # the fields' order
+    return Document(
+        position=position,
+        id=document_id,
+        kind=kind,
+        weight=weight,
+        damaged=damaged,
+        targets=targets,
+        input_ids=input_ids,
+        labels=labels,
+    )
 
 
 def _documents(
