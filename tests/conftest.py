@@ -189,12 +189,13 @@ def run_coop(*args: str | Path, offline: bool = True) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+def smollm2(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """The packaged GGUF imported through the command, checked against the plan's recorded file hash. Imported once
     a test run: the first worker to ask imports it into the folder the run's workers share, and a worker that asks
     meanwhile waits on the lock, then reads the same folder."""
     basetemp = tmp_path_factory.getbasetemp()
-    shared = basetemp if worker_id == "master" else basetemp.parent  # pytest-N/, this run's, above each worker's
+    # An xdist worker's basetemp is pytest-N/popen-gwK: pytest-N/ is this run's, shared by its workers.
+    shared = basetemp.parent if hasattr(request.config, "workerinput") else basetemp
     out = shared / "smollm2-import" / "seed"
     with (shared / "smollm2-import.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
