@@ -113,6 +113,16 @@ def verify_seed(directory: Path, snapshot: Snapshot) -> None:
         raise CoopError(f"{directory} holds {parameters} parameters, expected {snapshot.parameters}")
 
 
+def verify_written(directory: Path, snapshot: Snapshot) -> None:
+    """Refuse any file ``directory`` holds so far that the snapshot does not list, or records other bytes of: a
+    folder being written is checked before the rest of it is made (``verify_seed`` checks it whole)."""
+    for name, digest in sorted(_files_of(directory).items()):
+        if name not in snapshot.files:
+            raise CoopError(f"seed file {directory / name} is not in the snapshot (extra file)")
+        if digest != snapshot.files[name]:
+            raise CoopError(f"seed file {directory / name} has sha256 {digest}, expected {snapshot.files[name]}")
+
+
 def read_snapshot(path: Path) -> Snapshot:
     try:
         return msgspec.convert(read_json(path), Snapshot)

@@ -22,7 +22,7 @@ import msgspec
 from experiment.core.canonical import atomic_write_bytes, sha256_file
 from experiment.core.errors import CoopError
 from experiment.core.plan import SeedPlan
-from experiment.seed.seedfiles import Snapshot, snapshot_of, verify_seed
+from experiment.seed.seedfiles import Snapshot, snapshot_of, verify_seed, verify_written
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
@@ -146,11 +146,10 @@ def _parsed_once() -> Iterator[None]:
             setattr(gguf, name, value)
 
 
-def _load(path: Path) -> tuple[PreTrainedTokenizerBase, LlamaForCausalLM]:
-    """The file's tokenizer and plain fp32 model, as saved in a seed folder, by transformers' GGUF loader (on a file
-    ``inspect`` has passed). Torch and transformers are imported here, not with the module: a refusal, or a seed
-    already staged in the cache, never loads them."""
-    import torch
+def _tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The file's tokenizer, as saved in a seed folder, by transformers' GGUF loader (on a file ``inspect`` has
+    passed). Transformers, and torch with the model, are imported only here and in ``_model``: a refusal, or a
+    seed already staged in the cache, never loads them."""
     import transformers
 
     transformers.logging.disable_progress_bar()  # coop's own events report progress, as where seedmodel loads models
@@ -158,15 +157,26 @@ def _load(path: Path) -> tuple[PreTrainedTokenizerBase, LlamaForCausalLM]:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
-        )
     except (OSError, ValueError, KeyError) as exc:
         raise CoopError(f"transformers cannot read {path}: {exc}") from exc
     # How this process loaded the file is not the tokenizer's: saved, it would make the folder's bytes depend on
     # the environment (HF_HUB_OFFLINE turns local_files_only on).
     for key in TOKENIZER_LOADER_KEYS:
         tokenizer.init_kwargs.pop(key, None)
+    return tokenizer
+
+
+def _model(path: Path, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
+    """The file's weights dequantized to fp32 in a plain model, with greedy decoding to ``tokenizer``'s ids."""
+    import torch
+    import transformers
+
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise CoopError(f"transformers cannot read {path}: {exc}") from exc
     model = _plain_model(loaded)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -174,7 +184,7 @@ def _load(path: Path) -> tuple[PreTrainedTokenizerBase, LlamaForCausalLM]:
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
-    return tokenizer, model
+    return model
 
 
 def _plain_model(loaded: Any) -> LlamaForCausalLM:
@@ -194,7 +204,8 @@ def import_gguf(
 ) -> Snapshot:
     """Write the GGUF file's model into the empty (or missing) folder ``out``; its snapshot. ``expected_sha256``
     (a plan's ``seed.gguf_sha256``) refuses any other file before anything is read from it; ``expected`` (the
-    plan's seed snapshot) refuses a folder of other bytes before anything is written to ``out``."""
+    plan's seed snapshot) refuses a folder of other bytes before anything is written to ``out``: the tokenizer's
+    files before the weights are converted."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CoopError(f"seed output folder {out} is not empty; refusing to import into it")
     if not path.is_file():
@@ -203,18 +214,21 @@ def import_gguf(
         raise CoopError(f"{path} has sha256 {found}, the plan records {expected_sha256}")
     with _parsed_once():  # inspect's parse serves transformers' loader too
         inspect(path)
-        tokenizer, model = _load(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Save through a scratch folder, then move each file with an atomic write, so out never holds half a file.
-    with tempfile.TemporaryDirectory(prefix=".seed-import-", dir=out.parent) as scratch:
-        staging = Path(scratch)
-        model.save_pretrained(str(staging), safe_serialization=True)
-        tokenizer.save_pretrained(str(staging))
-        if expected is not None:
-            verify_seed(staging, expected)  # names the first file whose bytes are not the plan's
-        out.mkdir(exist_ok=True)
-        for file in sorted(staging.iterdir()):
-            atomic_write_bytes(out / file.name, file.read_bytes())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Written into a scratch folder, then each file moved with an atomic write, so out never holds half a file.
+        # The tokenizer's files come first and are checked against the plan's before the weights are converted.
+        with tempfile.TemporaryDirectory(prefix=".seed-import-", dir=out.parent) as scratch:
+            staging = Path(scratch)
+            tokenizer = _tokenizer(path)
+            tokenizer.save_pretrained(str(staging))
+            if expected is not None:
+                verify_written(staging, expected)
+            _model(path, tokenizer).save_pretrained(str(staging), safe_serialization=True)
+            if expected is not None:
+                verify_seed(staging, expected)  # names the first file whose bytes are not the plan's
+            out.mkdir(exist_ok=True)
+            for file in sorted(staging.iterdir()):
+                atomic_write_bytes(out / file.name, file.read_bytes())
     return snapshot_of(out)
 
 
